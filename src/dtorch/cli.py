@@ -1,0 +1,54 @@
+"""The ``dtorch`` command."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _walkthrough(args) -> int:
+    import torch
+
+    import dtorch
+    from dtorch import Partial, Replicate, Shard
+
+    torch.manual_seed(0)
+    mesh = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["dp", "tp"])
+    print(f"mesh: {mesh!r}\n")
+    x = dtorch.randn(8, 6, device_mesh=mesh, placements=[Shard(0), Shard(1)])
+    print("x = randn(8, 6) sharded rows over dp and columns over tp:")
+    dtorch.visualize_sharding(x)
+    with dtorch.CommLog() as log:
+        y = x.redistribute(mesh, [Replicate(), Shard(0)])
+    print("\nredistribute to [R, S(0)]:")
+    dtorch.visualize_sharding(y)
+    print(log.table())
+    p = dtorch.Tensor(torch.ones(4), device_mesh=mesh, placements=[Partial(), Replicate()])
+    print(f"\na Partial(sum) tensor over dp reduces to {p.to_torch().tolist()}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="dtorch", description="dtorch: single-controller distributed tensors")
+    sub = parser.add_subparsers(dest="command")
+    demo = sub.add_parser("demo", help="the main demo (Llama under a parallel layout on simulated CPU devices)")
+    demo.set_defaults(func=_demo)
+    walk = sub.add_parser("walkthrough", help="a DTensor walk-through with visualize_sharding")
+    walk.set_defaults(func=_walkthrough)
+    args, rest = parser.parse_known_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    args.rest = rest
+    return args.func(args)
+
+
+def _demo(args) -> int:
+    try:
+        from .models import llama_cli
+    except ImportError:
+        return _walkthrough(args)
+    return llama_cli.main(args.rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

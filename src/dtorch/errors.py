@@ -1,0 +1,25 @@
+"""Typed errors. Messages carry the op, the specs involved and what to change."""
+
+
+class DTorchError(Exception):
+    """Base class of every dtorch error."""
+
+
+class MeshError(DTorchError, ValueError):
+    """A DeviceMesh was built or used wrongly."""
+
+
+class PlacementError(DTorchError, ValueError):
+    """Placements do not fit the mesh or the tensor."""
+
+
+class OpError(DTorchError, ValueError):
+    """An operator got inputs it cannot run on (shapes, meshes or placements)."""
+
+
+class RuntimeBackendError(DTorchError, RuntimeError):
+    """The runtime failed to run an op, a collective or a transfer."""
+
+
+class DeviceUnavailableError(DTorchError, RuntimeError):
+    """A mesh names devices this machine does not have."""

@@ -1,0 +1,145 @@
+"""Graph: the controller. Default mesh and dtype, the runtime, sync and memory statistics."""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import numpy as np
+import torch
+
+from .errors import MeshError
+from .mesh import DeviceMesh
+from .runtime.devices import mesh_problems
+
+BACKEND_VAR = "DTORCH_BACKEND"
+_BACKENDS = ("inprocess", "process")
+
+
+def make_runtime(backend: str):
+    if backend == "inprocess":
+        from .runtime.inprocess import InProcessRuntime
+
+        return InProcessRuntime()
+    if backend == "process":
+        from .runtime.process import ProcessRuntime  # noqa: F401  (scale-out backend)
+
+        return ProcessRuntime()
+    raise ValueError(f"unknown dtorch backend {backend!r}; choose one of {_BACKENDS} (env {BACKEND_VAR})")
+
+
+class Graph:
+    _local = threading.local()
+
+    def __init__(self, backend: str | None = None):
+        backend = backend or os.environ.get(BACKEND_VAR, "inprocess") or "inprocess"
+        if backend not in _BACKENDS:
+            raise ValueError(f"unknown dtorch backend {backend!r}; choose one of {_BACKENDS} (env {BACKEND_VAR})")
+        self.backend = backend
+        self.runtime = make_runtime(backend)
+        self._mesh_stack: list[DeviceMesh] = []
+        self._dtype_stack: list[torch.dtype] = []
+        self._default_mesh = DeviceMesh("cpu")
+        # logical bytes each device holds: per mesh, a scalar (every device the same) or a vector
+        self._live: dict = {}
+        self._peak: dict = {}
+
+    # -- the per-thread default ----------------------------------------------------------------------
+    @classmethod
+    def default_graph(cls) -> "Graph":
+        g = getattr(cls._local, "graph", None)
+        if g is None:
+            g = cls._local.graph = Graph()
+        return g
+
+    @classmethod
+    def set_default_graph(cls, graph: "Graph") -> None:
+        cls._local.graph = graph
+
+    # -- guards ---------------------------------------------------------------------------------
+    @property
+    def default_device_mesh(self) -> DeviceMesh:
+        return self._mesh_stack[-1] if self._mesh_stack else self._default_mesh
+
+    @property
+    def default_dtype(self) -> torch.dtype:
+        return self._dtype_stack[-1] if self._dtype_stack else torch.get_default_dtype()
+
+    @contextlib.contextmanager
+    def device_mesh_guard(self, mesh: DeviceMesh):
+        if not isinstance(mesh, DeviceMesh):
+            raise MeshError(f"device_mesh_guard needs a DeviceMesh, got {type(mesh).__name__}")
+        self._mesh_stack.append(mesh)
+        try:
+            yield mesh
+        finally:
+            self._mesh_stack.pop()
+
+    @contextlib.contextmanager
+    def dtype_guard(self, dtype: torch.dtype):
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype_guard needs a torch.dtype, got {dtype!r}")
+        self._dtype_stack.append(dtype)
+        try:
+            yield dtype
+        finally:
+            self._dtype_stack.pop()
+
+    # -- devices --------------------------------------------------------------------------------
+    def satisfy(self, mesh: DeviceMesh) -> bool:
+        """Does this machine have every device ``mesh`` names?"""
+        cfg = getattr(self.runtime, "config", None)
+        if cfg is None:
+            from .runtime.devices import read_device_config
+
+            cfg = read_device_config()
+        return mesh_problems(mesh, cfg) is None
+
+    def sync(self) -> None:
+        self.runtime.sync()
+
+    def sync_future(self):
+        from .future import TensorFuture
+
+        self.runtime.sync()
+        return TensorFuture.completed(None)
+
+    def empty_cache(self) -> None:
+        self.runtime.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # -- memory accounting ---------------------------------------------------------------------
+    def _account(self, mesh: DeviceMesh, per_device, sign: int) -> None:
+        live = self._live.get(mesh, 0) + sign * per_device
+        self._live[mesh] = live
+        if sign > 0:
+            peak = self._peak.get(mesh, 0)
+            self._peak[mesh] = np.maximum(peak, live) if isinstance(live, np.ndarray) else max(peak, live)
+
+    def get_memory_stats(self, device_mesh: DeviceMesh | None = None) -> dict:
+        """Logical bytes each device holds now and at peak: ``{(device_type, id): {"allocated", "peak"}}``.
+
+        A device's peak is the sum of the peaks of the meshes it belongs to (an upper bound when
+        several meshes share devices).
+        """
+        out: dict = {}
+        for table, field in ((self._live, "allocated"), (self._peak, "peak")):
+            for mesh, val in table.items():
+                vec = val if isinstance(val, np.ndarray) else np.full(mesh.size(), val)
+                for dev_id, b in zip(mesh.device_ids, vec):
+                    key = (mesh.device_type, dev_id)
+                    out.setdefault(key, {"allocated": 0, "peak": 0})[field] += int(b)
+        if device_mesh is not None:
+            wanted = {(device_mesh.device_type, i) for i in device_mesh.device_ids}
+            out = {k: v for k, v in out.items() if k in wanted}
+            for k in wanted:
+                out.setdefault(k, {"allocated": 0, "peak": 0})
+        return dict(sorted(out.items()))
+
+    def reset_peak_memory_stats(self) -> None:
+        self._peak = {m: (v.copy() if isinstance(v, np.ndarray) else v) for m, v in self._live.items()}
+
+
+def default_graph() -> Graph:
+    return Graph.default_graph()

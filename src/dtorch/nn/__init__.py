@@ -1,0 +1,2 @@
+"""dtorch.nn: modules whose parameters are dtorch tensors."""
+from . import functional  # noqa: F401

@@ -1,0 +1,1 @@
+"""(op family: attention) - being written."""

@@ -1,0 +1,128 @@
+"""Creation ops: ``zeros ones empty full rand randn randint arange`` and their ``*_like`` forms.
+
+Values are made once, globally, by torch (so random values equal torch's for the same generator
+whatever the mesh), then each device takes its block.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import MeshError
+from ..graph import Graph
+from ..mesh import DeviceMesh
+from ..placement import normalize_placements
+from ..spec import DTensorSpec
+from ..tensor import Tensor
+from .registry import register
+
+
+def mesh_for_device(device) -> DeviceMesh:
+    """A one-device mesh for a torch-style device ("cpu", "cuda", "cuda:1", torch.device)."""
+    d = torch.device(device)
+    return DeviceMesh(d.type, [d.index or 0])
+
+
+def _resolve_mesh(device_mesh, device) -> DeviceMesh:
+    if device_mesh is not None and device is not None:
+        raise MeshError("pass either device_mesh or device, not both")
+    if device is not None:
+        return mesh_for_device(device)
+    return Graph.default_graph().default_device_mesh if device_mesh is None else device_mesh
+
+
+def _shape(size) -> tuple:
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    return tuple(int(s) for s in size)
+
+
+def _place(full: torch.Tensor, device_mesh, placements, device) -> Tensor:
+    mesh = _resolve_mesh(device_mesh, device)
+    graph = Graph.default_graph()
+    spec = DTensorSpec(mesh, normalize_placements(placements, mesh.ndim, full.ndim), tuple(full.shape), full.dtype)
+    return Tensor._make(spec, graph.runtime.from_global(full, spec), graph)
+
+
+def _float_dtype(dtype):
+    return dtype if dtype is not None else Graph.default_graph().default_dtype
+
+
+def _factory(name, make):
+    def fn(*size, dtype=None, device_mesh=None, placements=None, device=None, generator=None, requires_grad=False):
+        return _place(make(_shape(size), dtype, generator), device_mesh, placements, device)
+
+    fn.__name__ = name
+    fn.__doc__ = f"``torch.{name}`` laid out on ``device_mesh`` with ``placements`` (default: all Replicate)."
+    return register(name)(fn)
+
+
+zeros = _factory("zeros", lambda s, dt, g: torch.zeros(s, dtype=_float_dtype(dt)))
+ones = _factory("ones", lambda s, dt, g: torch.ones(s, dtype=_float_dtype(dt)))
+empty = _factory("empty", lambda s, dt, g: torch.zeros(s, dtype=_float_dtype(dt)))
+rand = _factory("rand", lambda s, dt, g: torch.rand(s, dtype=_float_dtype(dt), generator=g))
+randn = _factory("randn", lambda s, dt, g: torch.randn(s, dtype=_float_dtype(dt), generator=g))
+
+
+@register()
+def full(size, fill_value, *, dtype=None, device_mesh=None, placements=None, device=None):
+    if dtype is None and isinstance(fill_value, float):
+        dtype = _float_dtype(None)
+    return _place(torch.full(_shape((size,)), fill_value, dtype=dtype), device_mesh, placements, device)
+
+
+@register()
+def randint(low, high=None, size=None, *, dtype=None, device_mesh=None, placements=None, device=None, generator=None):
+    if size is None:  # randint(high, size)
+        low, high, size = 0, low, high
+    full_t = torch.randint(low, high, _shape((size,)), dtype=dtype or torch.int64, generator=generator)
+    return _place(full_t, device_mesh, placements, device)
+
+
+@register()
+def arange(start, end=None, step=1, *, dtype=None, device_mesh=None, placements=None, device=None):
+    full_t = torch.arange(start, end, step, dtype=dtype) if end is not None else torch.arange(start, dtype=dtype)
+    if dtype is None and full_t.dtype.is_floating_point:
+        full_t = full_t.to(_float_dtype(None))
+    return _place(full_t, device_mesh, placements, device)
+
+
+def _like(name, base):
+    def fn(input: Tensor, *args, dtype=None, device_mesh=None, placements=None, **kwargs):
+        mesh = device_mesh or input.device_mesh
+        if placements is None:
+            placements = input.placements if mesh == input.device_mesh else None
+        return base(*args, input.shape, dtype=dtype or input.dtype, device_mesh=mesh, placements=placements, **kwargs) \
+            if name != "full_like" else base(input.shape, *args, dtype=dtype or input.dtype, device_mesh=mesh,
+                                             placements=placements, **kwargs)
+
+    fn.__name__ = name
+    return register(name)(fn)
+
+
+zeros_like = _like("zeros_like", zeros)
+ones_like = _like("ones_like", ones)
+empty_like = _like("empty_like", empty)
+rand_like = _like("rand_like", rand)
+randn_like = _like("randn_like", randn)
+full_like = _like("full_like", full)
+
+
+@register()
+def randint_like(input: Tensor, low, high=None, *, dtype=None, device_mesh=None, placements=None, generator=None):
+    mesh = device_mesh or input.device_mesh
+    if placements is None:
+        placements = input.placements if mesh == input.device_mesh else None
+    if high is None:
+        low, high = 0, low
+    return randint(low, high, tuple(input.shape), dtype=dtype or input.dtype, device_mesh=mesh, placements=placements,
+                   generator=generator)
+
+
+@register()
+def tensor(data, *, dtype=None, device_mesh=None, placements=None):
+    return Tensor(data, device_mesh=device_mesh, placements=placements, dtype=dtype)
+
+
+@register()
+def from_torch(data, *, device_mesh=None, placements=None, dtype=None):
+    return Tensor(data, device_mesh=device_mesh, placements=placements, dtype=dtype)

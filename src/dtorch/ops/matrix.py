@@ -1,0 +1,1 @@
+"""(op family: matrix) - being written."""

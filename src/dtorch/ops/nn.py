@@ -1,0 +1,1 @@
+"""(op family: nn) - being written."""

@@ -1,0 +1,289 @@
+"""Element-wise ops: unary math, binary ops with broadcasting and scalars, comparisons, casts.
+
+Rule, per mesh dim (expanded to N-D by looping over mesh dims):
+
+    S(d) with anything   -> S(d)   the other operands are cut to match (a Replicate operand is sliced
+                                   locally, no communication; a broadcast size-1 dim stays Replicate)
+    P + P, P - P, -P     -> P      sum_d a_d + sum_d b_d = sum_d (a_d + b_d)
+    P + R                -> P      R becomes partial locally (value on one device, zeros elsewhere)
+    P * R, P / R, P * c  -> P      sum_d a_d * b = sum_d (a_d * b)
+    P otherwise          -> R      the partial is reduced first (nonlinear ops, P * P, P + scalar)
+    R with R             -> R
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from ..placement import Partial, Replicate, Shard
+from ..runtime.kernels import kernel
+from ..spec import DTensorSpec
+from ..tensor import Tensor
+from .registry import OpPlan, dispatch, register, resolve_torch, static_value, to_dtensors
+
+# op name -> how it treats partial inputs: "add" (linear in every operand), "scale" (linear in its
+# first operand when the others are replicated or scalars)
+_PARTIAL_RULE = {
+    "add": "add", "sub": "add", "neg": "add", "positive": "add",
+    "mul": "scale", "div": "scale", "true_divide": "scale",
+}
+
+
+@kernel("pointwise", align=True)
+def _pointwise_kernel(*xs, fn: str, template: tuple, kwargs: tuple):
+    args = [xs[a] if isinstance(a, int) else a[-1] for a in template]
+    return resolve_torch(fn)(*args, **dict(kwargs))
+
+
+def _unwrap(v):
+    if isinstance(v, tuple) and v and isinstance(v[0], str) and v[0] in ("int", "float", "bool", "complex"):
+        return v[1]
+    if isinstance(v, tuple) and v and v[0] in ("tuple", "list"):
+        return tuple(_unwrap(x) for x in v[1:])
+    return v
+
+
+def pointwise(name: str, fn: str, *args, **kwargs):
+    """Run torch function ``fn`` element-wise on a mix of dtorch tensors and scalars."""
+    args = to_dtensors(name, args)
+    tensors, template = [], []
+    for a in args:
+        if isinstance(a, Tensor):
+            template.append(len(tensors))
+            tensors.append(a)
+        else:
+            template.append(("c", static_value(a), a))
+    static = (fn, tuple(template), tuple(sorted((k, static_value(v), v) for k, v in kwargs.items() if v is not None)))
+    key_static = (fn, tuple(t[:2] if isinstance(t, tuple) else t for t in template),
+                  tuple((k, sv) for k, sv, _ in static[2]))
+    return dispatch(name, _rule_for(name, static), tensors, key_static)
+
+
+def _rule_for(name, static):
+    fn, template, kwargs = static
+    kw = tuple((k, v) for k, _, v in kwargs)
+    tmpl = tuple(t if isinstance(t, int) else ("c", t[2]) for t in template)
+
+    def rule(specs, *_):
+        return _pointwise_plan(name, fn, tmpl, kw, specs)
+
+    return rule
+
+
+def _pointwise_plan(name, fn, template, kwargs, specs) -> OpPlan:
+    mesh = specs[0].mesh
+    # output shape and dtype from torch itself, on meta tensors
+    metas = [torch.empty(s.shape, dtype=s.dtype, device="meta") for s in specs]
+    out_meta = resolve_torch(fn)(*[metas[a] if isinstance(a, int) else a[-1] for a in template], **dict(kwargs))
+    out_shape = tuple(out_meta.shape)
+    nout = len(out_shape)
+    has_scalar = any(not isinstance(a, int) for a in template)
+    partial_rule = _PARTIAL_RULE.get(name)
+
+    in_pl = [list(s.placements) for s in specs]
+    out_pl = []
+    for i in range(mesh.ndim):
+        # 1. a shard on a non-broadcast dim wins; take it from the largest operand
+        best = None
+        for j, s in enumerate(specs):
+            p = s.placements[i]
+            if isinstance(p, Shard):
+                o = p.dim + nout - s.ndim
+                if s.shape[p.dim] == out_shape[o] and (best is None or _numel(s.shape) > best[0]):
+                    best = (_numel(s.shape), o)
+        if best is not None:
+            o = best[1]
+            for j, s in enumerate(specs):
+                d = o - (nout - s.ndim)
+                in_pl[j][i] = Shard(d) if d >= 0 and s.shape[d] == out_shape[o] else Replicate()
+            out_pl.append(Shard(o))
+            continue
+        partials = [j for j, s in enumerate(specs) if isinstance(s.placements[i], Partial)]
+        if not partials:
+            for j in range(len(specs)):
+                in_pl[j][i] = Replicate()
+            out_pl.append(Replicate())
+            continue
+        ops = {specs[j].placements[i].reduce_op for j in partials}
+        keep = None
+        if len(ops) == 1 and ops <= {"sum", "avg"}:
+            op = ops.pop()
+            if partial_rule == "add" and not has_scalar:
+                keep = Partial(op)
+                for j in range(len(specs)):
+                    in_pl[j][i] = keep  # replicated operands become partial locally
+            elif partial_rule == "scale" and len(partials) == 1 and (name == "mul" or template[0] == partials[0]):
+                keep = Partial(op)
+                for j in range(len(specs)):
+                    if j != partials[0]:
+                        in_pl[j][i] = Replicate()
+        if keep is None:
+            for j in range(len(specs)):
+                in_pl[j][i] = Replicate()
+            out_pl.append(Replicate())
+        else:
+            out_pl.append(keep)
+    in_specs = tuple(DTensorSpec(mesh, tuple(p), s.shape, s.dtype) for p, s in zip(in_pl, specs))
+    out = DTensorSpec(mesh, tuple(out_pl), out_shape, out_meta.dtype)
+    return OpPlan(in_specs, (out,), _pointwise_kernel, {"fn": fn, "template": template, "kwargs": kwargs})
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+# ------------------------------------------------------------------------------------------------
+# the op set
+
+def _unary(name: str, fn: str, *, methods=None, torch_fn=None, functional=False):
+    def op(input, *args, **kwargs):
+        return pointwise(name, fn, input, *args, **kwargs)
+
+    op.__name__ = name
+    op.__doc__ = f"Element-wise ``{fn}`` on a dtorch tensor (placements pass through)."
+    tfs = (torch_fn,) if torch_fn is not None else ()
+    return register(name, methods=methods if methods is not None else (name,), torch_fns=tfs, functional=functional)(op)
+
+
+_UNARY = [
+    # name, torch fn, also in torch.nn.functional
+    ("abs", "torch.abs", False), ("neg", "torch.neg", False), ("positive", "torch.positive", False),
+    ("exp", "torch.exp", False), ("exp2", "torch.exp2", False), ("expm1", "torch.expm1", False),
+    ("log", "torch.log", False), ("log2", "torch.log2", False), ("log10", "torch.log10", False),
+    ("log1p", "torch.log1p", False), ("sqrt", "torch.sqrt", False), ("rsqrt", "torch.rsqrt", False),
+    ("square", "torch.square", False), ("reciprocal", "torch.reciprocal", False),
+    ("sin", "torch.sin", False), ("cos", "torch.cos", False), ("tan", "torch.tan", False),
+    ("asin", "torch.asin", False), ("acos", "torch.acos", False), ("atan", "torch.atan", False),
+    ("sinh", "torch.sinh", False), ("cosh", "torch.cosh", False), ("tanh", "torch.tanh", True),
+    ("sigmoid", "torch.sigmoid", True), ("erf", "torch.erf", False), ("erfinv", "torch.erfinv", False),
+    ("floor", "torch.floor", False), ("ceil", "torch.ceil", False), ("round", "torch.round", False),
+    ("trunc", "torch.trunc", False), ("frac", "torch.frac", False), ("sign", "torch.sign", False),
+    ("logical_not", "torch.logical_not", False), ("bitwise_not", "torch.bitwise_not", False),
+    ("isnan", "torch.isnan", False), ("isinf", "torch.isinf", False), ("isfinite", "torch.isfinite", False),
+    ("nan_to_num", "torch.nan_to_num", False), ("clamp", "torch.clamp", False), ("clip", "torch.clip", False),
+    ("relu", "torch.relu", True), ("silu", "F.silu", True), ("gelu", "F.gelu", True), ("mish", "F.mish", True),
+    ("softplus", "F.softplus", True), ("elu", "F.elu", True), ("leaky_relu", "F.leaky_relu", True),
+    ("hardtanh", "F.hardtanh", True), ("logsigmoid", "F.logsigmoid", True), ("relu6", "F.relu6", True),
+    ("hardswish", "F.hardswish", True), ("hardsigmoid", "F.hardsigmoid", True), ("selu", "F.selu", True),
+]
+
+for _name, _fn, _functional in _UNARY:
+    _tf = getattr(torch, _name, None) if _fn.startswith("torch.") else getattr(torch.nn.functional, _name)
+    globals()[_name] = _unary(_name, _fn, torch_fn=_tf, functional=_functional)
+    if _functional and _fn.startswith("torch.") and hasattr(torch.nn.functional, _name):
+        from .registry import TORCH_FUNCTIONS as _TF
+
+        _TF[getattr(torch.nn.functional, _name)] = globals()[_name]
+
+_BINARY = [
+    ("add", "torch.add"), ("sub", "torch.sub"), ("mul", "torch.mul"), ("div", "torch.div"),
+    ("true_divide", "torch.true_divide"), ("floor_divide", "torch.floor_divide"),
+    ("remainder", "torch.remainder"), ("fmod", "torch.fmod"), ("pow", "torch.pow"),
+    ("maximum", "torch.maximum"), ("minimum", "torch.minimum"), ("atan2", "torch.atan2"),
+    ("eq", "torch.eq"), ("ne", "torch.ne"), ("lt", "torch.lt"), ("le", "torch.le"), ("gt", "torch.gt"),
+    ("ge", "torch.ge"), ("logical_and", "torch.logical_and"), ("logical_or", "torch.logical_or"),
+    ("logical_xor", "torch.logical_xor"), ("bitwise_and", "torch.bitwise_and"),
+    ("bitwise_or", "torch.bitwise_or"), ("bitwise_xor", "torch.bitwise_xor"), ("lerp", "torch.lerp"),
+    ("hypot", "torch.hypot"), ("copysign", "torch.copysign"), ("xlogy", "torch.xlogy"),
+]
+
+for _name, _fn in _BINARY:
+    globals()[_name] = _unary(_name, _fn, torch_fn=getattr(torch, _name))
+
+
+@register(methods=("where",), torch_fns=(torch.where,))
+def where(condition, input=None, other=None):
+    """``torch.where(condition, input, other)``; inputs may be dtorch tensors or scalars."""
+    if input is None and other is None:
+        raise NotImplementedError("dtorch.where(condition) (the nonzero form) is not supported; pass input and other")
+    if isinstance(condition, Tensor) and not isinstance(input, Tensor) and not isinstance(other, Tensor):
+        pass
+    return pointwise("where", "torch.where", condition, input, other)
+
+
+def _tensor_where(self, condition, other):
+    return where(condition, self, other)
+
+
+Tensor.where = _tensor_where
+
+
+@register(methods=("masked_fill",), torch_fns=(torch.masked_fill,))
+def masked_fill(input, mask, value):
+    return pointwise("masked_fill", "torch.masked_fill", input, mask, value)
+
+
+@register(methods=("addcmul",), torch_fns=(torch.addcmul,))
+def addcmul(input, tensor1, tensor2, *, value=1):
+    return pointwise("addcmul", "torch.addcmul", input, tensor1, tensor2, value=value)
+
+
+# -- dtype casts ------------------------------------------------------------------------------------
+
+def to_dtype(input: Tensor, dtype: torch.dtype) -> Tensor:
+    if input.dtype == dtype:
+        return input
+    return pointwise("to", "Tensor.to", input, dtype)
+
+
+def _cast(dtype):
+    def method(self):
+        return to_dtype(self, dtype)
+
+    return method
+
+
+for _m, _dt in (("float", torch.float32), ("double", torch.float64), ("half", torch.float16),
+                ("bfloat16", torch.bfloat16), ("int", torch.int32), ("long", torch.int64), ("bool", torch.bool)):
+    setattr(Tensor, _m, _cast(_dt))
+
+
+def _type_as(self, other):
+    return to_dtype(self, other.dtype)
+
+
+def _type(self, dtype=None):
+    if dtype is None:
+        return str(self.dtype)
+    return to_dtype(self, dtype)
+
+
+Tensor.type_as = _type_as
+Tensor.type = _type
+
+
+# -- Python operators -------------------------------------------------------------------------------
+
+def _binop(name, fn, reflected=False):
+    if reflected:
+        def op(self, other):
+            return pointwise(name, fn, other, self)
+    else:
+        def op(self, other):
+            return pointwise(name, fn, self, other)
+    return op
+
+
+for _dunder, _name, _fn in (
+    ("add", "add", "torch.add"), ("sub", "sub", "torch.sub"), ("mul", "mul", "torch.mul"),
+    ("truediv", "div", "torch.div"), ("floordiv", "floor_divide", "torch.floor_divide"),
+    ("mod", "remainder", "torch.remainder"), ("pow", "pow", "torch.pow"),
+    ("and", "bitwise_and", "torch.bitwise_and"), ("or", "bitwise_or", "torch.bitwise_or"),
+    ("xor", "bitwise_xor", "torch.bitwise_xor"),
+):
+    setattr(Tensor, f"__{_dunder}__", _binop(_name, _fn))
+    setattr(Tensor, f"__r{_dunder}__", _binop(_name, _fn, reflected=True))
+
+for _dunder, _name, _fn in (("eq", "eq", "torch.eq"), ("ne", "ne", "torch.ne"), ("lt", "lt", "torch.lt"),
+                            ("le", "le", "torch.le"), ("gt", "gt", "torch.gt"), ("ge", "ge", "torch.ge")):
+    setattr(Tensor, f"__{_dunder}__", _binop(_name, _fn))
+
+Tensor.__neg__ = lambda self: pointwise("neg", "torch.neg", self)
+Tensor.__pos__ = lambda self: self
+Tensor.__abs__ = lambda self: pointwise("abs", "torch.abs", self)
+Tensor.__invert__ = lambda self: pointwise("bitwise_not", "torch.bitwise_not", self)
+Tensor.__hash__ = lambda self: id(self)

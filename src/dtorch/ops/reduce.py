@@ -1,0 +1,1 @@
+"""(op family: reduce) - being written."""

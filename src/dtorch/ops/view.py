@@ -1,0 +1,1 @@
+"""(op family: view) - being written."""

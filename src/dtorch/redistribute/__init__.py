@@ -1,0 +1,37 @@
+"""Redistribution: plan (pure, cached) then execute step by step on the runtime."""
+from __future__ import annotations
+
+from ..errors import MeshError
+from ..mesh import DeviceMesh
+from ..placement import normalize_placements
+from ..spec import DTensorSpec
+from .planner import MoveStep, Plan, Step, plan_redistribute
+
+__all__ = ["redistribute", "redistribute_spec", "plan_redistribute", "Plan", "Step", "MoveStep"]
+
+
+def redistribute(t, device_mesh: DeviceMesh | None = None, placements=None):
+    """``t`` laid out on ``device_mesh`` with ``placements``; ``t`` itself is never modified."""
+    src = t._spec
+    mesh = src.mesh if device_mesh is None else device_mesh
+    if not isinstance(mesh, DeviceMesh):
+        raise MeshError(f"device_mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if placements is None:
+        if mesh == src.mesh:
+            return t
+        placements = src.placements if mesh.ndim == src.mesh.ndim else None
+    dst = DTensorSpec(mesh, normalize_placements(placements, mesh.ndim, len(src.shape)), src.shape, src.dtype)
+    return redistribute_spec(t, dst)
+
+
+def redistribute_spec(t, dst: DTensorSpec):
+    src = t._spec
+    if src == dst:
+        return t
+    plan = plan_redistribute(src, dst)
+    rt = t._graph.runtime
+    h, before = t._h, src
+    for step, after in zip(plan.steps, plan.specs):
+        h = rt.redistribute_step(step, h, before, after)
+        before = after
+    return type(t)._make(dst, h, t._graph)

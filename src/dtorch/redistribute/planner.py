@@ -1,0 +1,186 @@
+"""Redistribute planning: (src spec, dst spec) -> frozen, printable steps. Pure and cached.
+
+Each step changes the placement of one mesh dim and is valid on its own:
+
+    S(k) -> R      all_gather      (the mesh dim must be the innermost one sharding k)
+    P    -> R      all_reduce
+    P    -> S(k)   reduce_scatter  (afterwards the mesh dim is the innermost one sharding k)
+    S(k) -> S(j)   all_to_all      (both conditions above)
+    R    -> S(k)   local slice     (no communication)
+    R    -> P      local           (sum: the value on index 0, zeros elsewhere; avg/max/min: the value)
+
+When several mesh dims shard one tensor dim, the outer (lower) mesh dim splits first. Shards that
+sit in the right nesting order are kept; the others are gathered innermost first, partial sums are
+reduced while the data is still small, and slices are cut outer first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..placement import Partial, Placement, Replicate, Shard
+from ..spec import DTensorSpec
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str  # all_gather | all_reduce | reduce_scatter | all_to_all | slice | to_partial | move
+    mesh_dim: int
+    src: Placement
+    dst: Placement
+
+    @property
+    def is_collective(self) -> bool:
+        return self.kind in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+
+    def __str__(self):
+        return f"{self.src} -> {self.dst} {self.kind} on mesh dim {self.mesh_dim}"
+
+
+@dataclass(frozen=True)
+class MoveStep:
+    """Hand a tensor from one mesh to another (pipeline stages, other device types).
+
+    ``same_layout``: both meshes have the same shape and placements, so device k of the source
+    sends its block to device k of the destination.
+    """
+
+    src_spec: DTensorSpec
+    dst_spec: DTensorSpec
+    same_layout: bool
+    kind: str = "move"
+
+    def __str__(self):
+        how = "block to block" if self.same_layout else "regions"
+        return f"move {self.src_spec.mesh} -> {self.dst_spec.mesh} ({how})"
+
+
+@dataclass(frozen=True)
+class Plan:
+    src: DTensorSpec
+    dst: DTensorSpec
+    steps: tuple  # of Step | MoveStep, applied in order; each carries spec before/after via specs
+    specs: tuple  # spec after each step
+
+    def __str__(self):
+        if not self.steps:
+            return "no-op"
+        return "; ".join(str(s) for s in self.steps)
+
+
+def plan_redistribute(src: DTensorSpec, dst: DTensorSpec) -> Plan:
+    return _plan(src, dst)
+
+
+@lru_cache(maxsize=16384)
+def _plan(src: DTensorSpec, dst: DTensorSpec) -> Plan:
+    if src.mesh == dst.mesh:
+        steps = plan_same_mesh(src.placements, dst.placements, src.mesh.ndim)
+        specs, cur = [], src
+        for st in steps:
+            cur = cur.with_placements(_replace(cur.placements, st.mesh_dim, st.dst))
+            specs.append(cur)
+        return Plan(src, dst, tuple(steps), tuple(specs))
+    return _plan_cross_mesh(src, dst)
+
+
+def _plan_cross_mesh(src: DTensorSpec, dst: DTensorSpec) -> Plan:
+    same_layout = src.mesh.shape == dst.mesh.shape and src.placements == dst.placements
+    if same_layout:
+        return Plan(src, dst, (MoveStep(src, dst, True),), (dst,))
+    # Reduce partial sums on the source (less to move), move regions, then re-create partials.
+    steps, specs = [], []
+    before = src.with_placements(tuple(Replicate() if p.is_partial() else p for p in src.placements))
+    if before != src:
+        sub = _plan(src, before)
+        steps += sub.steps
+        specs += sub.specs
+    landed = dst.with_placements(tuple(Replicate() if p.is_partial() else p for p in dst.placements))
+    steps.append(MoveStep(before, landed, False))
+    specs.append(landed)
+    if landed != dst:
+        sub = _plan(landed, dst)
+        steps += sub.steps
+        specs += sub.specs
+    return Plan(src, dst, tuple(steps), tuple(specs))
+
+
+def _replace(placements, i, p):
+    out = list(placements)
+    out[i] = p
+    return tuple(out)
+
+
+def _sharders(placements, k) -> list[int]:
+    return [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == k]
+
+
+def plan_same_mesh(src, dst, ndim) -> list[Step]:
+    cur = list(src)
+    dst = list(dst)
+    steps: list[Step] = []
+
+    def apply(kind, i, new):
+        steps.append(Step(kind, i, cur[i], new))
+        cur[i] = new
+
+    # Which current shards are already where the target wants them: for each tensor dim, the
+    # common prefix (in mesh order) of the current and target mesh dims sharding it.
+    keep = [False] * ndim
+    for i in range(ndim):
+        if cur[i] == dst[i] and not isinstance(cur[i], Shard):
+            keep[i] = True
+    for k in {p.dim for p in cur if isinstance(p, Shard)}:
+        for a, b in zip(_sharders(cur, k), _sharders(dst, k)):
+            if a != b:
+                break
+            keep[a] = True
+
+    def can_become_shard(i, k) -> bool:
+        """Can mesh dim i start sharding tensor dim k now, as the innermost sharder in its final nesting?"""
+        if any(isinstance(cur[m], Shard) and cur[m].dim == k for m in range(i + 1, ndim)):
+            return False
+        before_cur = [m for m in range(i) if isinstance(cur[m], Shard) and cur[m].dim == k]
+        before_dst = [m for m in range(i) if isinstance(dst[m], Shard) and dst[m].dim == k]
+        return before_cur == before_dst and all(keep[m] for m in before_cur)
+
+    # 1. Partial sums: reduce while the data is still sharded (smallest).
+    deferred = []
+    for i in range(ndim):
+        if isinstance(cur[i], Partial) and not keep[i]:
+            if isinstance(dst[i], Shard):
+                if can_become_shard(i, dst[i].dim):
+                    apply("reduce_scatter", i, dst[i])
+                    keep[i] = True
+                else:
+                    deferred.append(i)
+            else:
+                apply("all_reduce", i, Replicate())
+
+    # 2. Shards in the wrong place: innermost first, all_to_all when the target shard can be cut
+    #    in place, else gather.
+    for i in reversed(range(ndim)):
+        if isinstance(cur[i], Shard) and not keep[i]:
+            tgt = dst[i]
+            if isinstance(tgt, Shard) and tgt.dim != cur[i].dim and can_become_shard(i, tgt.dim):
+                apply("all_to_all", i, tgt)
+                keep[i] = True
+            else:
+                apply("all_gather", i, Replicate())
+
+    for i in deferred:
+        if can_become_shard(i, dst[i].dim):
+            apply("reduce_scatter", i, dst[i])
+            keep[i] = True
+        else:
+            apply("all_reduce", i, Replicate())
+
+    # 3. Local cuts, outer first so nested shards split in the right order; then new partials.
+    for i in range(ndim):
+        if cur[i] != dst[i]:
+            assert isinstance(cur[i], Replicate), (src, dst, cur)
+            if isinstance(dst[i], Shard):
+                apply("slice", i, dst[i])
+            else:
+                apply("to_partial", i, dst[i])
+    return steps

@@ -1,0 +1,56 @@
+"""The narrow interface every backend implements.
+
+The front end hands the runtime specs (pure metadata) and opaque storage handles; the runtime owns
+the per-device blocks. Nothing above this layer touches a device.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Sequence
+
+import torch
+
+from ..spec import DTensorSpec
+from .kernels import Kernel
+
+
+class Runtime(ABC):
+    name: str = "abstract"
+
+    @abstractmethod
+    def from_global(self, full: torch.Tensor, spec: DTensorSpec) -> Any:
+        """Place a global value: every device takes its block (a Partial's terms reduce to ``full``)."""
+
+    @abstractmethod
+    def to_global(self, handle, spec: DTensorSpec) -> torch.Tensor:
+        """Fetch the global value (blocks gathered, partials reduced) as a new CPU-or-device tensor."""
+
+    def to_global_async(self, handle, spec: DTensorSpec):
+        from ..future import TensorFuture
+
+        return TensorFuture.completed(self.to_global(handle, spec))
+
+    @abstractmethod
+    def run_local(self, kernel: Kernel, inputs: Sequence, in_specs: Sequence[DTensorSpec],
+                  out_specs: Sequence[DTensorSpec], kwargs: dict, device_args: dict | None = None) -> list:
+        """Run ``kernel`` on every device of the mesh on its blocks; returns one handle per output."""
+
+    @abstractmethod
+    def redistribute_step(self, step, handle, before: DTensorSpec, after: DTensorSpec):
+        """Run one planned step (a collective, a local cut or a move between meshes)."""
+
+    @abstractmethod
+    def local_blocks(self, handle, spec: DTensorSpec) -> list[torch.Tensor]:
+        """Every device's block, in mesh order (for tests, visualisation and debugging)."""
+
+    def sync(self) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def release(self, handle) -> None:
+        """The front-end tensor owning ``handle`` is gone."""
+
+    def shutdown(self) -> None:
+        pass

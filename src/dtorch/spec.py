@@ -1,0 +1,101 @@
+"""DTensorSpec (metadata only) and the shard arithmetic every layer shares.
+
+Sharding is defined by one pure function: for a device coordinate, the index range of the global
+tensor it holds (``local_box``). Sizes follow torch.chunk: chunk = ceil(size / n), later shards may be
+smaller or empty. When several mesh dims shard one tensor dim, they split it outer (lower mesh dim)
+to inner.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from .mesh import DeviceMesh
+from .placement import Partial, Placement, Replicate, Shard, fmt_placements
+
+
+def chunk_size(size: int, n: int) -> int:
+    return -(-size // n) if size else 0
+
+
+def shard_range(size: int, n: int, idx: int) -> tuple[int, int]:
+    """(offset, length) of shard ``idx`` of ``n`` along a dim of ``size`` elements (torch.chunk rules)."""
+    c = chunk_size(size, n)
+    start = min(idx * c, size)
+    return start, min(c, size - start)
+
+
+@dataclass(frozen=True)
+class DTensorSpec:
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def with_placements(self, placements) -> "DTensorSpec":
+        return DTensorSpec(self.mesh, tuple(placements), self.shape, self.dtype)
+
+    def shard_mesh_dims(self, tensor_dim: int) -> list[int]:
+        """Mesh dims that shard ``tensor_dim``, outer to inner."""
+        return [i for i, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == tensor_dim]
+
+    def partial_dims(self) -> list[int]:
+        return [i for i, p in enumerate(self.placements) if isinstance(p, Partial)]
+
+    def is_replicated(self) -> bool:
+        return all(isinstance(p, Replicate) for p in self.placements)
+
+    def local_box(self, coord: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        return _local_box(self.mesh.shape, self.placements, self.shape, tuple(coord))
+
+    def local_shape(self, coord) -> tuple[int, ...]:
+        return tuple(n for _, n in self.local_box(coord))
+
+    def is_even(self) -> bool:
+        """Every device holds a block of the same shape (so blocks stack into one grid tensor)."""
+        return _is_even(self.mesh.shape, self.placements, self.shape)
+
+    def even_local_shape(self) -> tuple[int, ...]:
+        return self.local_shape((0,) * self.mesh.ndim)
+
+    def grid_shape(self) -> tuple[int, ...]:
+        """Leading dims of the stacked storage: mesh size where devices differ (Shard, Partial), 1 where they agree."""
+        return tuple(1 if isinstance(p, Replicate) else s for p, s in zip(self.placements, self.mesh.shape))
+
+    def __str__(self):
+        return f"{list(self.shape)} {str(self.dtype).replace('torch.', '')} on {self.mesh} {fmt_placements(self.placements)}"
+
+
+@lru_cache(maxsize=65536)
+def _local_box(mesh_shape, placements, shape, coord):
+    box = [(0, s) for s in shape]
+    for i, p in enumerate(placements):
+        if isinstance(p, Shard):
+            off, size = box[p.dim]
+            o, n = shard_range(size, mesh_shape[i], coord[i])
+            box[p.dim] = (off + o, n)
+    return tuple(box)
+
+
+@lru_cache(maxsize=65536)
+def _is_even(mesh_shape, placements, shape):
+    sizes = list(shape)
+    for i, p in enumerate(placements):
+        if isinstance(p, Shard):
+            if sizes[p.dim] % mesh_shape[i]:
+                return False
+            sizes[p.dim] //= mesh_shape[i]
+    return True
+
+
+def local_nbytes(spec: DTensorSpec, coord) -> int:
+    n = 1
+    for s in spec.local_shape(coord):
+        n *= s
+    return n * spec.dtype.itemsize

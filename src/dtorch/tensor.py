@@ -1,0 +1,324 @@
+"""dtorch.Tensor: a global-view tensor whose blocks live on the devices of a mesh.
+
+The front object holds only a spec (mesh, placements, global shape, dtype), the runtime's storage
+handle and its Graph. Operators are attached by ``dtorch.ops`` (one module per op family).
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+import torch
+
+from .errors import MeshError, PlacementError
+from .graph import Graph
+from .mesh import DeviceMesh
+from .placement import Partial, Placement, Replicate, Shard, fmt_placements, normalize_placements
+from .spec import DTensorSpec
+
+_REPLICATE = Replicate()
+
+
+class Tensor:
+    __slots__ = ("_spec", "_h", "_graph", "_acct", "__weakref__")
+
+    def __init__(self, data, *, device_mesh: DeviceMesh | None = None, placements=None, dtype: torch.dtype | None = None):
+        graph = Graph.default_graph()
+        if isinstance(data, Tensor):
+            src = data.to(dtype) if dtype is not None else data
+            mesh = device_mesh or src.device_mesh
+            out = src.redistribute(mesh, placements if placements is not None else (src.placements if mesh == src.device_mesh else None))
+            self._init(out._spec, out._h, out._graph)
+            return
+        full = as_torch(data, dtype or None, graph)
+        mesh = graph.default_device_mesh if device_mesh is None else device_mesh
+        if not isinstance(mesh, DeviceMesh):
+            raise MeshError(f"device_mesh must be a DeviceMesh, got {type(mesh).__name__}")
+        spec = DTensorSpec(mesh, normalize_placements(placements, mesh.ndim, full.ndim), tuple(full.shape), full.dtype)
+        self._init(spec, graph.runtime.from_global(full, spec), graph)
+
+    # -- construction without data copies -------------------------------------------------------
+    def _init(self, spec: DTensorSpec, handle, graph: Graph) -> None:
+        self._spec = spec
+        self._h = handle
+        self._graph = graph
+        acct = _per_device_bytes(spec)
+        self._acct = acct
+        graph._account(spec.mesh, acct, +1)
+
+    @classmethod
+    def _make(cls, spec: DTensorSpec, handle, graph: Graph) -> "Tensor":
+        t = object.__new__(cls)
+        t._init(spec, handle, graph)
+        return t
+
+    def __del__(self):
+        try:
+            self._graph._account(self._spec.mesh, self._acct, -1)
+            self._graph.runtime.release(self._h)
+        except Exception:  # interpreter shutdown
+            pass
+
+    # -- metadata ---------------------------------------------------------------------------------
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._spec.shape)
+
+    def size(self, dim: int | None = None):
+        if dim is None:
+            return torch.Size(self._spec.shape)
+        return self._spec.shape[dim]
+
+    def dim(self) -> int:
+        return len(self._spec.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self._spec.shape)
+
+    def numel(self) -> int:
+        n = 1
+        for s in self._spec.shape:
+            n *= s
+        return n
+
+    def __len__(self):
+        if not self._spec.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self._spec.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._spec.dtype
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._spec.mesh
+
+    @property
+    def placements(self) -> list[Placement]:
+        return list(self._spec.placements)
+
+    @property
+    def spec(self) -> DTensorSpec:
+        return self._spec
+
+    @property
+    def graph(self) -> Graph:
+        return self._graph
+
+    @property
+    def is_floating_point_type(self) -> bool:
+        return self._spec.dtype.is_floating_point
+
+    def is_floating_point(self) -> bool:
+        return self._spec.dtype.is_floating_point
+
+    def element_size(self) -> int:
+        return self._spec.dtype.itemsize
+
+    @property
+    def device(self) -> torch.device:
+        devs = self._graph.runtime.devices(self._spec.mesh) if hasattr(self._graph.runtime, "devices") else None
+        return devs[0] if devs else torch.device(self._spec.mesh.device_type)
+
+    # -- values ---------------------------------------------------------------------------------
+    def to_torch(self) -> torch.Tensor:
+        """The whole global tensor as a new torch tensor (blocks gathered, partial terms reduced)."""
+        out = self._graph.runtime.to_global(self._h, self._spec)
+        return out.clone() if _aliases_storage(out, self) else out
+
+    full_tensor = to_torch
+
+    def to_torch_async(self):
+        return self._graph.runtime.to_global_async(self._h, self._spec)
+
+    def local_blocks(self) -> list[torch.Tensor]:
+        """Every device's block, in mesh order (read-only views; for debugging and tests)."""
+        return list(self._graph.runtime.local_blocks(self._h, self._spec))
+
+    def item(self):
+        if self.numel() != 1:
+            raise ValueError(f"item() needs a tensor with one element, got shape {list(self.shape)}")
+        return self.to_torch().item()
+
+    def tolist(self):
+        return self.to_torch().tolist()
+
+    def numpy(self):
+        return self.to_torch().numpy()
+
+    def __bool__(self):
+        return bool(self.item())
+
+    def __float__(self):
+        return float(self.item())
+
+    def __int__(self):
+        return int(self.item())
+
+    def __index__(self):
+        if self._spec.dtype.is_floating_point:
+            raise TypeError("only integer tensors can be used as an index")
+        return int(self.item())
+
+    def __array__(self, dtype=None, copy=None):
+        a = self.to_torch().numpy()
+        return a.astype(dtype) if dtype is not None else a
+
+    def __repr__(self):
+        body = repr(self.to_torch()).replace("tensor(", "dtorch.Tensor(", 1)
+        mesh = self._spec.mesh
+        names = f", mesh_dim_names={mesh.dim_names}" if mesh.dim_names else ""
+        return (f"{body[:-1]},\n       device_mesh=DeviceMesh({mesh.device_type!r}, {mesh.mesh.tolist()}{names}), "
+                f"placements={fmt_placements(self._spec.placements)})")
+
+    # -- redistribution -------------------------------------------------------------------------
+    def redistribute(self, device_mesh: DeviceMesh | None = None, placements=None) -> "Tensor":
+        from .redistribute import redistribute
+
+        return redistribute(self, device_mesh, placements)
+
+    def redistribute_by_dict(self, device_mesh: DeviceMesh | None = None, placements_dict=None,
+                             default_placement_mode: str = "keep") -> "Tensor":
+        mesh = device_mesh or self._spec.mesh
+        placements_dict = dict(placements_dict or {})
+        modes = ("keep", "replicate", "raise_error")
+        if default_placement_mode not in modes:
+            raise ValueError(f"default_placement_mode must be one of {modes}, got {default_placement_mode!r}")
+        names = mesh.dim_names or []
+        by_index = {}
+        for name, p in placements_dict.items():
+            idx = mesh.dim_name_index(name) if isinstance(name, str) else name
+            if idx is not None:
+                by_index[idx] = p
+        placements, missing = [], []
+        for i in range(mesh.ndim):
+            if i in by_index:
+                placements.append(by_index[i])
+            elif default_placement_mode == "replicate":
+                placements.append(_REPLICATE)
+            elif default_placement_mode == "raise_error":
+                missing.append(names[i] if i < len(names) else i)
+            else:
+                placements.append(self._keep_placement(mesh, i))
+        if missing:
+            raise PlacementError(
+                f"redistribute_by_dict(default_placement_mode='raise_error'): no placement given for mesh dims "
+                f"{missing}; add them to placements_dict or use default_placement_mode='keep' or 'replicate'"
+            )
+        return self.redistribute(mesh, placements)
+
+    def _keep_placement(self, mesh: DeviceMesh, i: int) -> Placement:
+        """The current placement of the mesh dim that corresponds to ``mesh`` dim ``i`` (by name, else index)."""
+        src = self._spec.mesh
+        if mesh == src:
+            return self._spec.placements[i]
+        name = mesh.dim_names[i] if mesh.dim_names else None
+        j = src.dim_name_index(name) if name is not None else (i if not src.dim_names and i < src.ndim else None)
+        return self._spec.placements[j] if j is not None else _REPLICATE
+
+    def redistribute_like(self, other: "Tensor") -> "Tensor":
+        return self.redistribute(other.device_mesh, other.placements)
+
+    def check_placement(self, mesh_dim: int | str, placement: Placement) -> bool:
+        i = self._spec.mesh.resolve_dim(mesh_dim)
+        p = placement
+        if isinstance(p, Shard) and p.dim < 0:
+            p = Shard(p.dim % max(self.ndim, 1))
+        return self._spec.placements[i] == p
+
+    def to(self, *args, **kwargs) -> "Tensor":
+        """``.to(device_mesh)``, ``.to(dtype)``, or both; like torch, returns self when nothing changes."""
+        target_mesh, dtype = None, kwargs.pop("dtype", None)
+        target_mesh = kwargs.pop("device_mesh", None)
+        if kwargs:
+            raise TypeError(f"Tensor.to got unexpected arguments {sorted(kwargs)}")
+        for a in args:
+            if isinstance(a, DeviceMesh):
+                target_mesh = a
+            elif isinstance(a, torch.dtype):
+                dtype = a
+            elif isinstance(a, (str, torch.device)):
+                from .ops.factory import mesh_for_device
+
+                target_mesh = mesh_for_device(a)
+            else:
+                raise TypeError(f"Tensor.to expects a DeviceMesh, a torch.dtype or a device, got {a!r}")
+        out = self
+        if dtype is not None and dtype != self.dtype:
+            from .ops import pointwise
+
+            out = pointwise.to_dtype(out, dtype)
+        if target_mesh is not None and target_mesh != out.device_mesh:
+            if target_mesh.ndim == out.device_mesh.ndim:
+                out = out.redistribute(target_mesh, out.placements)
+            else:
+                out = out.redistribute(target_mesh, [_REPLICATE] * target_mesh.ndim)
+        return out
+
+    def detach(self) -> "Tensor":
+        return self
+
+    def clone(self) -> "Tensor":
+        return self
+
+    def __hash__(self):
+        return id(self)
+
+    # torch functions (``torch.matmul(x, w)``, ``F.silu(x)``) route to dtorch's ops
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        from .ops.registry import torch_function_dispatch
+
+        return torch_function_dispatch(func, args, kwargs or {})
+
+
+def _per_device_bytes(spec: DTensorSpec):
+    from .runtime.inprocess import per_device_bytes
+
+    vec = per_device_bytes(spec)
+    return int(vec[0]) if spec.is_even() else vec
+
+
+def _aliases_storage(out: torch.Tensor, t: Tensor) -> bool:
+    h = t._h
+    grid = getattr(h, "grid", None)
+    if grid is not None:
+        try:
+            return out.untyped_storage().data_ptr() == grid.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return True
+    blocks = getattr(h, "blocks", None)
+    if blocks:
+        ptr = out.untyped_storage().data_ptr()
+        return any(b.untyped_storage().data_ptr() == ptr for b in blocks)
+    return False
+
+
+def as_torch(data, dtype: torch.dtype | None, graph: Graph) -> torch.Tensor:
+    """Turn user data (torch tensor, number, nested list, numpy array) into a fresh torch tensor."""
+    if isinstance(data, torch.Tensor):
+        out = data.detach()
+        out = out.to(dtype) if dtype is not None and dtype != out.dtype else out
+        return out.clone() if out.data_ptr() == data.data_ptr() or out is data else out
+    if isinstance(data, np.ndarray):
+        out = torch.from_numpy(np.array(data))
+        return out.to(dtype) if dtype is not None else out
+    if isinstance(data, (bool, numbers.Number, list, tuple)):
+        try:
+            if dtype is None and _has_float(data):
+                dtype = graph.default_dtype
+            return torch.tensor(data, dtype=dtype)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise TypeError(f"cannot build a dtorch.Tensor from {type(data).__name__} data: {exc}") from None
+    raise TypeError(
+        f"cannot build a dtorch.Tensor from {type(data).__name__}; pass a torch.Tensor, a dtorch.Tensor, "
+        "a number, a numpy array or a nested list of numbers"
+    )
+
+
+def _has_float(data) -> bool:
+    if isinstance(data, (list, tuple)):
+        return any(_has_float(d) for d in data)
+    return isinstance(data, float)
