@@ -363,6 +363,20 @@ class InProcessRuntime(Runtime):
                 out[g] = new[j].to(devs[g])
         return out
 
+    def ring_shift(self, h: Shards, spec: DTensorSpec, mesh_dim: int, shift: int = 1) -> Shards:
+        mesh = spec.mesh
+        commlog.record("send_recv", mesh.dim_label(mesh_dim), spec_total_bytes(spec), mesh.device_ids)
+        if h.grid is not None:
+            return Shards(grid=torch.roll(h.grid, shifts=shift, dims=mesh_dim))
+        m = mesh.shape[mesh_dim]
+        stride = int(np.prod(mesh.shape[mesh_dim + 1:], dtype=np.int64))
+        devs = self.devices(mesh)
+        out = [None] * len(h.blocks)
+        for n, coord in enumerate(mesh.coordinates()):
+            src = n + (((coord[mesh_dim] - shift) % m) - coord[mesh_dim]) * stride
+            out[n] = h.blocks[src].to(devs[n])
+        return Shards(blocks=out)
+
     def _move(self, step, h: Shards, before: DTensorSpec, after: DTensorSpec) -> Shards:
         commlog.record("send_recv", before.mesh.parent_dim_between(after.mesh), spec_total_bytes(after),
                        tuple(before.mesh.device_ids) + tuple(after.mesh.device_ids))

@@ -40,6 +40,14 @@ class Runtime(ABC):
         """Run one planned step (a collective, a local cut or a move between meshes)."""
 
     @abstractmethod
+    def ring_shift(self, handle, spec: DTensorSpec, mesh_dim: int, shift: int = 1):
+        """Every device sends its block to the device ``shift`` steps further along ``mesh_dim`` (cyclic).
+
+        The result is an internal handle whose blocks no longer match ``spec``'s boxes (device j holds
+        block j - shift); ring attention uses it for K/V blocks and never wraps it as a Tensor.
+        """
+
+    @abstractmethod
     def local_blocks(self, handle, spec: DTensorSpec) -> list[torch.Tensor]:
         """Every device's block, in mesh order (for tests, visualisation and debugging)."""
 
