@@ -1,0 +1,168 @@
+"""Element-wise ops: every placement of every operand on 1-D/2-D/3-D meshes equals torch."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dtorch
+from dtorch import Partial, Replicate, Shard
+from sweep import MESH_2D, MESHES, check, distribute, run_sweep
+
+torch.manual_seed(0)
+A = torch.randn(5, 6, 7)
+B = torch.randn(6, 7)          # broadcasts against A
+C = torch.randn(5, 1, 7)       # size-1 broadcast dim
+POS = torch.rand(5, 6, 7) + 0.5
+
+UNARY = [
+    ("exp", torch.exp), ("neg", torch.neg), ("abs", torch.abs), ("tanh", torch.tanh), ("sigmoid", torch.sigmoid),
+    ("silu", F.silu), ("gelu", F.gelu), ("relu", torch.relu), ("sin", torch.sin), ("square", torch.square),
+]
+
+
+@pytest.mark.parametrize("name,ref", UNARY, ids=[u[0] for u in UNARY])
+def test_unary_matches_torch(name, ref):
+    n = run_sweep(getattr(dtorch, name), ref, [A], limit=25)
+    assert n > 0
+
+
+def test_unary_on_positive_inputs():
+    for fn, ref in ((dtorch.log, torch.log), (dtorch.sqrt, torch.sqrt), (dtorch.rsqrt, torch.rsqrt),
+                    (lambda x: x.reciprocal(), torch.reciprocal)):
+        run_sweep(fn, ref, [POS], limit=15)
+
+
+@pytest.mark.parametrize("op", ["add", "sub", "mul", "div", "maximum", "pow"])
+def test_binary_broadcast_matches_torch(op):
+    a, b = (POS, POS[0] + 0.1) if op == "pow" else (A, B)
+    run_sweep(getattr(dtorch, op), getattr(torch, op), [a, b], limit=40)
+
+
+def test_binary_with_size_one_broadcast_dim():
+    run_sweep(dtorch.add, torch.add, [A, C], limit=40)
+    run_sweep(dtorch.mul, torch.mul, [C, A], limit=40)
+
+
+def test_python_operators_and_scalars():
+    ops = [
+        (lambda x, y: x + y, None), (lambda x, y: x - y, None), (lambda x, y: x * y, None),
+        (lambda x, y: x / y, None), (lambda x, y: x ** 2, None), (lambda x, y: 2 ** x, None),
+        (lambda x, y: 3.0 - x, None), (lambda x, y: 1 / (y + 10), None), (lambda x, y: -x, None),
+        (lambda x, y: x + 1.5, None), (lambda x, y: x * 2, None), (lambda x, y: x // 0.7, None),
+        (lambda x, y: x % 0.6, None), (lambda x, y: abs(x), None),
+    ]
+    for fn, _ in ops:
+        run_sweep(fn, fn, [A, B], limit=20)
+
+
+def test_comparisons_where_masked_fill_clamp():
+    run_sweep(lambda x, y: x > y, lambda x, y: x > y, [A, B], limit=20)
+    run_sweep(lambda x, y: x <= 0.1, lambda x, y: x <= 0.1, [A, B], limit=10, vary=[0])
+    run_sweep(lambda x, y: dtorch.where(x > 0, x, y), lambda x, y: torch.where(x > 0, x, y), [A, B], limit=30)
+    run_sweep(lambda x, y: x.masked_fill(y > 0, -1.0), lambda x, y: x.masked_fill(y > 0, -1.0), [A, B], limit=30)
+    run_sweep(lambda x: x.clamp(-0.5, 0.5), lambda x: x.clamp(-0.5, 0.5), [A], limit=20)
+    run_sweep(lambda x: x.clamp(min=0.0), lambda x: x.clamp(min=0.0), [A], limit=20)
+
+
+def test_dtype_casts_and_promotion():
+    ints = torch.arange(30).reshape(5, 6)
+    run_sweep(lambda x: x.float(), lambda x: x.float(), [ints], limit=10)
+    run_sweep(lambda x: x.half(), lambda x: x.half(), [A], limit=10, partial=False)
+    run_sweep(lambda x: x.bfloat16(), lambda x: x.bfloat16(), [A], limit=10, partial=False)
+    run_sweep(lambda x: x.to(torch.float64), lambda x: x.to(torch.float64), [A], limit=10)
+    run_sweep(lambda x, y: x.type_as(y), lambda x, y: x.type_as(y), [ints, A[0, 0, :6]], limit=10)
+    run_sweep(lambda x: x * 1.5, lambda x: x * 1.5, [ints], limit=10)        # int * float -> float
+    run_sweep(lambda x: x / 2, lambda x: x / 2, [ints], limit=10)            # true division
+    run_sweep(lambda x, y: x + y, lambda x, y: x + y, [ints, A[0, 0, :6]], limit=10)  # int + float tensor
+
+
+def test_torch_function_dispatch():
+    x = distribute(A, MESH_2D, [Shard(0), Shard(2)])
+    check(torch.exp(x), torch.exp(A))
+    check(F.silu(x), F.silu(A))
+    check(torch.add(x, 1.0), A + 1.0)
+    check(dtorch.nn.functional.gelu(x), F.gelu(A))
+
+
+# -- placement propagation and communication ---------------------------------------------------
+
+def test_replicate_plus_shard_is_free_and_sharded():
+    x = distribute(A, MESH_2D, [Shard(0), Shard(1)])
+    y = distribute(B, MESH_2D, [Replicate(), Replicate()])
+    with dtorch.CommLog() as log:
+        z = x + y
+    assert log.counts() == {}
+    assert z.placements == [Shard(0), Shard(1)]
+    check(z, A + B)
+
+
+def test_shard_on_broadcast_dim_of_other_operand_is_free():
+    # B broadcasts over A's dim 0: A's shard of dim 0 needs nothing from B
+    x = distribute(A, MESH_2D, [Shard(0), Replicate()])
+    y = distribute(B, MESH_2D, [Replicate(), Shard(1)])
+    with dtorch.CommLog() as log:
+        z = x * y
+    assert log.counts() == {}
+    assert z.placements == [Shard(0), Shard(2)]
+    check(z, A * B)
+
+
+def test_partial_rules():
+    mesh = MESH_2D
+    p1 = distribute(A, mesh, [Partial(), Replicate()])
+    p2 = distribute(A * 2, mesh, [Partial(), Replicate()])
+    r = distribute(B, mesh, [Replicate(), Replicate()])
+    with dtorch.CommLog() as log:
+        s = p1 + p2          # P + P -> P, linear
+        d = p1 - r           # P - R -> P, R becomes partial locally
+        m = p1 * r           # P * R -> P
+        q = p1 / 3.0         # P / c -> P
+    assert log.counts() == {}
+    assert [s.placements[0], d.placements[0], m.placements[0], q.placements[0]] == [Partial()] * 4
+    check(s, A * 3), check(d, A - B), check(m, A * B), check(q, A / 3.0)
+    with dtorch.CommLog() as log:
+        e = p1 + 1.0         # P + scalar is not linear: reduce first
+        pp = p1 * p2         # P * P: reduce
+        t = dtorch.tanh(p1)  # nonlinear: reduce
+    assert log.counts()[("all_reduce", "a")] == 4  # p1 once per op, p2 once
+    check(e, A + 1.0), check(pp, A * A * 2), check(t, torch.tanh(A))
+    for x in (e, pp, t):
+        assert x.placements[0] == Replicate()
+
+
+def test_partial_meets_shard_reduce_scatters():
+    p = distribute(A, MESH_2D, [Partial(), Replicate()])
+    s = distribute(A, MESH_2D, [Shard(1), Replicate()])
+    with dtorch.CommLog() as log:
+        z = p + s
+    assert log.counts() == {("reduce_scatter", "a"): 1}
+    check(z, A + A)
+
+
+def test_inputs_on_different_meshes_error():
+    other = dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["x"])
+    x = distribute(A, MESH_2D, [Shard(0), Replicate()])
+    y = distribute(A, other, [Shard(0)])
+    with pytest.raises(dtorch.OpError, match="different meshes.*redistribute"):
+        x + y
+    check(x, A)  # still usable
+
+
+def test_failing_op_names_op_and_leaves_inputs_usable():
+    x = distribute(A, MESH_2D, [Shard(0), Replicate()])
+    y = distribute(torch.randn(4, 3), MESH_2D, [Replicate(), Replicate()])
+    with pytest.raises(dtorch.OpError, match=r"dtorch\.add.*\[5, 6, 7\]"):
+        x + y
+    check(x + 1, A + 1)
+
+
+def test_torch_tensor_operand_becomes_replicate():
+    x = distribute(A, MESH_2D, [Shard(2), Replicate()])
+    z = x + B
+    assert z.placements == [Shard(2), Replicate()]
+    check(z, A + B)
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: str(m))
+def test_uneven_and_empty_shards(mesh):
+    small = torch.randn(1, 3)  # fewer rows than devices: some shards are empty
+    run_sweep(lambda x: x * 2 + 1, lambda x: x * 2 + 1, [small], meshes=[mesh], limit=30)
