@@ -1,2 +1,16 @@
 """dtorch.nn: modules whose parameters are dtorch tensors."""
 from . import functional  # noqa: F401
+from .containers import ModuleDict, ModuleList, Sequential
+from .layers import (GELU, Dropout, Embedding, EmbeddingWithReplicateOutput, Identity, LayerNorm, ReLU, RMSNorm,
+                     SiLU)
+from .linear import (ColumnParallelLinear, ColumnParallelLinearWithReplicateInputOutput,
+                     ColumnParallelLinearWithReplicateOutput, Linear, ReplicateParallelLinear, RowParallelLinear,
+                     RowParallelLinearWithReplicateOutput)
+from .module import Module, Parameter, StateDictError
+
+__all__ = [
+    "Module", "Parameter", "StateDictError", "Linear", "ColumnParallelLinear", "ColumnParallelLinearWithReplicateOutput",
+    "ColumnParallelLinearWithReplicateInputOutput", "RowParallelLinear", "RowParallelLinearWithReplicateOutput",
+    "ReplicateParallelLinear", "Embedding", "EmbeddingWithReplicateOutput", "RMSNorm", "LayerNorm", "Dropout",
+    "SiLU", "GELU", "ReLU", "Identity", "Sequential", "ModuleList", "ModuleDict", "functional",
+]

@@ -1,0 +1,51 @@
+"""Layout helpers shared by the modules: which mesh a module lives on, placements by mesh dim name."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import MeshError
+from ..mesh import DeviceMesh, get_default_device_mesh
+from ..placement import Placement, Replicate
+from ..tensor import Tensor
+from .module import Parameter
+
+
+def module_mesh(device_mesh: DeviceMesh | None, device) -> DeviceMesh:
+    """``device_mesh``, else a one-device mesh for ``device``, else the mesh of the current guard."""
+    if device_mesh is not None and device is not None:
+        raise MeshError("pass either device_mesh or device, not both")
+    if device is not None:
+        from ..ops.factory import mesh_for_device
+
+        return mesh_for_device(device)
+    mesh = get_default_device_mesh(device_mesh)
+    if not isinstance(mesh, DeviceMesh):
+        raise MeshError(f"device_mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    return mesh
+
+
+def placements_on(mesh: DeviceMesh, dim_name: str, placement: Placement) -> list[Placement]:
+    """``placement`` on mesh dim ``dim_name``, ``Replicate()`` on every other dim (all Replicate if absent)."""
+    idx = mesh.dim_name_index(dim_name)
+    return [placement if i == idx else Replicate() for i in range(mesh.ndim)]
+
+
+def make_param(full: torch.Tensor, mesh: DeviceMesh, placements) -> Parameter:
+    return Parameter(Tensor(full, device_mesh=mesh, placements=placements))
+
+
+def on_mesh(x, mesh: DeviceMesh):
+    """A torch tensor becomes a Replicate dtorch tensor on ``mesh``; a dtorch tensor on another mesh is moved
+    there keeping its placements by mesh dim name. Anything else passes through."""
+    if isinstance(x, torch.Tensor):
+        return Tensor(x, device_mesh=mesh)
+    if isinstance(x, Tensor) and x.device_mesh != mesh:
+        return x.redistribute_by_dict(mesh, {}, default_placement_mode="keep")
+    return x
+
+
+def with_placement(x, dim_name: str, placement: Placement | None):
+    """``x`` with ``placement`` on mesh dim ``dim_name`` (no-op when None or when the mesh lacks the dim)."""
+    if placement is None or not isinstance(x, Tensor) or x.device_mesh.dim_name_index(dim_name) is None:
+        return x
+    return x.redistribute_by_dict(placements_dict={dim_name: placement})

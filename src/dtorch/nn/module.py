@@ -1,0 +1,340 @@
+"""Module and Parameter: ``torch.nn.Module``'s API over dtorch tensors.
+
+Parameters and buffers are dtorch tensors laid out on a mesh; ``state_dict`` gathers them into full
+torch tensors and ``load_state_dict`` cuts full torch tensors back into each parameter's layout, so a
+checkpoint of the single-device torch model loads into any parallel layout. ``__call__`` runs
+``redistribute_input -> forward -> redistribute_output``: the two hooks are where a module states the
+layout it wants in and hands out.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterator, NamedTuple
+
+import torch
+
+from ..errors import DTorchError
+from ..mesh import DeviceMesh, get_default_device_mesh
+from ..tensor import Tensor
+
+
+class StateDictError(DTorchError, RuntimeError):
+    """A state dict does not fit the module (missing, unexpected or mis-shaped keys)."""
+
+
+class Parameter(Tensor):
+    """A dtorch tensor registered as a module parameter (``Parameter(data)`` shares ``data``'s storage)."""
+
+    __slots__ = ()
+    requires_grad = True  # inference only: kept for torch-style code that reads it
+
+    def __init__(self, data=None, requires_grad: bool = True, *, device_mesh: DeviceMesh | None = None, placements=None):
+        super().__init__(torch.empty(0) if data is None else data, device_mesh=device_mesh, placements=placements)
+
+    def _set(self, value: Tensor) -> None:
+        """Take ``value``'s storage and layout in place, so every holder of this parameter sees it."""
+        self._graph._account(self._spec.mesh, self._acct, -1)
+        self._init(value._spec, value._h, value._graph)
+
+    def __repr__(self):
+        return "Parameter containing:\n" + super().__repr__()
+
+
+class _IncompatibleKeys(NamedTuple):
+    missing_keys: list
+    unexpected_keys: list
+
+
+def _as_dtensor(value, what: str) -> Tensor:
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, torch.Tensor):
+        return Tensor(value, device_mesh=get_default_device_mesh())
+    raise TypeError(f"{what} must be a dtorch.Tensor or a torch.Tensor, got {type(value).__name__}")
+
+
+class Module:
+    training: bool
+
+    def __init__(self):
+        object.__setattr__(self, "_parameters", OrderedDict())
+        object.__setattr__(self, "_buffers", OrderedDict())
+        object.__setattr__(self, "_non_persistent", set())
+        object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "training", True)
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} has no forward(); define forward(self, ...)")
+
+    # -- the layout hooks ---------------------------------------------------------------------------
+    def redistribute_input(self, *args, **kwargs):
+        """Lay the inputs out the way ``forward`` wants them; returns ``(args, kwargs)``."""
+        return args, kwargs
+
+    def redistribute_output(self, output):
+        """Lay the output out the way callers get it."""
+        return output
+
+    def __call__(self, *args, **kwargs):
+        args, kwargs = self.redistribute_input(*args, **kwargs)
+        return self.redistribute_output(self.forward(*args, **kwargs))
+
+    def first_param_device_mesh(self) -> DeviceMesh | None:
+        for t in self.parameters():
+            return t.device_mesh
+        for t in self.buffers():
+            return t.device_mesh
+        return None
+
+    # -- registration ------------------------------------------------------------------------------
+    def __setattr__(self, name, value):
+        if "_parameters" not in self.__dict__:
+            raise AttributeError(f"call super().__init__() in {type(self).__name__}.__init__ before assigning attributes")
+        params, buffers, modules = self._parameters, self._buffers, self._modules
+        if isinstance(value, Parameter):
+            self._drop(name)
+            params[name] = value
+        elif name in params:
+            if value is not None:
+                raise TypeError(f"cannot assign {type(value).__name__} as parameter {name!r} "
+                                "(dtorch.nn.Parameter or None expected)")
+            params[name] = None
+        elif isinstance(value, Module):
+            self._drop(name)
+            modules[name] = value
+        elif name in modules:
+            if value is not None:
+                raise TypeError(f"cannot assign {type(value).__name__} as child module {name!r} "
+                                "(dtorch.nn.Module or None expected)")
+            modules[name] = None
+        elif name in buffers:
+            buffers[name] = None if value is None else _as_dtensor(value, f"buffer {name!r}")
+        else:
+            object.__setattr__(self, name, value)
+
+    def _drop(self, name):
+        self.__dict__.pop(name, None)
+        for d in (self._parameters, self._buffers, self._modules):
+            d.pop(name, None)
+        self._non_persistent.discard(name)
+
+    def __getattr__(self, name):
+        d = self.__dict__
+        for table in ("_parameters", "_buffers", "_modules"):
+            t = d.get(table)
+            if t is not None and name in t:
+                return t[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __delattr__(self, name):
+        if name in self._parameters or name in self._buffers or name in self._modules:
+            self._drop(name)
+        else:
+            object.__delattr__(self, name)
+
+    def register_parameter(self, name: str, param: Parameter | None) -> None:
+        if param is not None and not isinstance(param, Parameter):
+            raise TypeError(f"cannot register {type(param).__name__} as parameter {name!r} "
+                            "(dtorch.nn.Parameter or None expected)")
+        self._drop(name)
+        self._parameters[name] = param
+
+    def register_buffer(self, name: str, tensor, persistent: bool = True) -> None:
+        if "." in name or not name:
+            raise KeyError(f"buffer name can't be empty or contain '.', got {name!r}")
+        value = None if tensor is None else _as_dtensor(tensor, f"buffer {name!r}")
+        self._drop(name)
+        self._buffers[name] = value
+        if not persistent:
+            self._non_persistent.add(name)
+
+    def add_module(self, name: str, module: "Module | None") -> None:
+        if module is not None and not isinstance(module, Module):
+            raise TypeError(f"{type(module).__name__} is not a dtorch.nn.Module subclass")
+        if "." in name or not name:
+            raise KeyError(f"module name can't be empty or contain '.', got {name!r}")
+        self._drop(name)
+        self._modules[name] = module
+
+    register_module = add_module
+
+    def get_submodule(self, target: str) -> "Module":
+        mod = self
+        for part in target.split(".") if target else []:
+            if part not in mod._modules:
+                raise AttributeError(f"{type(mod).__name__} has no submodule {part!r} (looking up {target!r})")
+            mod = mod._modules[part]
+        return mod
+
+    # -- traversal ---------------------------------------------------------------------------------
+    def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True) -> Iterator:
+        memo = set() if memo is None else memo
+        if remove_duplicate:
+            if id(self) in memo:
+                return
+            memo.add(id(self))
+        yield prefix, self
+        for name, mod in self._modules.items():
+            if mod is not None:
+                yield from mod.named_modules(memo, f"{prefix}.{name}" if prefix else name, remove_duplicate)
+
+    def modules(self) -> Iterator["Module"]:
+        for _, m in self.named_modules():
+            yield m
+
+    def named_children(self) -> Iterator:
+        seen = set()
+        for name, mod in self._modules.items():
+            if mod is not None and id(mod) not in seen:
+                seen.add(id(mod))
+                yield name, mod
+
+    def children(self) -> Iterator["Module"]:
+        for _, m in self.named_children():
+            yield m
+
+    def _named_members(self, table: str, prefix: str, recurse: bool, remove_duplicate: bool = True):
+        seen = set()
+        mods = self.named_modules(prefix=prefix, remove_duplicate=remove_duplicate) if recurse else [(prefix, self)]
+        for mod_prefix, mod in mods:
+            for name, t in getattr(mod, table).items():
+                if t is None or (remove_duplicate and id(t) in seen):
+                    continue
+                seen.add(id(t))
+                yield (f"{mod_prefix}.{name}" if mod_prefix else name), t
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator:
+        yield from self._named_members("_parameters", prefix, recurse, remove_duplicate)
+
+    def parameters(self, recurse: bool = True) -> Iterator[Parameter]:
+        for _, p in self.named_parameters(recurse=recurse):
+            yield p
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator:
+        yield from self._named_members("_buffers", prefix, recurse, remove_duplicate)
+
+    def buffers(self, recurse: bool = True) -> Iterator[Tensor]:
+        for _, b in self.named_buffers(recurse=recurse):
+            yield b
+
+    def apply(self, fn) -> "Module":
+        for m in self.children():
+            m.apply(fn)
+        fn(self)
+        return self
+
+    # -- state dicts -------------------------------------------------------------------------------
+    def _state_entries(self, prefix: str = ""):
+        """(key, owner module, attribute name, tensor) for every parameter and persistent buffer."""
+        for mod_prefix, mod in self.named_modules(prefix=prefix.rstrip(".")):
+            dot = f"{mod_prefix}." if mod_prefix else ""
+            for name, p in mod._parameters.items():
+                if p is not None:
+                    yield dot + name, mod, name, p
+            for name, b in mod._buffers.items():
+                if b is not None and name not in mod._non_persistent:
+                    yield dot + name, mod, name, b
+
+    def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False) -> "OrderedDict":
+        """Every parameter and persistent buffer; full torch tensors (``keep_vars=True``: the dtorch tensors)."""
+        out = OrderedDict() if destination is None else destination
+        for key, _, _, t in self._state_entries(prefix):
+            out[key] = t if keep_vars else t.to_torch()
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load full tensors (torch or dtorch), each cut into its parameter's mesh and placements.
+
+        Everything is checked before anything is loaded: on error the module is unchanged.
+        """
+        entries = list(self._state_entries())
+        expected = {key for key, *_ in entries}
+        missing = [key for key, *_ in entries if key not in state_dict]
+        unexpected = [key for key in state_dict if key not in expected]
+        problems = []
+        for key, _, _, t in entries:
+            if key in state_dict:
+                v = state_dict[key]
+                if not isinstance(v, (torch.Tensor, Tensor)):
+                    problems.append(f'While copying the parameter named "{key}", expected a torch.Tensor or '
+                                    f"dtorch.Tensor in the state dict, got {type(v).__name__}.")
+                elif tuple(v.shape) != tuple(t.shape):
+                    problems.append(f"size mismatch for {key}: copying a param with shape {v.shape} from checkpoint, "
+                                    f"the shape in current model is {t.shape}.")
+        if strict:
+            if unexpected:
+                problems.insert(0, "Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
+            if missing:
+                problems.insert(0, "Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
+        if problems:
+            raise StateDictError(f"Error(s) in loading state_dict for {type(self).__name__}:\n\t" + "\n\t".join(problems))
+        for key, mod, name, t in entries:
+            if key in state_dict:
+                value = Tensor(state_dict[key], device_mesh=t.device_mesh, placements=t.placements, dtype=t.dtype)
+                if isinstance(t, Parameter):
+                    t._set(value)
+                else:
+                    mod._buffers[name] = value
+        return _IncompatibleKeys(missing, unexpected)
+
+    # -- dtype, mode -------------------------------------------------------------------------------
+    def to(self, *args, **kwargs) -> "Module":
+        """``to(dtype)`` casts floating parameters and buffers; ``to(device_mesh)`` moves them to a mesh."""
+        for mod in self.modules():
+            for name, p in mod._parameters.items():
+                if p is not None:
+                    p._set(_convert(p, args, kwargs))
+            for name, b in mod._buffers.items():
+                if b is not None:
+                    mod._buffers[name] = _convert(b, args, kwargs)
+        return self
+
+    def float(self) -> "Module":
+        return self.to(torch.float32)
+
+    def half(self) -> "Module":
+        return self.to(torch.float16)
+
+    def bfloat16(self) -> "Module":
+        return self.to(torch.bfloat16)
+
+    def train(self, mode: bool = True) -> "Module":
+        if not isinstance(mode, bool):
+            raise ValueError(f"training mode is expected to be boolean, got {mode!r}")
+        for m in self.modules():
+            object.__setattr__(m, "training", mode)
+        return self
+
+    def eval(self) -> "Module":
+        return self.train(False)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "Module":
+        return self
+
+    # -- printing ----------------------------------------------------------------------------------
+    def extra_repr(self) -> str:
+        return ""
+
+    def __repr__(self):
+        lines = [f"({name}): " + repr(m).replace("\n", "\n  ") for name, m in self._modules.items()]
+        extra = self.extra_repr()
+        if not lines:
+            return f"{type(self).__name__}({extra})"
+        body = "\n  ".join(([extra] if extra else []) + lines)
+        return f"{type(self).__name__}(\n  {body}\n)"
+
+    def __dir__(self):
+        return sorted(set(super().__dir__()) | set(self._parameters) | set(self._buffers) | set(self._modules))
+
+
+def _convert(t: Tensor, args, kwargs) -> Tensor:
+    dtype = kwargs.get("dtype") or next((a for a in args if isinstance(a, torch.dtype)), None)
+    mesh = kwargs.get("device_mesh") or next((a for a in args if isinstance(a, DeviceMesh)), None)
+    if dtype is not None and not t.dtype.is_floating_point:
+        dtype = None  # like torch: integer tensors keep their dtype
+    out = t
+    if dtype is not None:
+        out = out.to(dtype)
+    if mesh is not None:
+        out = out.to(mesh)
+    return out
