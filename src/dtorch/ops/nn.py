@@ -1,1 +1,222 @@
-"""(op family: nn) - being written."""
+"""nn ops: embedding, layer_norm, rms_norm, dropout (silu/gelu/relu are element-wise, in pointwise.py).
+
+Embedding, per mesh dim (weight [V, D], ids any shape, output ids.shape + [D]):
+
+    weight S(0) (vocab), ids R -> P(sum)  each device looks up the ids in its vocab range, zeros
+                                          elsewhere: exactly one device contributes each row
+    weight S(1) (embed), ids R -> S(-1)   a column block of every row
+    weight P(op),        ids R -> P(op)   a lookup selects rows, so it commutes with any reduction
+    weight R,          ids S(k) -> S(k)   each device looks up its own ids
+    otherwise                  -> R       (a weight shard wins over an ids shard: ids are cheap to gather)
+
+Norms: the normalized (trailing) dims must be whole on every device; other dims keep their shards,
+partial inputs are reduced first (normalization is not linear). weight/bias are replicated.
+
+Dropout: the mask is drawn for the global tensor by torch on the controller (the same values as
+``torch.nn.functional.dropout`` for the same seed on CPU, whatever the layout), laid out like the
+input, and applied by an element-wise multiply (linear, so Partial inputs stay Partial).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..errors import OpError
+from ..placement import Partial, Replicate, Shard
+from ..runtime.kernels import kernel, per_device
+from ..spec import DTensorSpec
+from ..tensor import Tensor
+from .registry import OpPlan, dispatch, meta_call, register, replicated, spec_like, static_value, to_dtensors
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+# -- embedding -------------------------------------------------------------------------------------
+
+@kernel("embedding")
+def _embedding_kernel(ids, weight, *, lead, masked: bool, vocab_off=0):
+    vl, d = weight.shape[-2], weight.shape[-1]
+    idx = ids.long()
+    if masked:
+        idx = idx - per_device(vocab_off, idx, lead)
+        valid = (idx >= 0) & (idx < vl)
+        idx = torch.where(valid, idx, 0)
+    if vl == 0:  # an empty vocab shard (uneven split) contributes nothing
+        return torch.zeros(idx.shape + (d,), dtype=weight.dtype, device=weight.device)
+    table = weight
+    if lead:
+        # F.embedding wants a 2-D table: flatten the grid blocks into one, block g's rows start at g * vl
+        grid = tuple(weight.shape[:lead])
+        base = torch.arange(int(np.prod(grid)), device=weight.device).reshape(grid) * vl
+        idx = idx + base.reshape(grid + (1,) * (idx.ndim - lead))
+        table = weight.reshape(-1, d)
+    out = F.embedding(idx, table)
+    if masked:
+        out = torch.where(valid.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return out
+
+
+def _embedding_rule(specs, padding_idx):
+    ids, w = specs
+    if w.ndim != 2:
+        raise OpError(f"dtorch.embedding: weight must be 2-D [num_embeddings, embedding_dim], got shape {list(w.shape)}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex:
+        raise OpError(f"dtorch.embedding: input ids must be an integer tensor, got {ids.dtype}")
+    mesh, nid = ids.mesh, ids.ndim
+    ids_pl, w_pl, out_pl = [], [], []
+    for pi, pw in zip(ids.placements, w.placements):
+        if isinstance(pw, Shard):
+            ids_pl.append(Replicate())
+            w_pl.append(pw)
+            out_pl.append(Partial("sum") if pw.dim == 0 else Shard(nid))
+        elif isinstance(pw, Partial):
+            ids_pl.append(Replicate())
+            w_pl.append(pw)
+            out_pl.append(pw)
+        elif isinstance(pi, Shard):
+            ids_pl.append(pi)
+            w_pl.append(Replicate())
+            out_pl.append(pi)
+        else:
+            ids_pl.append(Replicate())
+            w_pl.append(Replicate())
+            out_pl.append(Replicate())
+    w_in = spec_like(w, placements=w_pl)
+    out = DTensorSpec(mesh, tuple(out_pl), ids.shape + (w.shape[1],), w.dtype)
+    masked = any(isinstance(p, Shard) and p.dim == 0 for p in w_pl)
+    device_args = None
+    if masked:
+        offs = np.zeros(mesh.shape, dtype=np.int64)
+        for c in mesh.coordinates():
+            offs[c] = w_in.local_box(c)[0][0]
+        device_args = {"vocab_off": offs}
+    return OpPlan((spec_like(ids, placements=ids_pl), w_in), (out,), _embedding_kernel, {"masked": masked}, device_args)
+
+
+@register(torch_fns=(F.embedding,), functional=True)
+def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False):
+    """``F.embedding``: rows of ``weight`` [V, D] for the ids in ``input``.
+
+    ``padding_idx``, ``scale_grad_by_freq`` and ``sparse`` only change gradients in torch, so the
+    forward value ignores them. Ids outside [0, V) raise in torch; with a vocab-sharded weight they
+    give zero rows here (no device owns them).
+    """
+    if max_norm is not None:
+        raise OpError("dtorch.embedding: max_norm renormalizes the weight in place, which dtorch never does; "
+                      "renormalize the weight explicitly and call embedding without max_norm")
+    ids, w = to_dtensors("embedding", [input, weight])
+    if not isinstance(w, Tensor) or not isinstance(ids, Tensor):
+        raise OpError("dtorch.embedding: input and weight must be tensors")
+    if padding_idx is not None:
+        v = w.shape[0]
+        if not -v <= padding_idx < v:
+            raise OpError(f"dtorch.embedding: padding_idx {padding_idx} must be within num_embeddings ({v})")
+    return dispatch("embedding", _embedding_rule, [ids, w], (static_value(padding_idx),))
+
+
+# -- layer_norm / rms_norm -------------------------------------------------------------------------
+
+@kernel("layer_norm", align=True)
+def _layer_norm_kernel(x, *wb, k: int, eps: float, has_weight: bool, has_bias: bool):
+    dims = tuple(range(-k, 0))
+    xf = x.float() if x.dtype in _LOW_PRECISION else x
+    mean = xf.mean(dims, keepdim=True)
+    centered = xf - mean
+    var = centered.square().mean(dims, keepdim=True)
+    y = centered * torch.rsqrt(var + eps)
+    if has_weight:
+        y = y * wb[0]
+    if has_bias:
+        y = y + wb[-1]
+    return y.to(x.dtype)
+
+
+@kernel("rms_norm", align=True)
+def _rms_norm_kernel(x, *w, k: int, eps: float):
+    # mirrors torch's decomposition: upcast, x * rsqrt(mean(x^2) + eps) * weight, cast back
+    dims = tuple(range(-k, 0))
+    xf = x.float() if x.dtype in _LOW_PRECISION else x
+    y = xf * torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + eps)
+    if w:
+        y = y * w[0]
+    return y.type_as(x)
+
+
+def _norm_rule(name, specs, normalized_shape, kw):
+    x = specs[0]
+    # torch on meta tensors validates shapes (with torch's messages) and gives the output dtype
+    if name == "layer_norm":
+        def meta(xi, *wb):
+            w = wb[0] if kw["has_weight"] else None
+            b = wb[-1] if kw["has_bias"] else None
+            return F.layer_norm(xi, normalized_shape, w, b)
+    else:
+        def meta(xi, *w):
+            return F.rms_norm(xi, normalized_shape, *w)
+    out_meta = meta_call(meta, specs)
+    first_norm = x.ndim - len(normalized_shape)
+    # dims before the normalized ones keep their shards; everything else must be whole
+    pl = [p if isinstance(p, Shard) and p.dim < first_norm else Replicate() for p in x.placements]
+    x_in = spec_like(x, placements=pl)
+    out = DTensorSpec(x.mesh, tuple(pl), tuple(out_meta.shape), out_meta.dtype)
+    kernel_fn = _layer_norm_kernel if name == "layer_norm" else _rms_norm_kernel
+    return OpPlan((x_in,) + tuple(replicated(s) for s in specs[1:]), (out,), kernel_fn,
+                  dict(kw, k=len(normalized_shape)))
+
+
+def _layer_norm_rule(specs, normalized_shape, eps, has_weight, has_bias):
+    return _norm_rule("layer_norm", specs, normalized_shape,
+                      {"eps": eps, "has_weight": has_weight, "has_bias": has_bias})
+
+
+def _rms_norm_rule(specs, normalized_shape, eps):
+    return _norm_rule("rms_norm", specs, normalized_shape, {"eps": eps})
+
+
+def _normalized_shape(normalized_shape) -> tuple:
+    if isinstance(normalized_shape, int):
+        return (normalized_shape,)
+    return tuple(int(s) for s in normalized_shape)
+
+
+@register(torch_fns=(F.layer_norm,), functional=True)
+def layer_norm(input, normalized_shape, weight=None, bias=None, eps: float = 1e-5):
+    """``F.layer_norm`` over the trailing ``normalized_shape`` dims."""
+    ns = _normalized_shape(normalized_shape)
+    args = to_dtensors("layer_norm", [input, weight, bias])
+    tensors = [a for a in args if a is not None]
+    return dispatch("layer_norm", _layer_norm_rule, tensors, (ns, float(eps), weight is not None, bias is not None))
+
+
+@register(torch_fns=(F.rms_norm,), functional=True)
+def rms_norm(input, normalized_shape, weight=None, eps: float | None = None):
+    """``F.rms_norm`` over the trailing ``normalized_shape`` dims (``eps=None``: float32's machine epsilon,
+    float64's for double inputs, like torch)."""
+    ns = _normalized_shape(normalized_shape)
+    args = to_dtensors("rms_norm", [input, weight])
+    tensors = [a for a in args if a is not None]
+    if eps is None:
+        eps = torch.finfo(torch.float64 if tensors[0].dtype == torch.float64 else torch.float32).eps
+    return dispatch("rms_norm", _rms_norm_rule, tensors, (ns, float(eps)))
+
+
+# -- dropout ---------------------------------------------------------------------------------------
+
+@register(torch_fns=(F.dropout, torch.dropout), functional=True)
+def dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False):
+    """``F.dropout``. ``inplace`` is accepted but the result is always a new tensor (dtorch never writes
+    into its inputs)."""
+    if not 0.0 <= p <= 1.0:
+        raise OpError(f"dtorch.dropout: probability has to be between 0 and 1, but got {p}")
+    if not training or p == 0.0:
+        return input
+    from .pointwise import mul
+
+    if p == 1.0:
+        return mul(input, 0.0)  # like torch: input * 0 (so inf/nan inputs give nan)
+    spec = input.spec
+    # the same recipe as torch's CPU dropout: empty_like(input).bernoulli_(1 - p).div_(1 - p)
+    noise = torch.empty(spec.shape, dtype=spec.dtype).bernoulli_(1 - p).div_(1 - p)
+    layout = [Replicate() if isinstance(pl, Partial) else pl for pl in spec.placements]
+    return mul(input, Tensor(noise, device_mesh=spec.mesh, placements=layout))
