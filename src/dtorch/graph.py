@@ -31,7 +31,7 @@ def make_runtime(backend: str):
 class Graph:
     _local = threading.local()
 
-    def __init__(self, backend: str | None = None):
+    def __init__(self, backend: str | None = None, *, track_memory: bool = False):
         backend = backend or os.environ.get(BACKEND_VAR, "inprocess") or "inprocess"
         if backend not in _BACKENDS:
             raise ValueError(f"unknown dtorch backend {backend!r}; choose one of {_BACKENDS} (env {BACKEND_VAR})")
@@ -40,9 +40,13 @@ class Graph:
         self._mesh_stack: list[DeviceMesh] = []
         self._dtype_stack: list[torch.dtype] = []
         self._default_mesh = DeviceMesh("cpu")
-        # logical bytes each device holds: per mesh, a scalar (every device the same) or a vector
-        self._live: dict = {}
+        # Per-tensor bookkeeping costs about a microsecond per op, so it is on only when needed:
+        # peak-memory tracking, or a backend that frees worker buffers when a tensor dies.
+        self._track_memory = False
+        self.tracks_tensors = False
+        self._live: dict = {}  # mesh -> logical bytes per device (scalar when all equal, else vector)
         self._peak: dict = {}
+        self._set_tracking(track_memory, release=getattr(self.runtime, "needs_release", False))
 
     # -- the per-thread default ----------------------------------------------------------------------
     @classmethod
@@ -110,21 +114,64 @@ class Graph:
             torch.cuda.empty_cache()
 
     # -- memory accounting ---------------------------------------------------------------------
-    def _account(self, mesh: DeviceMesh, per_device, sign: int) -> None:
+    def track_memory(self, enabled: bool = True) -> None:
+        """Record peak bytes per device from now on (off by default: it costs ~1 us per op)."""
+        self._set_tracking(enabled, release=getattr(self.runtime, "needs_release", False))
+        if enabled:
+            self._live = self._scan_live()
+            self.reset_peak_memory_stats()
+
+    def _set_tracking(self, memory: bool, release: bool) -> None:
+        from .tensor import Tensor
+
+        self._track_memory = memory
+        self.tracks_tensors = memory or release
+        if self.tracks_tensors:
+            Tensor.__del__ = Tensor._finalize
+
+    def _on_create(self, t) -> None:
+        t._tracked = True
+        if self._track_memory:
+            self._account(t._spec, +1)
+
+    def _on_delete(self, t) -> None:
+        if self._track_memory:
+            self._account(t._spec, -1)
+        self.runtime.release(t._h)
+
+    def _account(self, spec, sign: int) -> None:
+        mesh = spec.mesh
+        per_device = _device_bytes(spec)
         live = self._live.get(mesh, 0) + sign * per_device
         self._live[mesh] = live
         if sign > 0:
             peak = self._peak.get(mesh, 0)
             self._peak[mesh] = np.maximum(peak, live) if isinstance(live, np.ndarray) else max(peak, live)
 
-    def get_memory_stats(self, device_mesh: DeviceMesh | None = None) -> dict:
-        """Logical bytes each device holds now and at peak: ``{(device_type, id): {"allocated", "peak"}}``.
+    def _scan_live(self) -> dict:
+        """Logical bytes per device of every live tensor of this graph (walks the garbage collector's objects)."""
+        import gc
 
-        A device's peak is the sum of the peaks of the meshes it belongs to (an upper bound when
-        several meshes share devices).
+        from .tensor import Tensor
+
+        live: dict = {}
+        for obj in gc.get_objects():
+            if type(obj) is Tensor and getattr(obj, "_graph", None) is self:
+                spec = obj._spec
+                live[spec.mesh] = live.get(spec.mesh, 0) + _device_bytes(spec)
+        return live
+
+    def get_memory_stats(self, device_mesh: DeviceMesh | None = None) -> dict:
+        """Logical bytes each device holds: ``{(device_type, id): {"allocated": n, "peak": n}}``.
+
+        "allocated" counts every live tensor now. "peak" is tracked after ``track_memory()`` (else it
+        equals "allocated"); a device's peak is the sum of the peaks of the meshes it belongs to (an
+        upper bound when several meshes share devices).
         """
+        live = self._live if self._track_memory else self._scan_live()
+        peak = self._peak if self._track_memory else live
         out: dict = {}
-        for table, field in ((self._live, "allocated"), (self._peak, "peak")):
+        for table, field in ((live, "allocated"), (peak, "peak")):
             for mesh, val in table.items():
                 vec = val if isinstance(val, np.ndarray) else np.full(mesh.size(), val)
                 for dev_id, b in zip(mesh.device_ids, vec):
@@ -139,6 +186,19 @@ class Graph:
 
     def reset_peak_memory_stats(self) -> None:
         self._peak = {m: (v.copy() if isinstance(v, np.ndarray) else v) for m, v in self._live.items()}
+
+
+def _device_bytes(spec):
+    """Bytes each device of ``spec``'s mesh holds: an int when all equal, else a vector (cached on the spec)."""
+    try:
+        return spec._device_bytes
+    except AttributeError:
+        from .runtime.inprocess import per_device_bytes
+
+        vec = per_device_bytes(spec)
+        val = int(vec[0]) if spec.is_even() else vec
+        object.__setattr__(spec, "_device_bytes", val)
+        return val
 
 
 def default_graph() -> Graph:

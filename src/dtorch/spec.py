@@ -27,12 +27,25 @@ def shard_range(size: int, n: int, idx: int) -> tuple[int, int]:
     return start, min(c, size - start)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DTensorSpec:
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+    # specs key every plan cache: hash once, compare by identity first
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((self.mesh, self.placements, self.shape, self.dtype)))
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return self is other or (
+            isinstance(other, DTensorSpec) and self._hash == other._hash and self.shape == other.shape
+            and self.placements == other.placements and self.dtype == other.dtype and self.mesh == other.mesh
+        )
 
     @property
     def ndim(self) -> int:

@@ -20,7 +20,7 @@ _REPLICATE = Replicate()
 
 
 class Tensor:
-    __slots__ = ("_spec", "_h", "_graph", "_acct", "__weakref__")
+    __slots__ = ("_spec", "_h", "_graph", "_tracked", "__weakref__")
 
     def __init__(self, data, *, device_mesh: DeviceMesh | None = None, placements=None, dtype: torch.dtype | None = None):
         graph = Graph.default_graph()
@@ -42,21 +42,25 @@ class Tensor:
         self._spec = spec
         self._h = handle
         self._graph = graph
-        acct = _per_device_bytes(spec)
-        self._acct = acct
-        graph._account(spec.mesh, acct, +1)
+        if graph.tracks_tensors:
+            graph._on_create(self)
 
     @classmethod
     def _make(cls, spec: DTensorSpec, handle, graph: Graph) -> "Tensor":
         t = object.__new__(cls)
-        t._init(spec, handle, graph)
+        t._spec = spec
+        t._h = handle
+        t._graph = graph
+        if graph.tracks_tensors:
+            graph._on_create(t)
         return t
 
-    def __del__(self):
+    def _finalize(self):
+        """Installed as ``__del__`` only while some Graph tracks tensors (memory peaks, worker buffers)."""
         try:
-            self._graph._account(self._spec.mesh, self._acct, -1)
-            self._graph.runtime.release(self._h)
-        except Exception:  # interpreter shutdown
+            if self._tracked:
+                self._graph._on_delete(self)
+        except Exception:  # never tracked, or interpreter shutdown
             pass
 
     # -- metadata ---------------------------------------------------------------------------------
@@ -272,13 +276,6 @@ class Tensor:
         from .ops.registry import torch_function_dispatch
 
         return torch_function_dispatch(func, args, kwargs or {})
-
-
-def _per_device_bytes(spec: DTensorSpec):
-    from .runtime.inprocess import per_device_bytes
-
-    vec = per_device_bytes(spec)
-    return int(vec[0]) if spec.is_even() else vec
 
 
 def _aliases_storage(out: torch.Tensor, t: Tensor) -> bool:

@@ -20,7 +20,7 @@ from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
-from .registry import OpPlan, dispatch, register, resolve_torch, static_value, to_dtensors
+from .registry import _PLANS, OpPlan, dispatch, register, resolve_torch, static_value, to_dtensors
 
 # op name -> how it treats partial inputs: "add" (linear in every operand), "scale" (linear in its
 # first operand when the others are replicated or scalars)
@@ -44,8 +44,85 @@ def _unwrap(v):
     return v
 
 
+# Steady-state fast path: (fn, graph, spec or scalar per operand) -> a closure that calls the torch
+# function straight on the stacked blocks. Filled after a first, fully planned call showed that the
+# plan needs no redistribution and the runtime can run the kernel directly on grids.
+_FAST: dict = {}
+
+
+def _fast_key(fn, args):
+    key = [fn]
+    for a in args:
+        if type(a) is Tensor:
+            key.append(a._spec)
+        elif type(a) in (int, float, bool):
+            key.append(type(a))
+            key.append(a)
+        else:
+            return None
+    return tuple(key)
+
+
 def pointwise(name: str, fn: str, *args, **kwargs):
     """Run torch function ``fn`` element-wise on a mix of dtorch tensors and scalars."""
+    key = None
+    if not kwargs:
+        key = _fast_key(fn, args)
+        if key is not None:
+            fast = _FAST.get(key)
+            if fast is not None:
+                out = fast(*args)
+                if out is not None:
+                    return out
+    out, plan_key = _pointwise_slow(name, fn, args, kwargs)
+    if key is not None:
+        _maybe_fast(key, fn, args, out, _PLANS.get(plan_key))
+    return out
+
+
+def _maybe_fast(key, fn, args, out, plan):
+    tensors = [a for a in args if type(a) is Tensor]
+    graph = out._graph
+    rt = graph.runtime
+    grid_direct = getattr(rt, "grid_direct", None)
+    if grid_direct is None or any(t._graph is not graph for t in tensors):
+        return
+    specs = tuple(t._spec for t in tensors)
+    if plan is None or plan.in_specs != specs or not grid_direct(plan.kernel, specs, plan.out_specs):
+        return
+    torch_fn = resolve_torch(fn)
+    _FAST[key] = _make_fast(torch_fn, args, plan.out_specs[0], graph)
+
+
+def _make_fast(torch_fn, args, out_spec, graph):
+    from ..runtime.inprocess import Shards
+
+    make = Tensor._make
+    positions = [n for n, a in enumerate(args) if type(a) is Tensor]
+    if positions == [0] and len(args) == 1:
+        def fast(a):
+            g = a._h.grid
+            return None if g is None or a._graph is not graph else make(out_spec, Shards(grid=torch_fn(g)), graph)
+    elif positions == [0, 1] and len(args) == 2:
+        def fast(a, b):
+            ga, gb = a._h.grid, b._h.grid
+            if ga is None or gb is None or a._graph is not graph or b._graph is not graph:
+                return None
+            return make(out_spec, Shards(grid=torch_fn(ga, gb)), graph)
+    elif positions == [0] and len(args) == 2:
+        def fast(a, c):
+            g = a._h.grid
+            return None if g is None or a._graph is not graph else make(out_spec, Shards(grid=torch_fn(g, c)), graph)
+    elif positions == [1] and len(args) == 2:
+        def fast(c, a):
+            g = a._h.grid
+            return None if g is None or a._graph is not graph else make(out_spec, Shards(grid=torch_fn(c, g)), graph)
+    else:
+        return None
+    return fast
+
+
+def _pointwise_slow(name, fn, args, kwargs):
     args = to_dtensors(name, args)
     tensors, template = [], []
     for a in args:
@@ -57,7 +134,7 @@ def pointwise(name: str, fn: str, *args, **kwargs):
     static = (fn, tuple(template), tuple(sorted((k, static_value(v), v) for k, v in kwargs.items() if v is not None)))
     key_static = (fn, tuple(t[:2] if isinstance(t, tuple) else t for t in template),
                   tuple((k, sv) for k, sv, _ in static[2]))
-    return dispatch(name, _rule_for(name, static), tensors, key_static)
+    return dispatch(name, _rule_for(name, static), tensors, key_static), (name, tuple(t._spec for t in tensors), key_static)
 
 
 def _rule_for(name, static):
@@ -259,12 +336,35 @@ Tensor.type = _type
 # -- Python operators -------------------------------------------------------------------------------
 
 def _binop(name, fn, reflected=False):
+    # Python operators are the hottest path: look the fast path up without going through pointwise()
+    scalars = (int, float, bool)
+    fast_get = _FAST.get
+
     if reflected:
         def op(self, other):
+            tp = type(other)
+            if tp in scalars:
+                fast = fast_get((fn, tp, other, self._spec))
+                if fast is not None:
+                    out = fast(other, self)
+                    if out is not None:
+                        return out
             return pointwise(name, fn, other, self)
     else:
         def op(self, other):
+            tp = type(other)
+            if tp is Tensor:
+                fast = fast_get((fn, self._spec, other._spec))
+            elif tp in scalars:
+                fast = fast_get((fn, self._spec, tp, other))
+            else:
+                fast = None
+            if fast is not None:
+                out = fast(self, other)
+                if out is not None:
+                    return out
             return pointwise(name, fn, self, other)
+    op.__name__ = f"__{name}__"
     return op
 
 

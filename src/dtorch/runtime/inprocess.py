@@ -293,6 +293,14 @@ class InProcessRuntime(Runtime):
             ex = self._exec_cache[key] = _ExecPlan(self, kernel, in_specs, out_specs)
         return ex.run(self, inputs, kwargs, device_args)
 
+    def grid_direct(self, kernel: Kernel, in_specs, out_specs) -> bool:
+        """Can callers run this kernel straight on the grid tensors (no reshapes, no output fixes)?
+
+        True once a first run showed the outputs come out in exactly their specs' grid shapes.
+        """
+        ex = self._exec_cache.get((kernel.name, tuple(in_specs), tuple(out_specs)))
+        return bool(ex is not None and ex.grid and ex.exact and ex.in_reshape is None and not ex.wants_lead)
+
     # -- redistribution ---------------------------------------------------------------------------
     def redistribute_step(self, step, h: Shards, before: DTensorSpec, after: DTensorSpec) -> Shards:
         if step.kind == "move":
@@ -404,10 +412,11 @@ class _ExecPlan:
     """How to run one kernel on one combination of input/output specs (cached)."""
 
     __slots__ = ("kernel", "grid", "nd", "in_reshape", "out_fix", "mesh", "coords", "wants_lead", "grid_dev",
-                 "in_specs", "out_specs")
+                 "in_specs", "out_specs", "exact")
 
     def __init__(self, rt: InProcessRuntime, kernel: Kernel, in_specs, out_specs):
         self.kernel = kernel
+        self.exact = None  # outputs needed no reshaping on every run so far (grid mode)
         self.in_specs = tuple(in_specs)
         self.out_specs = tuple(out_specs)
         mesh = out_specs[0].mesh if out_specs else in_specs[0].mesh
@@ -424,6 +433,8 @@ class _ExecPlan:
                 (tuple(s.grid_shape()) + (1,) * (r - len(s.shape)) + s.even_local_shape()) if len(s.shape) < r else None
                 for s in in_specs
             ]
+            if all(r is None for r in self.in_reshape):
+                self.in_reshape = None
         # how to bring each output to its spec's grid shape: (expand_to, narrow_dims, expected_local)
         self.out_fix = [(s.grid_shape(), s.even_local_shape()) for s in out_specs] if self.grid else None
 
@@ -440,18 +451,21 @@ class _ExecPlan:
             out = kernel.fn(*xs, **kwargs)
             outs = out if isinstance(out, tuple) else (out,)
             res = []
+            exact = not device_args
             for y, (g, local) in zip(outs, self.out_fix):
                 if tuple(y.shape[self.nd:]) != local:
                     raise RuntimeBackendError(
                         f"kernel {kernel.name} produced local shape {tuple(y.shape[self.nd:])}, expected {local}")
                 yg = y.shape[: self.nd]
                 if tuple(yg) != g:
+                    exact = False
                     for d in range(self.nd):
                         if yg[d] != g[d] and g[d] == 1:
                             y = y.narrow(d, 0, 1)
                     if tuple(y.shape[: self.nd]) != g:
                         y = y.expand(tuple(g) + tuple(y.shape[self.nd:]))
                 res.append(Shards(grid=y))
+            self.exact = exact if self.exact is None else (self.exact and exact)
             return res
         # one call per device
         per_dev = []
