@@ -16,6 +16,9 @@ from .kernels import Kernel
 
 class Runtime(ABC):
     name: str = "abstract"
+    # True when the runtime must hear about every dead tensor (release()): the Graph then installs
+    # a finalizer on dtorch.Tensor (it costs ~1 us per op, so the in-process backend does without).
+    needs_release: bool = False
 
     @abstractmethod
     def from_global(self, full: torch.Tensor, spec: DTensorSpec) -> Any:
@@ -58,7 +61,7 @@ class Runtime(ABC):
         pass
 
     def release(self, handle) -> None:
-        """The front-end tensor owning ``handle`` is gone."""
+        """The front-end tensor owning ``handle`` is gone (called only when ``needs_release``)."""
 
     def shutdown(self) -> None:
         pass
