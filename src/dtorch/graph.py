@@ -156,7 +156,7 @@ class Graph:
 
         live: dict = {}
         for obj in gc.get_objects():
-            if type(obj) is Tensor and getattr(obj, "_graph", None) is self:
+            if isinstance(obj, Tensor) and getattr(obj, "_graph", None) is self:
                 spec = obj._spec
                 live[spec.mesh] = live.get(spec.mesh, 0) + _device_bytes(spec)
         return live
