@@ -6,11 +6,12 @@ from .layers import (GELU, Dropout, Embedding, EmbeddingWithReplicateOutput, Ide
 from .linear import (ColumnParallelLinear, ColumnParallelLinearWithReplicateInputOutput,
                      ColumnParallelLinearWithReplicateOutput, Linear, ReplicateParallelLinear, RowParallelLinear,
                      RowParallelLinearWithReplicateOutput)
+from ._layout import skip_init
 from .module import Module, Parameter, StateDictError
 
 __all__ = [
     "Module", "Parameter", "StateDictError", "Linear", "ColumnParallelLinear", "ColumnParallelLinearWithReplicateOutput",
     "ColumnParallelLinearWithReplicateInputOutput", "RowParallelLinear", "RowParallelLinearWithReplicateOutput",
     "ReplicateParallelLinear", "Embedding", "EmbeddingWithReplicateOutput", "RMSNorm", "LayerNorm", "Dropout",
-    "SiLU", "GELU", "ReLU", "Identity", "Sequential", "ModuleList", "ModuleDict", "functional",
+    "SiLU", "GELU", "ReLU", "Identity", "Sequential", "ModuleList", "ModuleDict", "functional", "skip_init",
 ]

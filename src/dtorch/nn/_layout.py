@@ -1,6 +1,9 @@
 """Layout helpers shared by the modules: which mesh a module lives on, placements by mesh dim name."""
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 
 from ..errors import MeshError
@@ -49,3 +52,21 @@ def with_placement(x, dim_name: str, placement: Placement | None):
     if placement is None or not isinstance(x, Tensor) or x.device_mesh.dim_name_index(dim_name) is None:
         return x
     return x.redistribute_by_dict(placements_dict={dim_name: placement})
+
+
+_init_state = threading.local()
+
+
+@contextlib.contextmanager
+def skip_init():
+    """Modules built inside skip random initialisation (their values are about to be loaded)."""
+    prev = getattr(_init_state, "skip", False)
+    _init_state.skip = True
+    try:
+        yield
+    finally:
+        _init_state.skip = prev
+
+
+def init_enabled() -> bool:
+    return not getattr(_init_state, "skip", False)

@@ -8,7 +8,7 @@ import torch
 from ..graph import Graph
 from ..placement import Replicate, Shard
 from . import functional as F
-from ._layout import make_param, module_mesh, on_mesh, placements_on, with_placement
+from ._layout import init_enabled, make_param, module_mesh, on_mesh, placements_on, with_placement
 from .module import Module
 
 
@@ -33,7 +33,8 @@ class Embedding(Module):
         mesh = module_mesh(device_mesh, device)
         if _weight is None:
             w = torch.empty(num_embeddings, embedding_dim, dtype=dtype or Graph.default_graph().default_dtype)
-            torch.nn.init.normal_(w)
+            if init_enabled():
+                torch.nn.init.normal_(w)
             if padding_idx is not None:
                 w[padding_idx] = 0
         else:

@@ -33,7 +33,8 @@ class Parameter(Tensor):
 
     def _set(self, value: Tensor) -> None:
         """Take ``value``'s storage and layout in place, so every holder of this parameter sees it."""
-        self._graph._account(self._spec.mesh, self._acct, -1)
+        if self._graph.tracks_tensors and getattr(self, "_tracked", False):
+            self._graph._on_delete(self)  # the old storage leaves this parameter (memory stats, worker buffers)
         self._init(value._spec, value._h, value._graph)
 
     def __repr__(self):

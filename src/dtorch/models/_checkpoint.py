@@ -1,0 +1,83 @@
+"""Reading Hugging Face checkpoint directories (config.json + *.safetensors) shard by shard."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..nn.module import Parameter, StateDictError
+from ..tensor import Tensor
+
+
+def load_config(path: Path):
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json; pass a directory written by save_pretrained()")
+    from transformers import LlamaConfig
+
+    return LlamaConfig.from_pretrained(str(path))
+
+
+def _weight_files(path: Path) -> dict:
+    """parameter name -> safetensors file holding it."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors files; save the model with save_pretrained(safe_serialization=True)")
+    from safetensors import safe_open
+
+    out = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            out.update({k: f for k in h.keys()})
+    return out
+
+
+def read_sharded(model, path: Path, progress=None) -> None:
+    """Fill every parameter of ``model`` from the checkpoint: each distinct device block is read with
+    ``get_slice`` (replicas share one read), so no device's data passes through a full-tensor read."""
+    from safetensors import safe_open
+
+    where = _weight_files(path)
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    entries = [(k, t) for k, t in model.state_dict(keep_vars=True).items()]
+    missing = [k for k, _ in entries if k not in where and not (tied and k == "lm_head.weight")]
+    if missing:
+        raise StateDictError(f"checkpoint {path} lacks parameters {missing}; is it a Llama checkpoint of this config?")
+    handles = {}
+    try:
+        for n, (key, param) in enumerate(entries):
+            src = "model.embed_tokens.weight" if key not in where else key
+            f = where[src]
+            if f not in handles:
+                handles[f] = safe_open(str(f), framework="pt").__enter__()
+            sl = handles[f].get_slice(src)
+            shape = tuple(sl.get_shape())
+            if shape != tuple(param.shape):
+                raise StateDictError(f"size mismatch for {key}: the checkpoint has shape {list(shape)}, the model "
+                                     f"expects {list(param.shape)}")
+            _fill(param, sl)
+            if progress:
+                progress(n + 1, len(entries), key)
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+
+
+def _fill(param: Tensor, sl) -> None:
+    spec = param.spec
+    full = torch.empty(spec.shape, dtype=spec.dtype)
+    done = set()
+    for coord in spec.mesh.coordinates():
+        box = spec.local_box(coord)
+        if box in done or any(n == 0 for _, n in box):
+            continue
+        done.add(box)
+        region = tuple(slice(o, o + n) for o, n in box)
+        full[region] = sl[region].to(spec.dtype)
+    value = Tensor(full, device_mesh=spec.mesh, placements=spec.placements)
+    if isinstance(param, Parameter):
+        param._set(value)
