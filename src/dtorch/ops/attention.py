@@ -1,1 +1,571 @@
-"""(op family: attention) - being written."""
+"""scaled_dot_product_attention, layout [N, H, L, E], plain or context parallel.
+
+Plain rule, per mesh dim (K/V are [N, Hk, S, E] / [N, Hk, S, Ev]):
+
+    q/k/v S(0)          -> S(0)   batches are independent
+    q/k/v S(1)          -> S(1)   heads are independent (GQA: kv heads sharded alike when both head
+                                  counts divide evenly, else kv replicated and each device picks the
+                                  kv heads its q heads use)
+    q S(2), k/v whole   -> S(2)   query rows are independent; a causal mask uses global row offsets
+    v S(3), q/k whole   -> S(3)   out[..., e] only reads v[..., e]
+    v P, q/k whole      -> P      out = softmax(q k^T) v is linear in v
+    otherwise           -> R
+
+Context parallel (mesh dims "ulysess_cp"/"ulysses_cp" and "ring_cp", see docs/context-parallel.md):
+Q/K/V arrive Shard(2) on those dims and leave the same way. Ulysses is a Shard(2) -> Shard(1)
+redistribution (all_to_all) on its dim; Ring rotates K/V blocks with ``runtime.ring_shift`` and merges
+per-block results by their log-sum-exp.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..errors import DTorchError, OpError
+from ..placement import Partial, Replicate, Shard
+from ..redistribute import redistribute_spec
+from ..runtime.kernels import Kernel, kernel
+from ..spec import DTensorSpec
+from ..tensor import Tensor
+from .registry import OpPlan, describe, dispatch, register, spec_like, to_dtensors
+
+_NAME = "scaled_dot_product_attention"
+_ULYSSES = ("ulysess_cp", "ulysses_cp")
+_RING = ("ring_cp",)
+
+
+# ------------------------------------------------------------------------------------------------
+# math on local blocks (leading grid dims allowed everywhere)
+
+
+def _positions(off, n: int, chunk: int, stride: int, device):
+    """Global sequence positions of a local block of ``n`` rows: ``off + l`` for a contiguous block; a
+    chunked block (Ulysses outside Ring) holds chunks of ``chunk`` rows that start ``stride`` apart."""
+    l = torch.arange(n, device=device)
+    if chunk:
+        l = torch.div(l, chunk, rounding_mode="floor") * stride + l % chunk
+    if isinstance(off, torch.Tensor):
+        return off.reshape(off.shape + (1,)).to(device) + l  # [*grid, n]
+    return l + off
+
+
+def _take(x: torch.Tensor, idx: torch.Tensor, dim: int, lead: int) -> torch.Tensor:
+    """``x.index_select(dim, idx)`` where ``idx`` may differ per device (leading grid dims ``[*g, n]``)."""
+    if idx.ndim == 1:
+        return x.index_select(dim, idx.to(x.device))
+    g = torch.broadcast_shapes(tuple(x.shape[:lead]), tuple(idx.shape[:lead]))
+    x = x.expand(g + tuple(x.shape[lead:]))
+    d = dim % x.ndim
+    shape = [1] * x.ndim
+    shape[:lead] = idx.shape[:lead]
+    shape[d] = idx.shape[-1]
+    target = list(x.shape)
+    target[d] = idx.shape[-1]
+    return torch.gather(x, d, idx.reshape(shape).to(x.device).expand(target))
+
+
+def _rank4(t: torch.Tensor, lead: int, rank: int) -> torch.Tensor:
+    """A mask of ``rank`` local dims, right-aligned to [N, H, L, S] behind the grid dims."""
+    return t.reshape(tuple(t.shape[:lead]) + (1,) * (4 - rank) + tuple(t.shape[lead:]))
+
+
+def _match_heads(q, k, v, lead, heads, q_head_off):
+    """K/V with one head per q head (GQA): a local repeat when shards align, else a per-device pick."""
+    mode, group = heads
+    if mode == "local":
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+        return k, v
+    hq = q.shape[-3]
+    idx = torch.arange(hq, device=q.device)
+    if isinstance(q_head_off, torch.Tensor):
+        idx = q_head_off.reshape(q_head_off.shape + (1,)).to(q.device) + idx
+    else:
+        idx = idx + q_head_off
+    idx = torch.div(idx, group, rounding_mode="floor")
+    return _take(k, idx, -3, lead), _take(v, idx, -3, lead)
+
+
+def _attend(q, k, v, *, scale, pos_q=None, pos_k=None, causal=False, mask=None, noise=None):
+    """Attention of q against one K/V block -> (out, lse), both float32.
+
+    ``out`` is normalized over this block only and ``lse`` is log sum_j exp(score_j); rows with no
+    visible key give out = 0 and lse = -inf (never NaN), like torch's fully masked rows.
+    """
+    qf, kf, vf = q.float(), k.float(), v.float()
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [.., N, H, L, E] @ [.., N, H, E, S] -> [.., N, H, L, S]
+    neg_inf = torch.tensor(float("-inf"), device=s.device)
+    if mask is not None:
+        s = torch.where(mask, s, neg_inf) if mask.dtype == torch.bool else s + mask.float()
+    if causal:
+        allowed = pos_k.unsqueeze(-2) <= pos_q.unsqueeze(-1)  # [.., L, S]
+        if allowed.ndim > 2:  # per-device positions: [*grid, L, S] -> [*grid, 1, 1, L, S]
+            allowed = allowed.unsqueeze(-3).unsqueeze(-3)
+        s = torch.where(allowed, s, neg_inf)
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros((), device=s.device))
+    p = torch.exp(s - m)
+    denom = p.sum(-1, keepdim=True)
+    lse = (m + torch.log(denom)).squeeze(-1)
+    if noise is not None:
+        p = p * noise.float()
+    out = torch.matmul(p, vf) / torch.where(denom > 0, denom, torch.ones((), device=s.device))
+    return out, lse
+
+
+def _merge(o1, lse1, o2, lse2):
+    """Combine two partial attentions over disjoint key sets by their log-sum-exp."""
+    lse = torch.logaddexp(lse1, lse2)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros((), device=lse.device))  # both empty: weights 0
+    w1 = torch.exp(lse1 - safe).unsqueeze(-1)
+    w2 = torch.exp(lse2 - safe).unsqueeze(-1)
+    return o1 * w1 + o2 * w2, lse
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels
+
+
+@kernel("sdpa")
+def _sdpa_kernel(q, k, v, *extra, lead, scale, causal, mask_rank, has_noise, heads, q_off=0, q_head_off=0):
+    mask = _rank4(extra[0], lead, mask_rank) if mask_rank is not None else None
+    noise = extra[-1] if has_noise else None
+    k, v = _match_heads(q, k, v, lead, heads, q_head_off)
+    pos_q = pos_k = None
+    if causal:
+        pos_q = _positions(q_off, q.shape[-2], 0, 0, q.device)
+        pos_k = torch.arange(k.shape[-2], device=q.device)
+    out, _ = _attend(q, k, v, scale=scale, pos_q=pos_q, pos_k=pos_k, causal=causal, mask=mask, noise=noise)
+    return out.to(q.dtype)
+
+
+@kernel("sdpa_ring_step")
+def _ring_step_kernel(q, k, v, *extra, lead, scale, causal, mask_rank, has_noise, has_acc, kv_rep, q_stride,
+                      k_stride, out_dtype, q_off, k_off):
+    """One ring step: local Q against the K/V block now held (source block offset ``k_off``), merged
+    into the running (out, lse). Mask and noise are whole along L and S; rows/cols are picked by position."""
+    extra = list(extra)
+    mask = extra.pop(0) if mask_rank is not None else None
+    noise = extra.pop(0) if has_noise else None
+    qc = kc = 0
+    q_shape = q.shape
+    if q_stride:  # chunked blocks [.., U, C, E] -> [.., U * C, E]
+        qc, kc = q.shape[-2], k.shape[-2]
+        q, k, v = q.flatten(-3, -2), k.flatten(-3, -2), v.flatten(-3, -2)
+        extra = [extra[0].flatten(-3, -2), extra[1].flatten(-2, -1)] if has_acc else []
+    pos_q = _positions(q_off, q.shape[-2], qc, q_stride, q.device)
+    pos_k = _positions(k_off, k.shape[-2], kc, k_stride, q.device)
+    if mask is not None:
+        mask = _rank4(mask, lead, mask_rank)
+        mask = _take(mask, pos_q, -2, lead) if mask.shape[-2] > 1 else mask
+        mask = _take(mask, pos_k, -1, lead) if mask.shape[-1] > 1 else mask
+    if noise is not None:
+        noise = _take(_take(noise, pos_q, -2, lead), pos_k, -1, lead)
+    if kv_rep > 1:
+        k, v = k.repeat_interleave(kv_rep, dim=-3), v.repeat_interleave(kv_rep, dim=-3)
+    out, lse = _attend(q, k, v, scale=scale, pos_q=pos_q, pos_k=pos_k, causal=causal, mask=mask, noise=noise)
+    if has_acc:
+        out, lse = _merge(extra[0], extra[1], out, lse)
+    if q_stride:
+        out = out.reshape(tuple(q_shape[:-1]) + (out.shape[-1],))
+        lse = lse.reshape(tuple(q_shape[:-1]))
+    return out.to(out_dtype), lse
+
+
+@kernel("sdpa_repeat_kv")
+def _repeat_kv_kernel(x, *, repeats: int):
+    return x.repeat_interleave(repeats, dim=-3)
+
+
+@kernel("sdpa_split_seq")
+def _split_seq_kernel(x):
+    # [.., C, D] -> [.., 1, C, D]: the same block read as [N, H, U, L / U, D] with U sharded
+    return x.unsqueeze(-3)
+
+
+@kernel("sdpa_merge_seq")
+def _merge_seq_kernel(x):
+    return x.squeeze(-3)
+
+
+# ------------------------------------------------------------------------------------------------
+# checks and the plain rule
+
+
+def _check(specs, has_mask: bool, causal: bool, gqa: bool):
+    q, k, v = specs[:3]
+    shapes = f"query {list(q.shape)}, key {list(k.shape)}, value {list(v.shape)}"
+    if not q.ndim == k.ndim == v.ndim == 4:
+        raise OpError(f"dtorch.{_NAME} takes query/key/value of layout [N, H, L, E]; got {shapes}")
+    (n, hq, _, e), (nk, hk, s, ek), (nv, hv, sv, _) = q.shape, k.shape, v.shape
+    problems = []
+    if not n == nk == nv:
+        problems.append("batch sizes (dim 0) differ")
+    if hk != hv or s != sv:
+        problems.append("key and value must agree on heads (dim 1) and sequence length (dim 2)")
+    if ek != e:
+        problems.append("query and key must have the same embedding size (dim 3)")
+    if hq != hk and not (gqa and hk and hq % hk == 0):
+        problems.append(f"{hq} query heads vs {hk} key/value heads: pass enable_gqa=True with query heads a "
+                        "multiple of key/value heads" if not gqa else
+                        f"query heads ({hq}) must be a multiple of key/value heads ({hk})")
+    if not q.dtype == k.dtype == v.dtype:
+        problems.append(f"dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+    if has_mask:
+        m = specs[3]
+        if causal:
+            problems.append("pass either attn_mask or is_causal=True, not both (like torch)")
+        if m.dtype != torch.bool and not m.dtype.is_floating_point:
+            problems.append(f"attn_mask must be bool or floating point, got {m.dtype}")
+        full = (n, hq, q.shape[2], s)
+        if m.ndim > 4 or any(a not in (1, b) for a, b in zip(m.shape[::-1], full[::-1])):
+            problems.append(f"attn_mask of shape {list(m.shape)} does not broadcast to [N, H, L, S] = {list(full)}")
+    if problems:
+        raise OpError(f"dtorch.{_NAME}: {'; '.join(problems)} ({shapes})")
+
+
+def _mask_dim(spec, od: int, full: tuple):
+    """The mask dim that lines up with output dim ``od`` of [N, H, L, S], if it is not broadcast."""
+    md = od - (4 - spec.ndim)
+    return md if md >= 0 and spec.shape[md] == full[od] > 1 else None
+
+
+def _shard_or_rep(dim):
+    return Replicate() if dim is None else Shard(dim)
+
+
+def _prod(xs) -> int:
+    return int(np.prod(list(xs), dtype=np.int64))
+
+
+def _plain_rule(specs, has_mask, has_noise, causal, scale, gqa):
+    _check(specs, has_mask, causal, gqa)
+    q, k, v = specs[:3]
+    mask = specs[3] if has_mask else None
+    n, hq, l, _ = q.shape
+    hk, s, ev = k.shape[1], k.shape[2], v.shape[3]
+    full = (n, hq, l, s)
+    mesh = q.mesh
+    R = Replicate()
+    qp, kp, vp, mp, zp, op = [], [], [], [], [], []
+    head_dims, seq_dims = [], []
+    for i in range(mesh.ndim):
+        pq, pv = q.placements[i], v.placements[i]
+        dims = {p.dim for p in (pq, k.placements[i], pv) if isinstance(p, Shard)}
+        mode = 0 if 0 in dims else 1 if 1 in dims else 2 if pq == Shard(2) else None
+        if mode is not None:
+            kv = Shard(mode) if mode < 2 else R
+            md = _mask_dim(mask, mode, full) if has_mask else None
+            row = (Shard(mode), kv, kv, _shard_or_rep(md), Shard(mode), Shard(mode))
+            (head_dims if mode == 1 else seq_dims if mode == 2 else []).append(i)
+        elif pv == Shard(3):
+            row = (R, R, pv, R, R, pv)
+        elif isinstance(pv, Partial) and pv.reduce_op in ("sum", "avg"):
+            row = (R, R, pv, R, R, pv)
+        else:
+            row = (R,) * 6
+        for lst, p in zip((qp, kp, vp, mp, zp, op), row):
+            lst.append(p)
+    heads = ("local", hq // hk)
+    if hq != hk and head_dims:
+        t = _prod(mesh.shape[i] for i in head_dims)
+        if hq % t or hk % t:  # q and kv head chunks would not line up: every device keeps all kv heads
+            for i in head_dims:
+                kp[i] = vp[i] = R
+            heads = ("offset", hq // hk)
+    q_in = spec_like(q, placements=qp)
+    in_specs = [q_in, spec_like(k, placements=kp), spec_like(v, placements=vp)]
+    if has_mask:
+        in_specs.append(spec_like(mask, placements=mp))
+    if has_noise:
+        in_specs.append(spec_like(specs[-1], placements=zp))
+    out = DTensorSpec(mesh, tuple(op), (n, hq, l, ev), q.dtype)
+    device_args = {}
+    if causal and seq_dims:
+        device_args["q_off"] = _offsets(q_in, 2)
+    if heads[0] == "offset":
+        device_args["q_head_off"] = _offsets(q_in, 1)
+    kwargs = {"scale": scale, "causal": causal, "mask_rank": mask.ndim if has_mask else None,
+              "has_noise": has_noise, "heads": heads}
+    return OpPlan(tuple(in_specs), (out,), _sdpa_kernel, kwargs, device_args or None)
+
+
+def _offsets(spec: DTensorSpec, dim: int, coord_map=None) -> np.ndarray:
+    """Per device (mesh-shaped array): the global offset of its block along tensor dim ``dim``."""
+    out = np.zeros(spec.mesh.shape, dtype=np.int64)
+    for c in spec.mesh.coordinates():
+        out[c] = spec.local_box(coord_map(c) if coord_map else c)[dim][0]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# context parallel planning (pure, cached)
+
+
+@dataclass(frozen=True)
+class _RingStep:
+    in_specs: tuple
+    out_specs: tuple
+    kwargs: dict
+    device_args: dict
+
+
+@dataclass(frozen=True)
+class _CPPlan:
+    q_in: DTensorSpec
+    k_in: DTensorSpec  # K/V before GQA expansion
+    v_in: DTensorSpec
+    expand: int  # repeat each kv head this often so kv head shards line up with q's
+    k_exp: DTensorSpec | None
+    v_exp: DTensorSpec | None
+    ulysses: tuple  # (view spec or None, all_to_all target spec) for q, k, v; () without Ulysses
+    ring_dim: int | None
+    ring_steps: tuple  # of _RingStep
+    mask_r: DTensorSpec | None
+    noise_r: DTensorSpec | None
+    k_r: DTensorSpec | None
+    v_r: DTensorSpec | None
+    o_back: DTensorSpec | None  # output after the all_to_all back (Ulysses)
+    o_final: DTensorSpec
+
+
+def _cp_dims(mesh):
+    names = mesh.dim_names or []
+
+    def find(candidates):
+        for nm in candidates:
+            if nm in names and mesh.shape[names.index(nm)] > 1:
+                return names.index(nm)
+        return None
+
+    return find(_ULYSSES), find(_RING)
+
+
+@lru_cache(maxsize=1024)
+def _cp_plan(q, k, v, mask, noise, causal, scale, gqa, u, r) -> _CPPlan:
+    specs = (q, k, v) + ((mask,) if mask is not None else ())
+    _check(specs, mask is not None, causal, gqa)
+    mesh = q.mesh
+    n, hq, l, e = q.shape
+    hk, s, ev = k.shape[1], k.shape[2], v.shape[3]
+    U = mesh.shape[u] if u is not None else 1
+    nr = mesh.shape[r] if r is not None else 1
+    names = mesh.dim_names
+
+    # canonical layout: Shard(2) on the cp dims; batch or head shards pass through on the others
+    base, head_dims = [], []
+    for i in range(mesh.ndim):
+        dims = {p.dim for p in (q.placements[i], k.placements[i], v.placements[i]) if isinstance(p, Shard)}
+        if i in (u, r):
+            base.append(Shard(2))
+        elif 0 in dims:
+            base.append(Shard(0))
+        elif 1 in dims:
+            base.append(Shard(1))
+            head_dims.append(i)
+        else:
+            base.append(Replicate())
+    t = _prod(mesh.shape[i] for i in head_dims)
+    split = " * ".join(f"{names[i]}({mesh.shape[i]})" for i in head_dims + ([u] if U > 1 else []))
+    if U > 1 and hq % (t * U):
+        raise OpError(f"dtorch.{_NAME}: Ulysses context parallel splits the {hq} query heads over {split} = {t * U} "
+                      "devices; use a head count divisible by that, or a smaller ulysess_cp dim")
+    if U > 1 and (l % U or s % U):
+        raise OpError(f"dtorch.{_NAME}: Ulysses context parallel needs sequence lengths (query {l}, key {s}) "
+                      f"divisible by ulysess_cp ({U})")
+    g = hq // hk
+    expand = 1
+    if g > 1 and t * U > 1:
+        if hq % (t * U):
+            raise OpError(f"dtorch.{_NAME}: GQA with context parallel needs the {hq} query heads divisible by the "
+                          f"head split {split} = {t * U}")
+        # the smallest repeat of each kv head that makes kv head shards line up with q's (g always does)
+        expand = next(d for d in range(1, g + 1) if g % d == 0 and (hk * d) % (t * U) == 0)
+    kv_pre = list(base)
+    if expand > 1 and hk % t:  # uneven kv head shards: expand whole heads, then cut (a local slice)
+        for i in head_dims:
+            kv_pre[i] = Replicate()
+    q_in = spec_like(q, placements=base)
+    k_in, v_in = spec_like(k, placements=kv_pre), spec_like(v, placements=kv_pre)
+    k_exp = v_exp = None
+    k_cur, v_cur = spec_like(k, placements=base), spec_like(v, placements=base)
+    if expand > 1:
+        k_exp = spec_like(k_in, shape=(n, hk * expand, s, e))
+        v_exp = spec_like(v_in, shape=(n, hk * expand, s, ev))
+        k_cur, v_cur = spec_like(k_exp, placements=base), spec_like(v_exp, placements=base)
+
+    # Ulysses: sequence <-> heads. With Ulysses outside Ring in mesh order, each device's block of L is
+    # read as [U, L / U] first (same data), so the all_to_all leaves Ring's shard of every chunk in place.
+    view = U > 1 and nr > 1 and u < r
+    ulysses = ()
+    q_cur = q_in
+    if U > 1:
+        def to_heads(x):
+            pl = list(x.placements)
+            vw = None
+            if view:
+                pl[r] = Shard(3)
+                vw = DTensorSpec(mesh, tuple(pl), x.shape[:2] + (U, x.shape[2] // U) + x.shape[3:], x.dtype)
+                x = vw
+            pl[u] = Shard(1)
+            return vw, x.with_placements(pl)
+
+        ulysses = (to_heads(q_in), to_heads(k_cur), to_heads(v_cur))
+        q_cur, k_cur, v_cur = (a2a for _, a2a in ulysses)
+
+    o_final = DTensorSpec(mesh, tuple(base), (n, hq, l, ev), q.dtype)
+    o_back = None
+    if U > 1:
+        o_back = o_final
+        if view:
+            o_back = spec_like(ulysses[0][0], shape=ulysses[0][0].shape[:-1] + (ev,))
+    if nr == 1:
+        return _CPPlan(q_in, k_in, v_in, expand, k_exp, v_exp, ulysses, None, (), None, None, None, None, o_back, o_final)
+
+    # Ring: local Q against each K/V block in turn; device j holds block (j - step) mod nr
+    sd = 3 if view else 2
+    heads_now = head_dims + ([u] if U > 1 else [])
+    full = (n, hq, l, s)
+
+    def whole_seq(x):  # mask/noise: batch and head shards like q, whole along L and S
+        if x is None:
+            return None
+        pl = []
+        for i in range(mesh.ndim):
+            od = 0 if base[i] == Shard(0) else 1 if i in heads_now else None
+            md = _mask_dim(x, od, full) if od is not None else None
+            pl.append(_shard_or_rep(md))
+        return x.with_placements(pl)
+
+    mask_r, noise_r = whole_seq(mask), whole_seq(noise)
+    extra = tuple(x for x in (mask_r, noise_r) if x is not None)
+    o_acc = DTensorSpec(mesh, q_cur.placements, q_cur.shape[:-1] + (ev,), torch.float32)
+    lse = DTensorSpec(mesh, q_cur.placements, q_cur.shape[:-1], torch.float32)
+    o_out = spec_like(o_acc, dtype=q.dtype)
+    q_off = _offsets(q_cur, sd)
+    steps = []
+    for st in range(nr):
+        def src(c, st=st):
+            c = list(c)
+            c[r] = (c[r] - st) % nr
+            return tuple(c)
+
+        last = st == nr - 1
+        kwargs = {"scale": scale, "causal": causal, "mask_rank": mask.ndim if mask is not None else None,
+                  "has_noise": noise is not None, "has_acc": st > 0, "kv_rep": hq // k_cur.shape[1],
+                  "q_stride": l // U if view else 0, "k_stride": s // U if view else 0,
+                  "out_dtype": q.dtype if last else torch.float32}
+        steps.append(_RingStep((q_cur, k_cur, v_cur) + extra + ((o_acc, lse) if st else ()),
+                               (o_out if last else o_acc, lse), kwargs,
+                               {"q_off": q_off, "k_off": _offsets(k_cur, sd, src)}))
+    return _CPPlan(q_in, k_in, v_in, expand, k_exp, v_exp, ulysses, r, tuple(steps), mask_r, noise_r, k_cur, v_cur,
+                   o_back, o_final)
+
+
+# ------------------------------------------------------------------------------------------------
+# execution
+
+
+def _run(kern: Kernel, x: Tensor, out_spec: DTensorSpec, **kwargs) -> Tensor:
+    h = x._graph.runtime.run_local(kern, [x._h], [x._spec], [out_spec], kwargs, None)
+    return Tensor._make(out_spec, h[0], x._graph)
+
+
+def _plain(q, k, v, mask, noise, causal, scale, gqa) -> Tensor:
+    tensors = [q, k, v] + [t for t in (mask, noise) if t is not None]
+    return dispatch(_NAME, _plain_rule, tensors, (mask is not None, noise is not None, causal, scale, gqa))
+
+
+def _context_parallel(q, k, v, mask, noise, causal, scale, gqa, u, r) -> Tensor:
+    specs = (q._spec, k._spec, v._spec, mask._spec if mask is not None else None,
+             noise._spec if noise is not None else None)
+    try:
+        cp = _cp_plan(*specs, causal, scale, gqa, u, r)
+    except DTorchError:
+        raise
+    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+        raise OpError(f"dtorch.{_NAME} cannot run on inputs {describe([s for s in specs if s])}: {exc}") from exc
+    mesh = q.device_mesh
+    q, k, v = redistribute_spec(q, cp.q_in), redistribute_spec(k, cp.k_in), redistribute_spec(v, cp.v_in)
+    if cp.expand > 1:
+        # each kv head repeated in place, then cut like q's heads (a local slice when heads were whole)
+        k = redistribute_spec(_run(_repeat_kv_kernel, k, cp.k_exp, repeats=cp.expand), _base_like(cp, cp.k_exp))
+        v = redistribute_spec(_run(_repeat_kv_kernel, v, cp.v_exp, repeats=cp.expand), _base_like(cp, cp.v_exp))
+    if cp.ulysses:
+        moved = []
+        for x, (view, a2a) in zip((q, k, v), cp.ulysses):
+            if view is not None:
+                x = _run(_split_seq_kernel, x, view)
+            moved.append(x.redistribute(mesh, a2a.placements))  # all_to_all on the Ulysses dim
+        q, k, v = moved
+    if cp.ring_dim is None:
+        out = _plain(q, k, v, mask, noise, causal, scale, gqa)
+    else:
+        out = _ring(cp, q, k, v, mask, noise)
+    if cp.o_back is not None:
+        out = out.redistribute(mesh, cp.o_back.placements)  # all_to_all back on the Ulysses dim
+        if cp.o_back.shape != cp.o_final.shape:
+            out = _run(_merge_seq_kernel, out, cp.o_final)
+    return out
+
+
+def _base_like(cp: _CPPlan, spec: DTensorSpec) -> DTensorSpec:
+    return spec.with_placements(cp.q_in.placements)
+
+
+def _ring(cp: _CPPlan, q, k, v, mask, noise) -> Tensor:
+    graph = q._graph
+    rt = graph.runtime
+    extra = [redistribute_spec(x, s) for x, s in ((mask, cp.mask_r), (noise, cp.noise_r)) if x is not None]
+    kh, vh = k._h, v._h
+    acc: list = []
+    for st, step in enumerate(cp.ring_steps):
+        try:
+            acc = rt.run_local(_ring_step_kernel, [q._h, kh, vh] + [x._h for x in extra] + acc, step.in_specs,
+                               step.out_specs, step.kwargs, step.device_args)
+        except DTorchError:
+            raise
+        except Exception as exc:
+            raise OpError(f"dtorch.{_NAME} (ring step {st}) failed on inputs {describe(step.in_specs[:3])}: "
+                          f"{type(exc).__name__}: {exc}") from exc
+        if st + 1 < len(cp.ring_steps):  # pass K/V on: device j now holds block j - st - 1
+            kh = rt.ring_shift(kh, cp.k_r, cp.ring_dim, 1)
+            vh = rt.ring_shift(vh, cp.v_r, cp.ring_dim, 1)
+    return Tensor._make(cp.ring_steps[-1].out_specs[0], acc[0], graph)
+
+
+# ------------------------------------------------------------------------------------------------
+# the op
+
+
+@register(torch_fns=(F.scaled_dot_product_attention,), functional=True)
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+                                 scale: float | None = None, enable_gqa: bool = False):
+    """``F.scaled_dot_product_attention`` on [N, H, L, E] tensors; context parallel on a mesh with a
+    ``ulysess_cp`` / ``ring_cp`` dim of size > 1.
+
+    With ``dropout_p > 0`` the dropout mask is drawn for the global [N, H, L, S] attention weights by
+    torch on the controller (on CPU the same values as torch's SDPA for the same seed)."""
+    q, k, v, mask = to_dtensors(_NAME, [query, key, value, attn_mask])
+    if not all(isinstance(x, Tensor) for x in (q, k, v)):
+        raise OpError(f"dtorch.{_NAME}: query, key and value must be tensors")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise OpError(f"dtorch.{_NAME}: dropout_p must be in [0, 1], got {dropout_p}")
+    e = q.shape[-1] if q.ndim else 1
+    scale = float(1.0 / math.sqrt(e) if scale is None else scale)
+    noise = None
+    if dropout_p > 0.0 and q.ndim == 4 and k.ndim == 4:
+        shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        # torch's recipe: empty_like(attn).bernoulli_(1 - p).div_(1 - p); p == 1 drops everything
+        full = (torch.zeros(shape, dtype=q.dtype) if dropout_p == 1.0
+                else torch.empty(shape, dtype=q.dtype).bernoulli_(1 - dropout_p).div_(1 - dropout_p))
+        noise = Tensor(full, device_mesh=q.device_mesh)
+    u, r = _cp_dims(q.device_mesh)
+    if u is None and r is None:
+        return _plain(q, k, v, mask, noise, bool(is_causal), scale, bool(enable_gqa))
+    return _context_parallel(q, k, v, mask, noise, bool(is_causal), scale, bool(enable_gqa), u, r)
