@@ -1,1 +1,793 @@
-"""(op family: view) - being written."""
+"""Shape and view ops: view/reshape, flatten/unflatten, transpose/permute, (un)squeeze, expand, repeat,
+repeat_interleave, indexing, narrow/chunk/split/unbind, cat/stack, tril/triu.
+
+Each single-input op is described by a *dim map*: one entry per output dim saying where its data
+comes from, in a small vocabulary (InputDim, Flatten, Split, Singleton, NewDim, Broadcast, Slice,
+Repeat, Interleave). Placements then follow the data, per mesh dim:
+
+    S(d), d kept 1:1 (transpose, unsqueeze, ...)  -> S(out)  the block holds the same data
+    S(d), d outermost in a flatten / split        -> S(out)  when every block boundary of d is a block
+                                                             boundary of out (the sizes divide); else R
+    S(d), d inner in a flatten, sliced, indexed,
+          broadcast or repeated                   -> R       gathered first, on that mesh dim only
+    P                                             -> P       views move elements, never combine them
+    R                                             -> R
+
+cat/stack align their inputs on a common placement (the cat dim whole); tril/triu keep every shard
+and give each block its global row/column offsets.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from ..errors import OpError
+from ..placement import Partial, Replicate, Shard
+from ..runtime.kernels import kernel, per_device
+from ..spec import DTensorSpec, chunk_size
+from ..tensor import Tensor
+from .registry import OpPlan, dispatch, meta_call, register, spec_like, to_dtensors
+
+
+class IndexOutOfRangeError(OpError, IndexError):
+    """A dim or an index lies outside the tensor (an IndexError, as in torch)."""
+
+
+class UnsupportedIndexError(OpError, NotImplementedError):
+    """Tensor, list or boolean indexing, which dtorch does not implement."""
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+def _first_big(sizes):
+    """Index of the first size other than 1: the only piece of a merge or split that can hold a shard."""
+    return next((k for k, s in enumerate(sizes) if s != 1), None)
+
+
+# ------------------------------------------------------------------------------------------------
+# the dim map vocabulary
+#
+# ``size(shape)``: the output dim's size given the input's shape, global or one device's block (so
+# kernels derive their local output shape from their local input). ``carries(shape)``: (input dim d,
+# rin, rout) when the output dim walks input dim d in order: element i of d covers [i*rin, (i+1)*rin)
+# of a common flat range, element j of the output dim covers [j*rout, (j+1)*rout); else None.
+
+
+class DimSpec:
+    def carries(self, shape):
+        return None
+
+
+@dataclass(frozen=True)
+class InputDim(DimSpec):
+    dim: int
+
+    def size(self, shape):
+        return shape[self.dim]
+
+    def carries(self, shape):
+        return (self.dim, 1, 1)
+
+
+@dataclass(frozen=True)
+class Singleton(DimSpec):
+    def size(self, shape):
+        return 1
+
+
+@dataclass(frozen=True)
+class NewDim(DimSpec):
+    """A new dim of a fixed size (the leading dims expand and repeat add)."""
+    n: int
+
+    def size(self, shape):
+        return self.n
+
+
+@dataclass(frozen=True)
+class Broadcast(DimSpec):
+    """A size-1 input dim expanded to n."""
+    src: DimSpec
+    n: int
+
+    def size(self, shape):
+        return self.n
+
+
+@dataclass(frozen=True)
+class Slice(DimSpec):
+    """n elements picked out of an input dim (slicing, narrow, chunk)."""
+    src: DimSpec
+    n: int
+
+    def size(self, shape):
+        return self.n
+
+
+@dataclass(frozen=True)
+class Repeat(DimSpec):
+    """An input dim tiled r times: [x, x, ...]."""
+    src: DimSpec
+    r: int
+
+    def size(self, shape):
+        return self.src.size(shape) * self.r
+
+
+@dataclass(frozen=True)
+class Interleave(DimSpec):
+    """Each element of an input dim repeated r times in place: [x0, x0, x1, x1, ...]."""
+    src: InputDim
+    r: int
+
+    def size(self, shape):
+        return self.src.size(shape) * self.r
+
+    def carries(self, shape):
+        return (self.src.dim, self.r, 1)
+
+
+@dataclass(frozen=True)
+class Flatten(DimSpec):
+    """Several input dims merged, outer first."""
+    parts: tuple
+
+    def size(self, shape):
+        return _prod(p.size(shape) for p in self.parts)
+
+    def carries(self, shape):
+        sizes = [p.size(shape) for p in self.parts]
+        k = _first_big(sizes)
+        if k is None or not isinstance(self.parts[k], InputDim):
+            return None
+        return (self.parts[k].dim, _prod(sizes[k + 1:]), 1)
+
+
+@dataclass(frozen=True)
+class Split(DimSpec):
+    """Piece ``idx`` of one (maybe flattened) input dim cut into ``pieces``, outer first."""
+    src: DimSpec
+    pieces: tuple
+    idx: int
+
+    def size(self, shape):
+        if self.idx != _first_big(self.pieces):
+            return self.pieces[self.idx]
+        # the one piece that may be sharded: whatever the source block leaves after the other pieces
+        return self.src.size(shape) // _prod(p for k, p in enumerate(self.pieces) if k != self.idx)
+
+    def carries(self, shape):
+        c = self.src.carries(shape) if self.idx == _first_big(self.pieces) else None
+        return None if c is None else (c[0], c[1], c[2] * _prod(self.pieces[self.idx + 1:]))
+
+
+def view_map(src: tuple, dst: tuple) -> tuple:
+    """Dim map of reshaping ``src`` into ``dst`` (same numel): runs of input dims and runs of output dims
+    whose sizes multiply to the same number form a group, which is flattened then split."""
+    if _prod(src) == 0:
+        return tuple(NewDim(n) for n in dst)  # an empty tensor has no data to follow
+    out, i, j = [], 0, 0
+    while i < len(src) or j < len(dst):
+        f = src[i] if i < len(src) else None
+        t = dst[j] if j < len(dst) else None
+        if t is None or (f == 1 and t != 1):  # a size-1 input dim goes away
+            i += 1
+            continue
+        if f is None or (t == 1 and f != 1):  # a size-1 output dim appears
+            out.append(Singleton())
+            j += 1
+            continue
+        dims, pieces = [i], [t]
+        i, j = i + 1, j + 1
+        while f != t:
+            if f < t:
+                f *= src[i]
+                dims.append(i)
+                i += 1
+            else:
+                t *= dst[j]
+                pieces.append(dst[j])
+                j += 1
+        group = InputDim(dims[0]) if len(dims) == 1 else Flatten(tuple(InputDim(d) for d in dims))
+        out += [group] if len(pieces) == 1 else [Split(group, tuple(pieces), k) for k in range(len(pieces))]
+    return tuple(out)
+
+
+# ------------------------------------------------------------------------------------------------
+# placements follow the data
+
+
+@lru_cache(maxsize=4096)
+def _levels_kept(n_in: int, rin: int, rout: int, mesh_sizes: tuple) -> int:
+    """How many nested shard levels (outer mesh dim first) of an input dim of ``n_in`` elements stay a
+    shard of the output dim carrying it: at each level, torch.chunk of the input dim and torch.chunk
+    of the output dim must cut the common flat range at the same places."""
+    pieces = {n_in * rin}
+    for t, m in enumerate(mesh_sizes):
+        nxt = set()
+        for e in pieces:
+            c = chunk_size(e // rin, m) * rin
+            if c != chunk_size(e // rout, m) * rout:
+                return t
+            nxt.update(min(c, e - min(k * c, e)) for k in range(m))
+        pieces = nxt
+    return len(mesh_sizes)
+
+
+def follow(spec: DTensorSpec, dim_map) -> tuple[tuple, tuple]:
+    """(input placements the op needs, output placements) for a single-input op with ``dim_map``."""
+    carried = {}
+    for o, ds in enumerate(dim_map):
+        c = ds.carries(spec.shape)
+        if c is not None:
+            carried[c[0]] = (o, c[1], c[2])
+    in_pl, out_pl = list(spec.placements), list(spec.placements)  # P and R pass: views are linear
+    for d in range(spec.ndim):
+        levels = spec.shard_mesh_dims(d)
+        if not levels:
+            continue
+        o, rin, rout = carried.get(d, (None, 1, 1))
+        keep = 0 if o is None else _levels_kept(spec.shape[d], rin, rout, tuple(spec.mesh.shape[i] for i in levels))
+        for t, i in enumerate(levels):
+            if t < keep:
+                out_pl[i] = Shard(o)
+            else:  # inner levels too: their blocks would nest under a gathered outer level
+                in_pl[i] = out_pl[i] = Replicate()
+    return tuple(in_pl), tuple(out_pl)
+
+
+def _map_plan(spec: DTensorSpec, dmap, kern, **kwargs) -> OpPlan:
+    in_pl, out_pl = follow(spec, dmap)
+    out = DTensorSpec(spec.mesh, out_pl, tuple(ds.size(spec.shape) for ds in dmap), spec.dtype)
+    return OpPlan((spec_like(spec, placements=in_pl),), (out,), kern, kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels: ``lead`` grid dims in front, local output shapes derived from the local input
+
+
+@kernel("view.reshape")
+def _reshape_kernel(x, *, dim_map, lead=0):
+    local = x.shape[lead:]
+    return x.reshape(tuple(x.shape[:lead]) + tuple(ds.size(local) for ds in dim_map))
+
+
+@kernel("view.permute")
+def _permute_kernel(x, *, perm, lead=0):
+    return x.permute(tuple(range(lead)) + tuple(lead + p for p in perm))
+
+
+@kernel("view.expand")
+def _expand_kernel(x, *, dim_map, new, lead=0):
+    local = x.shape[lead:]
+    x = x.reshape(tuple(x.shape[:lead]) + (1,) * new + tuple(local))
+    return x.expand(tuple(x.shape[:lead]) + tuple(ds.size(local) for ds in dim_map))
+
+
+@kernel("view.repeat")
+def _repeat_kernel(x, *, reps, lead=0):
+    x = x.reshape(tuple(x.shape[:lead]) + (1,) * (len(reps) - (x.ndim - lead)) + tuple(x.shape[lead:]))
+    return x.repeat((1,) * lead + tuple(reps))
+
+
+@kernel("view.repeat_interleave")
+def _interleave_kernel(x, *, repeats, dim, lead=0):
+    return torch.repeat_interleave(x, repeats, dim=lead + dim)
+
+
+@kernel("view.index")
+def _index_kernel(x, *, items, lead=0):
+    return x[(slice(None),) * lead + _as_index(items)]
+
+
+@kernel("view.split")
+def _split_kernel(x, *, dim, sizes, squeeze, lead=0):
+    if squeeze:
+        return tuple(x.unbind(lead + dim))
+    return tuple(torch.split(x, list(sizes), dim=lead + dim))
+
+
+@kernel("view.cat")
+def _cat_kernel(*xs, dim, stack, lead=0):
+    return (torch.stack if stack else torch.cat)(xs, dim=lead + dim)
+
+
+@kernel("view.tri")
+def _tri_kernel(x, *, upper, diagonal, roff=0, coff=0, lead=0):
+    if not isinstance(roff, torch.Tensor):
+        k = diagonal + roff - coff  # local (i, j) is global (i + roff, j + coff)
+        return torch.triu(x, k) if upper else torch.tril(x, k)
+    rows = torch.arange(x.shape[-2], device=x.device).unsqueeze(-1) + per_device(roff, x, lead)
+    cols = torch.arange(x.shape[-1], device=x.device) + per_device(coff, x, lead)
+    keep = (cols - rows >= diagonal) if upper else (cols - rows <= diagonal)
+    return torch.where(keep, x, x.new_zeros(()))
+
+
+def _as_index(items) -> tuple:
+    out = []
+    for it in items:
+        kind = it[0]
+        out.append(None if kind == "new" else slice(None) if kind == "all" else it[1] if kind == "int"
+                   else slice(*it[1:]))
+    return tuple(out)
+
+
+# ------------------------------------------------------------------------------------------------
+# rules (pure functions of specs and static arguments; cached by the dispatcher)
+
+
+def _reshape_rule(specs, shape):
+    spec = specs[0]
+    out_shape = tuple(meta_call(lambda t: t.reshape(shape), specs).shape)
+    dim_map = view_map(spec.shape, out_shape)
+    return _map_plan(spec, dim_map, _reshape_kernel, dim_map=dim_map)
+
+
+def _permute_rule(specs, perm):
+    return _map_plan(specs[0], tuple(InputDim(p) for p in perm), _permute_kernel, perm=perm)
+
+
+def _expand_rule(specs, sizes):
+    spec = specs[0]
+    out_shape = tuple(meta_call(lambda t: t.expand(sizes), specs).shape)
+    new = len(out_shape) - spec.ndim
+    dim_map = tuple(NewDim(n) for n in out_shape[:new]) + tuple(
+        InputDim(d) if spec.shape[d] == n else Broadcast(InputDim(d), n) for d, n in enumerate(out_shape[new:]))
+    return _map_plan(spec, dim_map, _expand_kernel, dim_map=dim_map, new=new)
+
+
+def _repeat_rule(specs, reps):
+    spec = specs[0]
+    meta_call(lambda t: t.repeat(reps), specs)  # torch's checks and messages
+    new = len(reps) - spec.ndim
+    dim_map = tuple(NewDim(r) for r in reps[:new]) + tuple(
+        InputDim(d) if r == 1 else Repeat(InputDim(d), r) for d, r in enumerate(reps[new:]))
+    return _map_plan(spec, dim_map, _repeat_kernel, reps=reps)
+
+
+def _interleave_rule(specs, repeats, dim):
+    spec = specs[0]
+    dim_map = tuple((Interleave(InputDim(d), repeats) if repeats else Slice(InputDim(d), 0)) if d == dim
+                    else InputDim(d) for d in range(spec.ndim))
+    return _map_plan(spec, dim_map, _interleave_kernel, repeats=repeats, dim=dim)
+
+
+def _index_rule(specs, items):
+    dim_map, d = [], 0
+    for it in items:
+        if it[0] == "new":
+            dim_map.append(Singleton())
+            continue
+        if it[0] == "all":
+            dim_map.append(InputDim(d))
+        elif it[0] == "slice":
+            dim_map.append(Slice(InputDim(d), len(range(*it[1:]))))
+        d += 1
+    return _map_plan(specs[0], tuple(dim_map), _index_kernel, items=items)
+
+
+def _split_rule(specs, dim, sizes, squeeze):
+    spec = specs[0]
+    keep = tuple(InputDim(e) for e in range(dim)), tuple(InputDim(e) for e in range(dim + 1, spec.ndim))
+    piece = (lambda n: ()) if squeeze else (lambda n: (InputDim(dim) if len(sizes) == 1 else Slice(InputDim(dim), n),))
+    maps = [keep[0] + piece(n) + keep[1] for n in sizes]
+    follows = [follow(spec, m) for m in maps]  # every piece asks the same of the input
+    outs = tuple(DTensorSpec(spec.mesh, f[1], tuple(ds.size(spec.shape) for ds in m), spec.dtype)
+                 for f, m in zip(follows, maps))
+    return OpPlan((spec_like(spec, placements=follows[0][0]),), outs, _split_kernel,
+                  {"dim": dim, "sizes": sizes, "squeeze": squeeze}, multi_output=True)
+
+
+def _cat_rule(specs, dim, stack):
+    out_meta = meta_call(lambda *ts: (torch.stack if stack else torch.cat)(ts, dim), specs)
+    d = dim % out_meta.ndim
+    to_out = (lambda e: e + 1 if e >= d else e) if stack else (lambda e: e)
+    to_in = (lambda o: o - 1 if o > d else o) if stack else (lambda o: o)
+    mesh = specs[0].mesh
+    in_pl = [list(s.placements) for s in specs]
+    out_pl = []
+    for i in range(mesh.ndim):
+        # S: the largest input's shard of a non-cat dim, every input cut the same way (same block shapes)
+        shards = [(_prod(s.shape), to_out(s.placements[i].dim)) for s in specs
+                  if isinstance(s.placements[i], Shard) and to_out(s.placements[i].dim) != d]
+        if shards:
+            o = max(shards)[1]
+            new = Shard(to_in(o))
+            out_pl.append(Shard(o))
+        else:
+            # P: cat(sum a_k, sum b_k) = sum cat(a_k, b_k); a replicated input becomes partial locally
+            others = {s.placements[i] for s in specs} - {Replicate()}
+            new = others.pop() if len(others) == 1 and isinstance(next(iter(others)), Partial) else Replicate()
+            out_pl.append(new)
+        for p in in_pl:
+            p[i] = new
+    in_specs = tuple(spec_like(s, placements=p) for s, p in zip(specs, in_pl))
+    out = DTensorSpec(mesh, tuple(out_pl), tuple(out_meta.shape), out_meta.dtype)
+    return OpPlan(in_specs, (out,), _cat_kernel, {"dim": d, "stack": stack})
+
+
+def _tri_rule(specs, upper, diagonal):
+    spec = specs[0]
+    if spec.ndim < 2:
+        raise OpError(f"dtorch.{'triu' if upper else 'tril'}: the input must have at least 2 dims, got shape "
+                      f"{list(spec.shape)}")
+    r, c = spec.ndim - 2, spec.ndim - 1
+    kw = {"upper": upper, "diagonal": diagonal}
+    if not (spec.shard_mesh_dims(r) or spec.shard_mesh_dims(c)):
+        return OpPlan((spec,), (spec,), _tri_kernel, kw)
+    # shards stay: each block masks with its global row/column offsets
+    roff = np.zeros(spec.mesh.shape, dtype=np.int64)
+    coff = np.zeros(spec.mesh.shape, dtype=np.int64)
+    for co in spec.mesh.coordinates():
+        box = spec.local_box(co)
+        roff[co], coff[co] = box[r][0], box[c][0]
+    return OpPlan((spec,), (spec,), _tri_kernel, kw, device_args={"roff": roff, "coff": coff})
+
+
+# ------------------------------------------------------------------------------------------------
+# argument handling (torch semantics)
+
+
+def _tensor(name, x) -> Tensor:
+    x = to_dtensors(name, [x])[0]
+    if not isinstance(x, Tensor):
+        raise OpError(f"dtorch.{name} expects a tensor, got {type(x).__name__}")
+    return x
+
+
+def _sizes(args, name) -> tuple:
+    """Sizes given as varargs or as one tuple / list / torch.Size."""
+    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
+        args = args[0]
+    try:
+        return tuple(operator.index(a) for a in args)
+    except TypeError:
+        raise OpError(f"dtorch.{name}: sizes must be ints (varargs or one tuple/list/torch.Size), got {args!r}") from None
+
+
+def _dim(dim, ndim, name, extra=0) -> int:
+    n = max(ndim + extra, 1)  # like torch, a 0-D tensor accepts dims -1 and 0
+    d = operator.index(dim)
+    if not -n <= d < n:
+        raise IndexOutOfRangeError(f"dtorch.{name}: dim {dim} is out of range for a {ndim}-D tensor; "
+                                   f"use a dim in [{-n}, {n - 1}]")
+    return d % n
+
+
+def _reshape(name, x, shape):
+    return dispatch(name, _reshape_rule, [x], (shape,))
+
+
+def _permute(name, x, perm):
+    if perm == tuple(range(x.ndim)):
+        return x
+    return dispatch(name, _permute_rule, [x], (perm,))
+
+
+def _index(name, x, items):
+    if all(it[0] == "all" for it in items):
+        return x
+    return dispatch(name, _index_rule, [x], (items,))
+
+
+def _index_items(shape, index) -> tuple:
+    """Normalize ints, slices, None and Ellipsis to ('int', i) / ('slice', start, stop, step) / ('all',) / ('new',)."""
+    items = index if isinstance(index, tuple) else (index,)
+    for it in items:
+        if isinstance(it, (bool, Tensor, torch.Tensor, list, np.ndarray)) or not (
+                it is None or it is Ellipsis or isinstance(it, slice) or hasattr(it, "__index__")):
+            raise UnsupportedIndexError(
+                f"dtorch indexing takes ints, slices, None and Ellipsis; got a {type(it).__name__} index "
+                "(tensor, list and boolean indexing are not implemented). Index the torch tensor from "
+                ".to_torch(), or use narrow/masked_fill/where instead")
+    used = sum(it is not None and it is not Ellipsis for it in items)
+    if used > len(shape):
+        raise IndexOutOfRangeError(f"too many indices for a {len(shape)}-D tensor: {used} given")
+    if sum(it is Ellipsis for it in items) > 1:
+        raise IndexOutOfRangeError("an index can only have a single ellipsis ('...')")
+    out, d = [], 0
+    for it in items:
+        if it is Ellipsis:
+            out += [("all",)] * (len(shape) - used)
+            d += len(shape) - used
+        elif it is None:
+            out.append(("new",))
+        elif isinstance(it, slice):
+            step = 1 if it.step is None else operator.index(it.step)
+            if step <= 0:
+                raise OpError(f"dtorch indexing: slice step must be greater than zero, got {step}")
+            start, stop, step = slice(it.start, it.stop, step).indices(shape[d])
+            out.append(("all",) if (start, stop, step) == (0, shape[d], 1) else ("slice", start, max(stop, start), step))
+            d += 1
+        else:
+            k, n = operator.index(it), shape[d]
+            if not -n <= k < n:
+                raise IndexOutOfRangeError(f"index {k} is out of bounds for dim {d} with size {n}")
+            out.append(("int", k % n))
+            d += 1
+    return tuple(out) + (("all",),) * (len(shape) - d)
+
+
+# ------------------------------------------------------------------------------------------------
+# the op set
+
+
+@register(methods=("view",), public=False)
+def view(input, *shape):
+    if len(shape) == 1 and isinstance(shape[0], torch.dtype):
+        raise OpError("Tensor.view(dtype) (reinterpreting bits) is not supported by dtorch; "
+                      "use .to(dtype) to convert values")
+    return _reshape("view", input, _sizes(shape, "view"))
+
+
+@register(methods=("reshape",), torch_fns=(torch.reshape,))
+def reshape(input, *shape, **kw):
+    return _reshape("reshape", _tensor("reshape", input), _sizes(shape or (kw.get("shape", ()),), "reshape"))
+
+
+def _view_as(self, other):
+    return _reshape("view", self, tuple(other.shape))
+
+
+def _reshape_as(self, other):
+    return _reshape("reshape", self, tuple(other.shape))
+
+
+@register(methods=("flatten",), torch_fns=(torch.flatten,))
+def flatten(input, start_dim=0, end_dim=-1):
+    x = _tensor("flatten", input)
+    if x.ndim == 0:
+        return _reshape("flatten", x, (1,))
+    s, e = _dim(start_dim, x.ndim, "flatten"), _dim(end_dim, x.ndim, "flatten")
+    if s > e:
+        raise OpError(f"dtorch.flatten: start_dim ({start_dim}) must not come after end_dim ({end_dim})")
+    shape = tuple(x.shape)
+    return _reshape("flatten", x, shape[:s] + (_prod(shape[s:e + 1]),) + shape[e + 1:])
+
+
+@register(methods=("unflatten",), torch_fns=(torch.unflatten,))
+def unflatten(input, dim, sizes):
+    x = _tensor("unflatten", input)
+    d = _dim(dim, x.ndim, "unflatten")
+    sizes = _sizes((sizes,), "unflatten")
+    if sizes.count(-1) > 1 or (-1 not in sizes and _prod(sizes) != x.shape[d]):
+        raise OpError(f"dtorch.unflatten: sizes {list(sizes)} do not multiply to dim {dim}'s size {x.shape[d]}; "
+                      "give sizes whose product matches (at most one -1)")
+    shape = tuple(x.shape)
+    return _reshape("unflatten", x, shape[:d] + sizes + shape[d + 1:])
+
+
+@register(methods=("squeeze",), torch_fns=(torch.squeeze,))
+def squeeze(input, dim=None):
+    x = _tensor("squeeze", input)
+    shape = tuple(x.shape)
+    if dim is None:
+        dims = set(range(x.ndim))
+    else:
+        dims = {_dim(d, x.ndim, "squeeze") for d in (dim if isinstance(dim, (tuple, list)) else (dim,))}
+    new = tuple(n for d, n in enumerate(shape) if not (d in dims and n == 1))
+    return x if new == shape else _reshape("squeeze", x, new)
+
+
+@register(methods=("unsqueeze",), torch_fns=(torch.unsqueeze,))
+def unsqueeze(input, dim):
+    x = _tensor("unsqueeze", input)
+    d = _dim(dim, x.ndim, "unsqueeze", extra=1)
+    shape = tuple(x.shape)
+    return _reshape("unsqueeze", x, shape[:d] + (1,) + shape[d:])
+
+
+@register(methods=("transpose", "swapaxes", "swapdims"), torch_fns=(torch.transpose, torch.swapaxes, torch.swapdims))
+def transpose(input, dim0, dim1):
+    x = _tensor("transpose", input)
+    a, b = _dim(dim0, x.ndim, "transpose"), _dim(dim1, x.ndim, "transpose")
+    perm = list(range(x.ndim))
+    if x.ndim:
+        perm[a], perm[b] = perm[b], perm[a]
+    return _permute("transpose", x, tuple(perm))
+
+
+@register(methods=("t",), torch_fns=(torch.t,))
+def t(input):
+    x = _tensor("t", input)
+    if x.ndim > 2:
+        raise OpError(f"dtorch.t expects a tensor with at most 2 dims, got shape {list(x.shape)}; "
+                      "use transpose(dim0, dim1) or .mT")
+    return _permute("t", x, (1, 0)) if x.ndim == 2 else x
+
+
+@register(methods=("permute",), torch_fns=(torch.permute,))
+def permute(input, *dims):
+    x = _tensor("permute", input)
+    perm = tuple(_dim(d, x.ndim, "permute") for d in _sizes(dims, "permute"))
+    if sorted(perm) != list(range(x.ndim)):
+        raise OpError(f"dtorch.permute: dims {list(_sizes(dims, 'permute'))} are not a permutation of the "
+                      f"{x.ndim} dims of a tensor of shape {list(x.shape)}")
+    return _permute("permute", x, perm)
+
+
+@register(methods=("movedim", "moveaxis"), torch_fns=(torch.movedim, torch.moveaxis))
+def movedim(input, source, destination):
+    x = _tensor("movedim", input)
+    src = [_dim(d, x.ndim, "movedim") for d in (source if isinstance(source, (tuple, list)) else (source,))]
+    dst = [_dim(d, x.ndim, "movedim") for d in (destination if isinstance(destination, (tuple, list)) else (destination,))]
+    if len(src) != len(dst) or len(set(src)) != len(src) or len(set(dst)) != len(dst):
+        raise OpError(f"dtorch.movedim: source {source} and destination {destination} must be the same number "
+                      "of distinct dims")
+    rest = iter(d for d in range(x.ndim) if d not in src)
+    where = dict(zip(dst, src))
+    return _permute("movedim", x, tuple(where[o] if o in where else next(rest) for o in range(x.ndim)))
+
+
+def _T(self):
+    return _permute("T", self, tuple(reversed(range(self.ndim))))
+
+
+def _mT(self):
+    if self.ndim < 2:
+        raise OpError(f"dtorch: .mT needs a tensor with at least 2 dims, got shape {list(self.shape)}")
+    return transpose(self, -2, -1)
+
+
+def _contiguous(self, memory_format=None):
+    return self  # blocks have no strides to fix: dtorch tensors are always "contiguous"
+
+
+@register(methods=("expand",), public=False)
+def expand(input, *sizes):
+    return dispatch("expand", _expand_rule, [input], (_sizes(sizes, "expand"),))
+
+
+def _expand_as(self, other):
+    return expand(self, tuple(other.shape))
+
+
+@register(torch_fns=(torch.broadcast_to,))
+def broadcast_to(input, size):
+    return expand(_tensor("broadcast_to", input), size)
+
+
+@register(methods=("repeat",), public=False)
+def repeat(input, *sizes):
+    return dispatch("repeat", _repeat_rule, [input], (_sizes(sizes, "repeat"),))
+
+
+@register(methods=("repeat_interleave",), torch_fns=(torch.repeat_interleave,))
+def repeat_interleave(input, repeats=None, dim=None, *, output_size=None):
+    x = _tensor("repeat_interleave", input)
+    if isinstance(repeats, (Tensor, torch.Tensor)) and repeats.numel() != 1 or repeats is None:
+        raise UnsupportedIndexError("dtorch.repeat_interleave takes an int number of repeats; per-element "
+                                    "repeats (a tensor) are not implemented")
+    r = int(repeats.item()) if isinstance(repeats, (Tensor, torch.Tensor)) else operator.index(repeats)
+    if r < 0:
+        raise OpError(f"dtorch.repeat_interleave: repeats must be non-negative, got {r}")
+    if dim is None:
+        x, d = flatten(x), 0
+    else:
+        d = _dim(dim, x.ndim, "repeat_interleave")
+    if output_size is not None and output_size != x.shape[d] * r:
+        raise OpError(f"dtorch.repeat_interleave: output_size {output_size} != {x.shape[d]} * {r}")
+    return dispatch("repeat_interleave", _interleave_rule, [x], (r, d))
+
+
+@register(methods=("narrow",), torch_fns=(torch.narrow,))
+def narrow(input, dim, start, length):
+    x = _tensor("narrow", input)
+    d = _dim(dim, x.ndim, "narrow")
+    n, start, length = x.shape[d], operator.index(start), operator.index(length)
+    start = start + n if start < 0 else start
+    if not (0 <= start <= n and 0 <= length <= n - start):
+        raise IndexOutOfRangeError(f"dtorch.narrow: start {start} + length {length} exceeds dim {dim}'s size {n}")
+    item = ("all",) if (start, length) == (0, n) else ("slice", start, start + length, 1)
+    return _index("narrow", x, (("all",),) * d + (item,) + (("all",),) * (x.ndim - d - 1))
+
+
+def _getitem(self, index):
+    return _index("getitem", self, _index_items(tuple(self.shape), index))
+
+
+def _split(name, x, dim, sizes, squeeze=False):
+    return dispatch(name, _split_rule, [x], (dim, tuple(sizes), squeeze))
+
+
+@register(methods=("chunk",), torch_fns=(torch.chunk,))
+def chunk(input, chunks, dim=0):
+    x = _tensor("chunk", input)
+    d = _dim(dim, x.ndim, "chunk")
+    sizes = [p.shape[d] for p in meta_call(lambda m: torch.chunk(m, chunks, d), [x.spec])]
+    return _split("chunk", x, d, sizes)
+
+
+@register(methods=("split",), torch_fns=(torch.split,))
+def split(tensor, split_size_or_sections, dim=0):
+    x = _tensor("split", tensor)
+    d = _dim(dim, x.ndim, "split")
+    arg = split_size_or_sections
+    arg = list(_sizes((arg,), "split")) if isinstance(arg, (tuple, list, torch.Size)) else operator.index(arg)
+    try:
+        sizes = [p.shape[d] for p in meta_call(lambda m: torch.split(m, arg, d), [x.spec])]
+    except RuntimeError as exc:
+        raise OpError(f"dtorch.split on shape {list(x.shape)}: {exc}") from None
+    return _split("split", x, d, sizes)
+
+
+@register(methods=("unbind",), torch_fns=(torch.unbind,))
+def unbind(input, dim=0):
+    x = _tensor("unbind", input)
+    d = _dim(dim, x.ndim, "unbind")
+    if x.ndim == 0 or x.shape[d] == 0:
+        if x.ndim == 0:
+            raise OpError("dtorch.unbind: a 0-D tensor has no dim to unbind")
+        return ()
+    return _split("unbind", x, d, (1,) * x.shape[d], squeeze=True)
+
+
+def _iter(self):
+    if self.ndim == 0:
+        raise TypeError("iteration over a 0-d tensor")
+    return iter(unbind(self, 0))
+
+
+def _cat_inputs(name, tensors):
+    if isinstance(tensors, (Tensor, torch.Tensor)) or not isinstance(tensors, (tuple, list)):
+        raise OpError(f"dtorch.{name} expects a sequence of tensors, got {type(tensors).__name__}")
+    if not tensors:
+        raise OpError(f"dtorch.{name} expects a non-empty sequence of tensors")
+    xs = to_dtensors(name, list(tensors))
+    bad = [type(t).__name__ for t in xs if not isinstance(t, Tensor)]
+    if bad:
+        raise OpError(f"dtorch.{name} expects tensors, got {bad}")
+    return xs
+
+
+@register(torch_fns=(torch.cat,))
+def cat(tensors, dim=0, *, axis=None):
+    xs = _cat_inputs("cat", tensors)
+    dim = axis if axis is not None else dim
+    # torch skips 1-D empty tensors when concatenating higher-rank ones (legacy behavior)
+    kept = [t for t in xs if not (tuple(t.shape) == (0,) and any(u.ndim > 1 for u in xs))]
+    return dispatch("cat", _cat_rule, kept, (operator.index(dim), False))
+
+
+@register(torch_fns=(torch.concat,))
+def concat(tensors, dim=0, *, axis=None):
+    return cat(tensors, dim, axis=axis)
+
+
+@register(torch_fns=(torch.concatenate,))
+def concatenate(tensors, axis=0, *, dim=None):
+    return cat(tensors, axis if dim is None else dim)
+
+
+@register(torch_fns=(torch.stack,))
+def stack(tensors, dim=0):
+    return dispatch("stack", _cat_rule, _cat_inputs("stack", tensors), (operator.index(dim), True))
+
+
+@register(methods=("tril",), torch_fns=(torch.tril,))
+def tril(input, diagonal=0):
+    return dispatch("tril", _tri_rule, [_tensor("tril", input)], (False, operator.index(diagonal)))
+
+
+@register(methods=("triu",), torch_fns=(torch.triu,))
+def triu(input, diagonal=0):
+    return dispatch("triu", _tri_rule, [_tensor("triu", input)], (True, operator.index(diagonal)))
+
+
+Tensor.view_as = _view_as
+Tensor.reshape_as = _reshape_as
+Tensor.expand_as = _expand_as
+Tensor.contiguous = _contiguous
+Tensor.T = property(_T)
+Tensor.mT = property(_mT)
+Tensor.__getitem__ = _getitem
+Tensor.__iter__ = _iter
