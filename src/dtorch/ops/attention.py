@@ -172,8 +172,8 @@ def _ring_step_kernel(q, k, v, *extra, lead, scale, causal, mask_rank, has_noise
     if has_acc:
         out, lse = _merge(extra[0], extra[1], out, lse)
     if q_stride:
-        out = out.reshape(tuple(q_shape[:-1]) + (out.shape[-1],))
-        lse = lse.reshape(tuple(q_shape[:-1]))
+        out = out.unflatten(-2, (q_shape[-3], qc))
+        lse = lse.unflatten(-1, (q_shape[-3], qc))
     return out.to(out_dtype), lse
 
 
