@@ -1,1 +1,298 @@
-"""(op family: matrix) - being written."""
+"""Linear algebra: matmul / @, mm, bmm, linear, einsum, outer, dot.
+
+Every op is described einsum-style: a label per dim of each operand and of the output
+(``matmul``: ``...mk,...kn->...mn``; ``linear``: ``...k,nk->...n`` plus a bias ``n``). The rule is
+written for one mesh dim and picks, per mesh dim, the cheapest of these strategies:
+
+    strategy            operands (labels carrying L / not)   output     math
+    R                   R, R, ...                            R          a @ b
+    S(L), L kept        S(L) / R                             S(L)       rows of a @ b = a[rows] @ b
+    S(L), L contracted  S(L) / R                             P(sum)     a @ b = sum_dev a[:, k_dev] @ b[k_dev]
+    P                   one operand P(sum|avg), others R     P          linear in each operand
+
+Batch dims sharded alike on both inputs pass through; a free dim sharded on one input passes
+through while the other input is R; S(k) x S(k) gives P(sum) with no collective. A dim of size 1
+broadcast against a larger one cannot be sharded (that operand is R). Cost: the bytes the
+redistribution of each operand would move (R -> S and R -> P are local and free), ties broken by
+the number of placements that change. A bias follows the output: S(n) where the output is S(n), P
+where the output is P (the value on one device, zeros on the others: no communication), else R.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import OpError
+from ..placement import Partial, Replicate, Shard
+from ..runtime.kernels import kernel
+from ..spec import DTensorSpec
+from ..tensor import Tensor
+from .registry import OpPlan, dispatch, meta_call, register, spec_like, to_dtensors
+
+# -- kernels: trailing dims are the op's, leading ``lead`` dims are grid dims ---------------------
+
+
+def _matmul_local(a, b, na, nb, lead):
+    """torch.matmul of local blocks with ``lead`` leading grid dims (na, nb: the operands' global ranks)."""
+    if na == 1:
+        a = a.unsqueeze(-2)
+    if nb == 1:
+        b = b.unsqueeze(-1)
+    ra, rb = a.ndim - lead, b.ndim - lead
+    r = max(ra, rb)
+    a = a.reshape(a.shape[:lead] + (1,) * (r - ra) + a.shape[lead:])
+    if all(s == 1 for s in b.shape[:-2]):
+        # one matrix for every device and batch entry: torch folds a's batch into rows (no copies of b)
+        out = torch.matmul(a, b.reshape(b.shape[-2:]))
+    elif all(s == 1 for s in b.shape[lead:-2]):
+        # b is a matrix per device: fold a's batch dims into rows instead of expanding b per batch entry
+        b = b.reshape(b.shape[:lead] + b.shape[-2:])
+        out = torch.matmul(a.reshape(a.shape[:lead] + (-1, a.shape[-1])), b)
+        out = out.reshape(out.shape[:lead] + a.shape[lead:-1] + (b.shape[-1],))
+    else:
+        out = torch.matmul(a, b.reshape(b.shape[:lead] + (1,) * (r - rb) + b.shape[lead:]))
+    if na == 1:
+        out = out.squeeze(-2)
+    if nb == 1:
+        out = out.squeeze(-1)
+    return out
+
+
+@kernel("matmul")
+def _matmul_kernel(a, b, *, na, nb, lead=0):
+    return _matmul_local(a, b, na, nb, lead)
+
+
+@kernel("linear")
+def _linear_kernel(x, w, *bias, nx, lead=0):
+    out = _matmul_local(x, w.transpose(-1, -2), nx, 2, lead)  # [..., k] @ [k, n] -> [..., n]
+    if bias:
+        (b,) = bias
+        out = out + b.reshape(b.shape[:lead] + (1,) * (out.ndim - b.ndim) + b.shape[lead:])
+    return out
+
+
+@kernel("einsum")
+def _einsum_kernel(*xs, equation):
+    return torch.einsum(equation, *xs)
+
+
+@kernel("outer")
+def _outer_kernel(a, b):
+    return a.unsqueeze(-1) * b.unsqueeze(-2)
+
+
+# -- the rule --------------------------------------------------------------------------------------
+
+_COMM = {  # (src kind, dst kind) -> bytes moved, in units of the operand's per-device size
+    ("S", "R"): 1.0, ("S", "S"): 0.5, ("S", "P"): 1.0,
+    ("P", "R"): 2.0, ("P", "S"): 1.0, ("P", "P"): 2.0,
+}
+
+
+def _kind(p) -> str:
+    return "S" if isinstance(p, Shard) else "P" if isinstance(p, Partial) else "R"
+
+
+def _cost(specs, placements, i, targets):
+    comm = changes = 0.0
+    for s, p, t in zip(specs, placements, targets):
+        if p == t:
+            continue
+        changes += 1
+        if not isinstance(p, Replicate):
+            size = math.prod(s.shape) * s.dtype.itemsize
+            for j, q in enumerate(s.placements):
+                if j != i and isinstance(q, Shard):
+                    size /= s.mesh.shape[j]
+            comm += _COMM[(_kind(p), _kind(t))] * size
+    return comm, changes
+
+
+def contract_rule(specs, labels, out_labels, n_factors, kern, kwargs, meta) -> OpPlan:
+    """Placements for an einsum-like op. ``labels[j]``: a label per dim of operand j; operands past
+    ``n_factors`` are addends (a bias) added to the product."""
+    mesh = specs[0].mesh
+    sizes: dict = {}
+    for s, ls in zip(specs, labels):
+        for n, lab in zip(s.shape, ls):
+            sizes[lab] = max(sizes.get(lab, 1), n)
+    # where each label can be sharded in each operand (not broadcast from size 1, not a diagonal)
+    pos = [{lab: d for d, lab in enumerate(ls) if s.shape[d] == sizes[lab] and ls.count(lab) == 1}
+           for s, ls in zip(specs, labels)]
+    shardable = sorted({lab for ps in pos[:n_factors] for lab in ps}, key=str)
+    out_pos = {lab: d for d, lab in enumerate(out_labels)}
+
+    def candidates(i):
+        r = Replicate()
+        yield [r] * len(specs), r
+        for lab in shardable:
+            out = Shard(out_pos[lab]) if lab in out_pos else Partial("sum")
+            ins = [Shard(pos[j][lab]) if lab in pos[j] else r for j in range(n_factors)]
+            yield ins + [_addend(out, lab, pos[j], r) for j in range(n_factors, len(specs))], out
+        for j in range(n_factors):
+            p = specs[j].placements[i]
+            if isinstance(p, Partial) and p.reduce_op in ("sum", "avg"):
+                ins = [p if k == j else r for k in range(n_factors)]
+                yield ins + [p] * (len(specs) - n_factors), p
+
+    in_pl = [list(s.placements) for s in specs]
+    out_pl = []
+    for i in range(mesh.ndim):
+        cur = [s.placements[i] for s in specs]
+        best = min(candidates(i), key=lambda c: _cost(specs, cur, i, c[0]))
+        for j, p in enumerate(best[0]):
+            in_pl[j][i] = p
+        out_pl.append(best[1])
+    out = DTensorSpec(mesh, tuple(out_pl), tuple(meta.shape), meta.dtype)
+    in_specs = tuple(spec_like(s, placements=p) for s, p in zip(specs, in_pl))
+    return OpPlan(in_specs, (out,), kern, dict(kwargs))
+
+
+def _addend(out, lab, pos, r):
+    if isinstance(out, Partial):
+        return out  # the bias is added once: on one device, zeros on the others
+    return Shard(pos[lab]) if lab in pos else r
+
+
+# -- labels per op -----------------------------------------------------------------------------------
+
+def _matmul_labels(sa, sb):
+    na, nb = len(sa), len(sb)
+    if na == 0 or nb == 0:
+        raise OpError(f"dtorch.matmul: both arguments need at least 1 dim, got shapes {list(sa)} and {list(sb)}")
+    ba, bb = max(na - 2, 0), max(nb - 2, 0)
+    nbatch = max(ba, bb)
+    batch = tuple(f"b{d}" for d in range(nbatch))
+    la = (batch[nbatch - ba:] + ("m",) if na > 1 else ()) + ("k",)
+    lb = batch[nbatch - bb:] + ("k",) + (("n",) if nb > 1 else ())
+    lo = batch + (("m",) if na > 1 else ()) + (("n",) if nb > 1 else ())
+    return la, lb, lo
+
+
+def _matmul_rule(specs, name):
+    a, b = specs
+    la, lb, lo = _matmul_labels(a.shape, b.shape)
+    meta = meta_call(getattr(torch, name), specs)
+    return contract_rule(specs, (la, lb), lo, 2, _matmul_kernel, {"na": a.ndim, "nb": b.ndim}, meta)
+
+
+def _linear_rule(specs):
+    x, w = specs[:2]
+    if w.ndim != 2:
+        raise OpError(f"weight must be 2-D [out_features, in_features], got shape {list(w.shape)}")
+    lx = tuple(f"b{d}" for d in range(x.ndim - 1)) + ("k",)
+    lo = lx[:-1] + ("n",)
+    labels = (lx, ("n", "k"))
+    if len(specs) == 3:
+        if specs[2].ndim > 1:
+            raise OpError(f"bias must be 1-D [out_features], got shape {list(specs[2].shape)}")
+        labels += (("n",) * specs[2].ndim,)
+    meta = meta_call(torch.nn.functional.linear, specs)
+    return contract_rule(specs, labels, lo, 2, _linear_kernel, {"nx": x.ndim}, meta)
+
+
+def _outer_rule(specs):
+    meta = meta_call(torch.outer, specs)
+    return contract_rule(specs, (("i",), ("j",)), ("i", "j"), 2, _outer_kernel, {}, meta)
+
+
+def _einsum_rule(specs, equation):
+    labels, out = _parse_einsum(equation, [s.ndim for s in specs])
+    meta = meta_call(lambda *xs: torch.einsum(equation, *xs), specs)
+    letters = {lab: chr(ord("a") + n) if n < 26 else chr(ord("A") + n - 26)
+               for n, lab in enumerate(sorted({lab for ls in labels for lab in ls}, key=str))}
+    local = ",".join("..." + "".join(letters[lab] for lab in ls) for ls in labels)
+    local += "->..." + "".join(letters[lab] for lab in out)
+    return contract_rule(specs, labels, out, len(specs), _einsum_kernel, {"equation": local}, meta)
+
+
+def _parse_einsum(equation: str, ranks):
+    """Per-operand labels and output labels; '...' becomes one label per broadcast dim (right-aligned)."""
+    eq = equation.replace(" ", "")
+    lhs, arrow, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(ranks):
+        raise OpError(f"dtorch.einsum: equation {equation!r} names {len(terms)} operands, got {len(ranks)}")
+    n_ell = 0
+    labels = []
+    for t, r in zip(terms, ranks):
+        explicit = t.replace("...", "")
+        if not explicit.isalpha() and explicit:
+            raise OpError(f"dtorch.einsum: subscripts must be letters, got {t!r} in {equation!r}")
+        k = r - len(explicit) if "..." in t else 0
+        if k < 0 or ("..." not in t and len(explicit) != r):
+            raise OpError(f"dtorch.einsum: term {t!r} of {equation!r} does not match an operand with {r} dims")
+        n_ell = max(n_ell, k)
+        head, _, tail = t.partition("...")
+        labels.append(tuple(head) + tuple(f"...{j}" for j in range(k - 1, -1, -1)) + tuple(tail))
+    ell = tuple(f"...{j}" for j in range(n_ell - 1, -1, -1))
+    if arrow:
+        head, _, tail = rhs.partition("...")
+        out = tuple(head) + (ell if "..." in rhs else ()) + tuple(tail)
+    else:  # implicit output: broadcast dims, then the letters used once, sorted
+        flat = [c for ls in labels for c in ls if not c.startswith("...")]
+        out = ell + tuple(sorted(c for c in set(flat) if flat.count(c) == 1))
+    return tuple(labels), out
+
+
+# -- public ops --------------------------------------------------------------------------------------
+
+def _tensors(name, *args):
+    ts = to_dtensors(name, args)
+    for t in ts:
+        if not isinstance(t, Tensor):
+            raise OpError(f"dtorch.{name} expects tensors, got {type(t).__name__}")
+    return ts
+
+
+@register(methods=("matmul", "__matmul__"), torch_fns=(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__))
+def matmul(input, other):
+    """``torch.matmul`` with torch's broadcasting; see the module docstring for the placement rules."""
+    return dispatch("matmul", _matmul_rule, _tensors("matmul", input, other), ("matmul",))
+
+
+def _rmatmul(self, other):
+    return matmul(other, self)
+
+
+Tensor.__rmatmul__ = _rmatmul
+
+
+@register(methods=("mm",), torch_fns=(torch.mm,))
+def mm(input, mat2):
+    return dispatch("mm", _matmul_rule, _tensors("mm", input, mat2), ("mm",))
+
+
+@register(methods=("bmm",), torch_fns=(torch.bmm,))
+def bmm(input, mat2):
+    return dispatch("bmm", _matmul_rule, _tensors("bmm", input, mat2), ("bmm",))
+
+
+@register(methods=("dot",), torch_fns=(torch.dot,))
+def dot(input, tensor):
+    return dispatch("dot", _matmul_rule, _tensors("dot", input, tensor), ("dot",))
+
+
+@register(methods=("outer",), torch_fns=(torch.outer,))
+def outer(input, vec2):
+    return dispatch("outer", _outer_rule, _tensors("outer", input, vec2))
+
+
+@register(torch_fns=(torch.nn.functional.linear,), functional=True)
+def linear(input, weight, bias=None):
+    """``F.linear``: ``input @ weight.T + bias`` with weight ``[out, in]``. Column parallel (weight S(0))
+    gives S(-1); row parallel (input S(-1), weight S(1)) gives P(sum), the bias added on one device."""
+    args = (input, weight) if bias is None else (input, weight, bias)
+    return dispatch("linear", _linear_rule, _tensors("linear", *args))
+
+
+@register(torch_fns=(torch.einsum,))
+def einsum(equation, *operands):
+    """``torch.einsum`` with an equation string (``'...'`` and implicit output supported)."""
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    if not isinstance(equation, str):
+        raise OpError("dtorch.einsum takes an equation string first; the sublist format is not supported")
+    return dispatch("einsum", _einsum_rule, _tensors("einsum", *operands), (equation,))

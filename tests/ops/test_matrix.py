@@ -1,0 +1,179 @@
+"""Linear algebra: placement sweeps against torch, the S/R/P algebra, communication counts."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dtorch
+from dtorch import CommLog, OpError, Partial, Replicate, Shard
+from sweep import MESH_1D, MESH_2D, MESH_3D, check, distribute, run_sweep
+
+torch.manual_seed(0)
+
+
+def r(*shape):
+    return torch.randn(*shape)
+
+
+# (id, dtorch call, torch call, inputs); the dtorch call goes through a mix of spellings
+CASES = [
+    ("matmul_2d", lambda a, b: a @ b, torch.matmul, [r(5, 7), r(7, 3)]),
+    ("matmul_3d_2d", lambda a, b: torch.matmul(a, b), torch.matmul, [r(2, 5, 7), r(7, 3)]),
+    ("matmul_2d_3d", lambda a, b: a.matmul(b), torch.matmul, [r(5, 7), r(3, 7, 2)]),
+    ("matmul_batch_broadcast", dtorch.matmul, torch.matmul, [r(3, 1, 5, 7), r(2, 7, 4)]),
+    ("matmul_1d_2d", lambda a, b: a @ b, torch.matmul, [r(7), r(7, 3)]),
+    ("matmul_3d_1d", lambda a, b: a @ b, torch.matmul, [r(2, 5, 7), r(7)]),
+    ("matmul_1d_1d", dtorch.matmul, torch.matmul, [r(7), r(7)]),
+    ("mm", lambda a, b: a.mm(b), torch.mm, [r(5, 7), r(7, 3)]),
+    ("bmm", lambda a, b: torch.bmm(a, b), torch.bmm, [r(3, 5, 7), r(3, 7, 2)]),
+    ("dot", lambda a, b: torch.dot(a, b), torch.dot, [r(7), r(7)]),
+    ("outer", lambda a, b: a.outer(b), torch.outer, [r(5), r(3)]),
+    ("linear", lambda x, w: F.linear(x, w), F.linear, [r(2, 5, 7), r(3, 7)]),
+    ("linear_bias", lambda x, w, b: dtorch.nn.functional.linear(x, w, b), F.linear, [r(2, 5, 7), r(3, 7), r(3)]),
+    ("linear_1d", dtorch.linear, F.linear, [r(7), r(3, 7), r(3)]),
+    ("einsum_bmm", lambda a, b: torch.einsum("bij,bjk->bik", a, b), lambda a, b: torch.einsum("bij,bjk->bik", a, b),
+     [r(2, 5, 7), r(2, 7, 3)]),
+    ("einsum_chain", lambda a, b, c: dtorch.einsum("ij,jk,kl->il", a, b, c),
+     lambda a, b, c: torch.einsum("ij,jk,kl->il", a, b, c), [r(5, 3), r(3, 7), r(7, 2)]),
+    ("einsum_implicit", lambda a, b: dtorch.einsum("ij,jk", [a, b]), lambda a, b: torch.einsum("ij,jk", a, b),
+     [r(5, 7), r(7, 3)]),
+    ("einsum_ellipsis_broadcast", lambda a, b: dtorch.einsum("...ij,...jk->...ik", a, b),
+     lambda a, b: torch.einsum("...ij,...jk->...ik", a, b), [r(1, 5, 7), r(3, 7, 2)]),
+    ("einsum_attention", lambda q, k: dtorch.einsum("bhqd,bhkd->bhqk", q, k),
+     lambda q, k: torch.einsum("bhqd,bhkd->bhqk", q, k), [r(2, 3, 5, 4), r(2, 3, 7, 4)]),
+    ("einsum_outer_sum", lambda a, b: dtorch.einsum("ij,k->ik", a, b), lambda a, b: torch.einsum("ij,k->ik", a, b),
+     [r(5, 7), r(3)]),
+    ("einsum_diagonal", lambda a: dtorch.einsum("ii->i", a), lambda a: torch.einsum("ii->i", a), [r(5, 5)]),
+    ("einsum_transpose", lambda a: dtorch.einsum("ijk->kji", a), lambda a: torch.einsum("ijk->kji", a), [r(5, 7, 3)]),
+]
+
+
+@pytest.mark.parametrize("dt_fn, torch_fn, inputs", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_sweep(dt_fn, torch_fn, inputs):
+    assert run_sweep(dt_fn, torch_fn, inputs, limit=30) > 0
+
+
+def test_torch_tensor_operands():
+    A, B = r(5, 7), r(7, 3)
+    a = distribute(A, MESH_2D, [Shard(0), Replicate()])
+    b = distribute(B, MESH_2D, [Replicate(), Shard(1)])
+    check(A @ b, A @ B)  # torch.Tensor.__matmul__ -> __torch_function__
+    check(a @ B, A @ B)
+    check(torch.matmul(A, b), A @ B)
+
+
+# -- the S/R/P algebra, observed through CommLog --------------------------------------------------
+
+def _free(fn):
+    with CommLog() as log:
+        out = fn()
+    assert log.counts() == {}, log.table()
+    return out
+
+
+A, B = r(5, 7), r(7, 3)
+
+
+@pytest.mark.parametrize("pa, pb, out", [
+    (Shard(1), Shard(0), Partial()),       # contracting dim sharded on both: partial sums, no collective
+    (Replicate(), Shard(1), Shard(1)),     # free dim of b passes through
+    (Shard(0), Replicate(), Shard(0)),     # free dim of a passes through
+    (Partial(), Replicate(), Partial()),   # linear in a
+    (Replicate(), Partial(), Partial()),   # linear in b
+    (Shard(1), Replicate(), Partial()),    # b's contracting dim is cut locally (R -> S)
+    (Replicate(), Shard(0), Partial()),
+    (Replicate(), Replicate(), Replicate()),
+])
+def test_matmul_placements_without_communication(pa, pb, out):
+    for mesh in (MESH_1D, MESH_2D):
+        pl_a = [pa] + [Replicate()] * (mesh.ndim - 1)
+        pl_b = [pb] + [Replicate()] * (mesh.ndim - 1)
+        c = _free(lambda: distribute(A, mesh, pl_a) @ distribute(B, mesh, pl_b))
+        assert c.placements == [out] + [Replicate()] * (mesh.ndim - 1)
+        check(c, A @ B)
+
+
+def test_matmul_2d_mesh_combines_per_mesh_dim():
+    a = distribute(A, MESH_2D, [Shard(0), Shard(1)])
+    b = distribute(B, MESH_2D, [Replicate(), Shard(0)])
+    c = _free(lambda: a @ b)  # rows over "a", partial sums over "b"
+    assert c.placements == [Shard(0), Partial()]
+    check(c, A @ B)
+
+
+def test_matmul_gathers_the_cheaper_operand():
+    big = r(7, 40)
+    a = distribute(A, MESH_1D, [Shard(0)])
+    b = distribute(big, MESH_1D, [Shard(1)])
+    with CommLog() as log:
+        c = a @ b  # gather a (5x7), not b (7x40)
+    assert log.counts() == {("all_gather", "a"): 1} and c.placements == [Shard(1)]
+    assert log.bytes()[("all_gather", "a")] == A.numel() * 4
+    check(c, A @ big)
+
+
+def test_batched_and_broadcast_batch_dims():
+    X, Y = r(4, 5, 7), r(4, 7, 3)
+    c = _free(lambda: torch.bmm(distribute(X, MESH_2D, [Shard(0), Replicate()]),
+                                distribute(Y, MESH_2D, [Shard(0), Shard(1)])))
+    assert c.placements == [Shard(0), Partial()]
+    check(c, X @ Y)
+    Z = r(4, 1, 5, 7)
+    W = r(3, 7, 2)
+    c = _free(lambda: distribute(Z, MESH_1D, [Shard(0)]) @ distribute(W, MESH_1D, [Replicate()]))
+    assert c.placements == [Shard(0)]
+    check(c, Z @ W)
+    with CommLog() as log:  # a broadcast size-1 dim cannot carry a shard
+        c = distribute(Z, MESH_1D, [Shard(1)]) @ distribute(W, MESH_1D, [Shard(0)])
+    check(c, Z @ W)
+
+
+def test_tensor_parallel_linear():
+    X, W, b = r(2, 5, 7), r(6, 7), r(6)
+    x = distribute(X, MESH_2D, [Shard(0), Replicate()])
+    col = _free(lambda: F.linear(x, distribute(W, MESH_2D, [Replicate(), Shard(0)]),
+                                 distribute(b, MESH_2D, [Replicate(), Shard(0)])))
+    assert col.placements == [Shard(0), Shard(2)]
+    check(col, F.linear(X, W, b))
+    xs = distribute(X, MESH_2D, [Shard(0), Shard(2)])
+    row = _free(lambda: F.linear(xs, distribute(W, MESH_2D, [Replicate(), Shard(1)]), dtorch.Tensor(b, device_mesh=MESH_2D)))
+    assert row.placements == [Shard(0), Partial()]
+    check(row, F.linear(X, W, b))  # the bias is added once, not once per device
+
+
+def test_einsum_three_operands_comm_free():
+    X, Y, Z = r(5, 3), r(3, 7), r(7, 2)
+    out = _free(lambda: dtorch.einsum("ij,jk,kl->il", distribute(X, MESH_2D, [Shard(0), Replicate()]),
+                                      distribute(Y, MESH_2D, [Replicate(), Shard(1)]),
+                                      distribute(Z, MESH_2D, [Replicate(), Shard(0)])))
+    assert out.placements == [Shard(0), Partial()]
+    check(out, X @ Y @ Z)
+
+
+def test_3d_mesh_all_placements_of_one_input():
+    mesh = MESH_3D
+    for pl in [(Shard(0), Replicate(), Shard(1)), (Partial(), Shard(0), Shard(0)), (Shard(1), Shard(1), Shard(1))]:
+        check(distribute(A, mesh, pl) @ distribute(B, mesh, [Replicate()] * 3), A @ B)
+
+
+def test_plans_are_cached():
+    a, b = distribute(A, MESH_1D, [Shard(0)]), distribute(B, MESH_1D, [Replicate()])
+    a @ b
+    hits = dtorch.ops.registry.stats["plan_hits"]
+    a @ b
+    assert dtorch.ops.registry.stats["plan_hits"] == hits + 1
+
+
+def test_bad_input_raises_typed_errors():
+    a = distribute(A, MESH_1D, [Shard(0)])
+    with pytest.raises(OpError, match="dtorch.matmul"):
+        a @ dtorch.Tensor(r(5, 3), device_mesh=MESH_1D)
+    with pytest.raises(OpError, match="dtorch.mm"):
+        dtorch.mm(dtorch.Tensor(r(2, 5, 7), device_mesh=MESH_1D), dtorch.Tensor(B, device_mesh=MESH_1D))
+    with pytest.raises(OpError, match="different meshes"):
+        a @ dtorch.Tensor(B, device_mesh=MESH_2D)
+    with pytest.raises(OpError, match="weight must be 2-D"):
+        F.linear(a, dtorch.Tensor(r(7), device_mesh=MESH_1D))
+    with pytest.raises(OpError, match="names 2 operands"):
+        dtorch.einsum("ij,jk->ik", a)
+    with pytest.raises(OpError, match="does not match"):
+        dtorch.einsum("ijk,kl->il", a, dtorch.Tensor(B, device_mesh=MESH_1D))
