@@ -1,0 +1,232 @@
+"""scaled_dot_product_attention against torch on the full tensors: plain sharding, Ulysses and Ring."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dtorch
+from dtorch import OpError, Partial, Replicate, Shard
+from sweep import MESHES, check, distribute, run_sweep
+
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def _qkv(n=2, h=8, hk=2, l=8, s=None, e=4, ev=3, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    s = l if s is None else s
+    return (torch.randn(n, h, l, e, generator=g, dtype=dtype), torch.randn(n, hk, s, e, generator=g, dtype=dtype),
+            torch.randn(n, hk, s, ev, generator=g, dtype=dtype))
+
+
+def _sdpa(mod, *args, **kw):
+    return mod.scaled_dot_product_attention(*args, **kw)
+
+
+# -- plain: every placement of q, k, v --------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_plain_sweep_uneven(causal):
+    q, k, v = _qkv(n=2, h=3, hk=3, l=5, s=6, e=4, ev=3)  # every dim uneven on 2- and 3-device mesh dims
+    run_sweep(lambda a, b, c: _sdpa(F, a, b, c, is_causal=causal), lambda a, b, c: _sdpa(F, a, b, c, is_causal=causal),
+              [q, k, v], limit=40, **TOL)
+
+
+def test_plain_sweep_gqa_with_float_mask():
+    q, k, v = _qkv(n=2, h=4, hk=2, l=5, s=6)
+    mask = torch.randn(4, 5, 6, generator=torch.Generator().manual_seed(1))  # broadcast over N
+    run_sweep(lambda a, b, c, m: dtorch.scaled_dot_product_attention(a, b, c, attn_mask=m, enable_gqa=True),
+              lambda a, b, c, m: F.scaled_dot_product_attention(a, b, c, attn_mask=m, enable_gqa=True),
+              [q, k, v, mask], limit=30, **TOL)
+
+
+def test_plain_bool_mask_with_fully_masked_rows():
+    q, k, v = _qkv(n=2, h=4, hk=4, l=6, s=5)
+    mask = torch.rand(2, 1, 6, 5, generator=torch.Generator().manual_seed(2)) > 0.4
+    mask[:, :, 1] = False  # torch gives zeros for rows that see no key
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    for mesh in MESHES:
+        for pl in ([Shard(2)] * mesh.ndim, [Shard(0)] + [Shard(1)] * (mesh.ndim - 1)):
+            out = F.scaled_dot_product_attention(*(distribute(x, mesh, pl) for x in (q, k, v)),
+                                                 attn_mask=distribute(mask, mesh, [Replicate()] * mesh.ndim))
+            assert not torch.isnan(out.to_torch()).any()
+            check(out, expected, **TOL)
+
+
+MESH_DT = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["dp", "tp"])
+MESH_3D = dtorch.init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=["dp", "pp", "tp"])
+
+
+@pytest.mark.parametrize("mesh, pl", [
+    (MESH_DT, [Shard(0), Shard(1)]),                 # dp batch, tp heads (8 q / 2 kv heads over 2: aligned)
+    (MESH_DT, [Shard(1), Shard(1)]),                 # heads over both dims (4 devices, 2 kv heads: see below)
+    (MESH_DT, [Shard(0), Replicate()]),
+    (MESH_3D, [Shard(0), Replicate(), Shard(1)]),
+])
+@pytest.mark.parametrize("causal", [False, True])
+def test_plain_batch_and_head_shards_communicate_nothing(mesh, pl, causal):
+    hk = 4 if pl.count(Shard(1)) == 2 else 2  # kv heads must split like q heads to stay local
+    q, k, v = _qkv(h=8, hk=hk, l=6)
+    ins = [distribute(x, mesh, pl) for x in (q, k, v)]
+    with dtorch.CommLog() as log:
+        out = dtorch.nn.functional.scaled_dot_product_attention(*ins, is_causal=causal, enable_gqa=True)
+    assert log.counts() == {}
+    assert out.placements == pl
+    check(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True), **TOL)
+
+
+@pytest.mark.parametrize("l", [6, 7])
+def test_plain_causal_query_sequence_shard_uses_global_positions(l):
+    q, k, v = _qkv(h=4, hk=4, l=l)
+    mesh = dtorch.init_device_mesh("cpu", (3,), mesh_dim_names=["sp"])
+    qd = distribute(q, mesh, [Shard(2)])
+    kd, vd = distribute(k, mesh, [Replicate()]), distribute(v, mesh, [Replicate()])
+    with dtorch.CommLog() as log:
+        out = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+    assert log.counts() == {}
+    assert out.placements == [Shard(2)]
+    check(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), **TOL)
+
+
+def test_plain_gqa_misaligned_heads_replicate_kv():
+    q, k, v = _qkv(h=8, hk=2)
+    mesh = dtorch.init_device_mesh("cpu", (4,), mesh_dim_names=["tp"])
+    out = F.scaled_dot_product_attention(*(distribute(x, mesh, [Shard(1)]) for x in (q, k, v)), enable_gqa=True)
+    assert out.placements == [Shard(1)]
+    check(out, F.scaled_dot_product_attention(q, k, v, enable_gqa=True), **TOL)
+
+
+def test_plain_value_partial_and_embedding_shard_pass_through():
+    q, k, v = _qkv(h=3, hk=3, l=5, ev=5)
+    mesh = dtorch.init_device_mesh("cpu", (3,), mesh_dim_names=["a"])
+    rep = [Replicate()]
+    for v_pl in ([Partial()], [Shard(3)]):
+        with dtorch.CommLog() as log:
+            out = F.scaled_dot_product_attention(distribute(q, mesh, rep), distribute(k, mesh, rep),
+                                                 distribute(v, mesh, v_pl))
+        assert log.counts() == {} and out.placements == v_pl
+        check(out, F.scaled_dot_product_attention(q, k, v), **TOL)
+
+
+def test_dropout_matches_torch_for_the_same_seed():
+    q, k, v = _qkv(h=4, hk=2, l=6)
+    torch.manual_seed(7)
+    expected = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, enable_gqa=True)
+    for mesh, pl in ((MESH_DT, [Shard(0), Shard(1)]), (MESH_DT, [Shard(2), Replicate()]),
+                     (RING_2, [Shard(2)]), (UR_22, [Shard(2), Shard(2)])):
+        torch.manual_seed(7)
+        out = F.scaled_dot_product_attention(*(distribute(x, mesh, pl) for x in (q, k, v)), dropout_p=0.3,
+                                             enable_gqa=True)
+        check(out, expected, **TOL)
+
+
+# -- context parallel -------------------------------------------------------------------------------
+
+ULY_2 = dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["ulysess_cp"])
+RING_2 = dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["ring_cp"])
+RING_4 = dtorch.init_device_mesh("cpu", (4,), mesh_dim_names=["ring_cp"])
+UR_22 = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["ulysess_cp", "ring_cp"])
+RU_22 = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["ring_cp", "ulysses_cp"])  # alias spelling
+DP_TP_RING = dtorch.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=["dp", "tp", "ring_cp"])
+TP_ULY_RING = dtorch.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=["tp", "ulysess_cp", "ring_cp"])
+DP_ULY = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["dp", "ulysess_cp"])
+
+# (name, mesh, placements of q/k/v, expected collectives: (kind, mesh dim) -> count)
+CP_LAYOUTS = [
+    ("ulysses2", ULY_2, [Shard(2)], {("all_to_all", "ulysess_cp"): 4}),
+    ("ring2", RING_2, [Shard(2)], {("send_recv", "ring_cp"): 2}),
+    ("ring4", RING_4, [Shard(2)], {("send_recv", "ring_cp"): 6}),
+    ("ulysses2_ring2", UR_22, [Shard(2), Shard(2)], {("all_to_all", "ulysess_cp"): 4, ("send_recv", "ring_cp"): 2}),
+    ("ring2_ulysses2", RU_22, [Shard(2), Shard(2)], {("all_to_all", "ulysses_cp"): 4, ("send_recv", "ring_cp"): 2}),
+    ("dp_tp_ring", DP_TP_RING, [Shard(0), Shard(1), Shard(2)], {("send_recv", "ring_cp"): 2}),
+    ("tp_ulysses_ring", TP_ULY_RING, [Shard(1), Shard(2), Shard(2)],
+     {("all_to_all", "ulysess_cp"): 4, ("send_recv", "ring_cp"): 2}),
+    ("dp_ulysses", DP_ULY, [Shard(0), Shard(2)], {("all_to_all", "ulysess_cp"): 4}),
+]
+
+
+@pytest.mark.parametrize("name, mesh, pl, comms", CP_LAYOUTS, ids=[c[0] for c in CP_LAYOUTS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["gqa8/2", "mha4"])
+def test_context_parallel_matches_torch(name, mesh, pl, comms, causal, heads):
+    h, hk = heads
+    q, k, v = _qkv(h=h, hk=hk, l=8, e=4, ev=6)
+    ins = [distribute(x, mesh, pl) for x in (q, k, v)]
+    with dtorch.CommLog() as log:
+        out = F.scaled_dot_product_attention(*ins, is_causal=causal, enable_gqa=hk != h)
+    assert log.counts() == comms
+    assert out.placements == pl  # leaves the way it came: Shard(2) on the cp dims
+    got = out.to_torch()
+    assert not torch.isnan(got).any()
+    check(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hk != h), **TOL)
+    for d, x in zip(ins, (q, k, v)):
+        assert d.placements == pl
+        torch.testing.assert_close(d.to_torch(), x, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mesh", [RING_2, RING_4, UR_22, TP_ULY_RING], ids=str)
+def test_context_parallel_long_sequence_numerics(mesh):
+    # large logits spread over many blocks: where an LSE merge without max-subtraction would drift
+    q, k, v = _qkv(n=1, h=8, hk=2, l=64, e=16, ev=8, seed=3)
+    q = q * 4
+    pl = [Shard(1) if nm == "tp" else Shard(2) for nm in mesh.dim_names]
+    for causal in (False, True):
+        out = F.scaled_dot_product_attention(*(distribute(x, mesh, pl) for x in (q, k, v)), is_causal=causal,
+                                             enable_gqa=True)
+        check(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True), **TOL)
+
+
+def test_ring_uneven_sequence_and_cross_attention():
+    q, k, v = _qkv(h=4, hk=4, l=7, s=5)
+    for causal in (False, True):
+        out = F.scaled_dot_product_attention(*(distribute(x, RING_2, [Shard(2)]) for x in (q, k, v)),
+                                             is_causal=causal)
+        check(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal), **TOL)
+
+
+@pytest.mark.parametrize("mesh", [ULY_2, RING_4, UR_22, RU_22], ids=str)
+def test_context_parallel_with_attn_mask(mesh):
+    q, k, v = _qkv(h=4, hk=2, l=8)
+    g = torch.Generator().manual_seed(4)
+    for mask in (torch.randn(2, 4, 8, 8, generator=g), torch.rand(8, 8, generator=g) > 0.3):
+        out = F.scaled_dot_product_attention(*(distribute(x, mesh, [Shard(2)] * mesh.ndim) for x in (q, k, v)),
+                                             attn_mask=mask, enable_gqa=True)
+        check(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), **TOL)
+
+
+def test_context_parallel_replicated_inputs_leave_sequence_sharded():
+    q, k, v = _qkv(h=4, hk=4, l=8)
+    out = dtorch.scaled_dot_product_attention(*(distribute(x, UR_22, [Replicate()] * 2) for x in (q, k, v)),
+                                              is_causal=True)
+    assert out.placements == [Shard(2), Shard(2)]
+    check(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), **TOL)
+
+
+def test_context_parallel_bfloat16():
+    q, k, v = _qkv(h=4, hk=2, l=8, dtype=torch.bfloat16)
+    out = F.scaled_dot_product_attention(*(distribute(x, UR_22, [Shard(2)] * 2) for x in (q, k, v)),
+                                         is_causal=True, enable_gqa=True)
+    assert out.dtype == torch.bfloat16
+    check(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), rtol=2e-2, atol=2e-2)
+
+
+# -- errors ------------------------------------------------------------------------------------------
+
+def test_bad_inputs_raise_typed_errors():
+    q, k, v = _qkv(h=4, hk=2, l=8)
+    rep = [Replicate()] * 2
+    qd, kd, vd = (distribute(x, MESH_DT, rep) for x in (q, k, v))
+    with pytest.raises(OpError, match="enable_gqa=True"):
+        dtorch.scaled_dot_product_attention(qd, kd, vd)
+    with pytest.raises(OpError, match="not both"):
+        dtorch.scaled_dot_product_attention(qd, kd, vd, attn_mask=torch.ones(8, 8, dtype=torch.bool),
+                                            is_causal=True, enable_gqa=True)
+    with pytest.raises(OpError, match=r"\[N, H, L, E\]"):
+        dtorch.scaled_dot_product_attention(distribute(q[0], MESH_DT, rep), kd, vd, enable_gqa=True)
+    with pytest.raises(OpError, match="broadcast"):
+        dtorch.scaled_dot_product_attention(qd, kd, vd, attn_mask=torch.ones(3, 8), enable_gqa=True)
+    q6, k6, v6 = _qkv(h=6, hk=6, l=8)
+    uly4 = dtorch.init_device_mesh("cpu", (4,), mesh_dim_names=["ulysess_cp"])
+    with pytest.raises(OpError, match="6 query heads"):
+        dtorch.scaled_dot_product_attention(*(distribute(x, uly4, [Shard(2)]) for x in (q6, k6, v6)))
+    q4, k4, v4 = _qkv(h=4, hk=4, l=6)
+    with pytest.raises(OpError, match="divisible by ulysess_cp"):
+        dtorch.scaled_dot_product_attention(*(distribute(x, uly4, [Shard(2)]) for x in (q4, k4, v4)))
