@@ -1,0 +1,350 @@
+"""Redistribution: property tests (hypothesis) over random meshes, shapes and placements, plus
+planner and CommLog checks for every basic transition.
+
+The definition every check uses: device ``coord`` holds ``full[spec.local_box(coord)]``; a Partial
+mesh dim holds terms whose reduction (outer mesh dim first) is that block.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dtorch
+from dtorch import DeviceMesh, Partial, Replicate, Shard
+from dtorch.redistribute import plan_redistribute
+from dtorch.spec import DTensorSpec
+
+SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+REDUCE_OPS = ("sum", "avg", "max", "min")
+SIZES = st.sampled_from([0, 1, 1, 2, 3, 4, 5, 7])
+
+
+# -- strategies --------------------------------------------------------------------------------
+@st.composite
+def meshes(draw, max_devices: int = 16, ndim=None):
+    ndim = draw(st.integers(1, 4)) if ndim is None else ndim
+    shape, room = [], max_devices
+    for _ in range(ndim):
+        s = draw(st.integers(1, min(4, room)))
+        shape.append(s)
+        room //= s
+    n = math.prod(shape)
+    first = draw(st.integers(0, 20))
+    ids = draw(st.permutations(list(range(first, first + n))))
+    names = [f"m{i}" for i in range(ndim)] if draw(st.booleans()) else None
+    return DeviceMesh("cpu", np.array(ids).reshape(shape), mesh_dim_names=names)
+
+
+def shapes(min_dims: int = 0):
+    return st.lists(SIZES, min_size=min_dims, max_size=3).map(tuple)
+
+
+def placement(tensor_ndim: int):
+    opts = [st.just(Replicate()), st.sampled_from(REDUCE_OPS).map(Partial)]
+    if tensor_ndim:
+        opts.append(st.integers(-tensor_ndim, tensor_ndim - 1).map(Shard))
+    return st.one_of(*opts)
+
+
+def placements(mesh: DeviceMesh, tensor_ndim: int):
+    return st.lists(placement(tensor_ndim), min_size=mesh.ndim, max_size=mesh.ndim)
+
+
+def value(shape) -> torch.Tensor:
+    # small integers keep sums, averages and their inverses exact in float32
+    return torch.randint(-8, 9, shape, generator=torch.Generator().manual_seed(hash(shape) % 1000)).float()
+
+
+# -- the definition, checked block by block ----------------------------------------------------------
+def _reduce(op: str, terms: list[torch.Tensor]) -> torch.Tensor:
+    s = torch.stack(terms)
+    return {"sum": s.sum(0), "avg": s.mean(0), "max": s.amax(0), "min": s.amin(0)}[op]
+
+
+def assert_blocks_match(x: dtorch.Tensor, full: torch.Tensor) -> None:
+    """Every device's block is the slice ``spec.local_box`` defines (partial terms reduce to it)."""
+    spec = x.spec
+    mesh = spec.mesh
+    blocks = dict(zip(mesh.coordinates(), x.local_blocks()))
+    assert len(blocks) == mesh.size()
+    for coord, b in blocks.items():
+        assert tuple(b.shape) == spec.local_shape(coord), (str(spec), coord, tuple(b.shape))
+    partial = spec.partial_dims()
+    for coord in mesh.coordinates():
+        if any(coord[i] for i in partial):
+            continue
+        # reduce the partial mesh dims one at a time, outer first
+        group = {c: blocks[c] for c in mesh.coordinates()
+                 if all(c[i] == coord[i] for i in range(mesh.ndim) if i not in partial)}
+        for i in partial:
+            merged = {}
+            for c in group:
+                if c[i] == 0:
+                    terms = [group[c[:i] + (j,) + c[i + 1:]] for j in range(mesh.shape[i])]
+                    merged[c] = _reduce(spec.placements[i].reduce_op, terms)
+            group = merged
+        want = full[tuple(slice(o, o + n) for o, n in spec.local_box(coord))]
+        torch.testing.assert_close(group[coord], want, rtol=0, atol=1e-5, msg=lambda m: f"{spec} device {coord}: {m}")
+
+
+def snapshot(x: dtorch.Tensor):
+    return x.to_torch().clone(), [b.clone() for b in x.local_blocks()], x.placements
+
+
+def assert_untouched(x: dtorch.Tensor, snap) -> None:
+    full, blocks, pl = snap
+    assert x.placements == pl
+    torch.testing.assert_close(x.to_torch(), full, rtol=0, atol=0)
+    for a, b in zip(x.local_blocks(), blocks):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def roundtrip(full: torch.Tensor, src_mesh, src_pl, dst_mesh, dst_pl):
+    x = dtorch.Tensor(full, device_mesh=src_mesh, placements=src_pl)
+    torch.testing.assert_close(x.to_torch(), full, rtol=0, atol=1e-5)  # Partial terms reduce to the value
+    assert_blocks_match(x, full)
+    snap = snapshot(x)
+    y = x.redistribute(dst_mesh, dst_pl)
+    assert y.device_mesh == dst_mesh
+    assert y.placements == [Shard(p.dim % full.ndim) if isinstance(p, Shard) else p for p in dst_pl]
+    torch.testing.assert_close(y.to_torch(), full, rtol=0, atol=1e-5)
+    assert_blocks_match(y, full)
+    assert_untouched(x, snap)
+    return y
+
+
+# -- properties ---------------------------------------------------------------------------------
+@st.composite
+def same_mesh_case(draw):
+    mesh = draw(meshes())
+    shape = draw(shapes())
+    return mesh, shape, draw(placements(mesh, len(shape))), draw(placements(mesh, len(shape)))
+
+
+@SETTINGS
+@given(same_mesh_case())
+def test_same_mesh_keeps_value_and_source(case):
+    mesh, shape, src, dst = case
+    roundtrip(value(shape), mesh, src, mesh, dst)
+
+
+@st.composite
+def cross_mesh_case(draw):
+    a, b = draw(meshes()), draw(meshes())
+    shape = draw(shapes())
+    return a, b, shape, draw(placements(a, len(shape))), draw(placements(b, len(shape)))
+
+
+@SETTINGS
+@given(cross_mesh_case())
+def test_cross_mesh_keeps_value_and_source(case):
+    a, b, shape, src, dst = case
+    roundtrip(value(shape), a, src, b, dst)
+
+
+@st.composite
+def nested_case(draw):
+    """Several mesh dims shard the same tensor dim, in source, target or both."""
+    mesh = draw(meshes(ndim=draw(st.integers(2, 4))))
+    shape = draw(shapes(min_dims=1))
+    k = draw(st.integers(0, len(shape) - 1))
+    nested = st.one_of(st.just(Shard(k)), placement(len(shape)))
+    src = draw(st.lists(nested, min_size=mesh.ndim, max_size=mesh.ndim))
+    dst = draw(st.lists(nested, min_size=mesh.ndim, max_size=mesh.ndim))
+    return mesh, shape, src, dst
+
+
+@SETTINGS
+@given(nested_case())
+def test_nested_shards_keep_value(case):
+    mesh, shape, src, dst = case
+    roundtrip(value(shape), mesh, src, mesh, dst)
+
+
+@settings(max_examples=60, deadline=None)
+@given(meshes(), shapes(), st.data())
+def test_no_change_means_no_communication(mesh, shape, data):
+    pl = data.draw(placements(mesh, len(shape)))
+    x = dtorch.Tensor(value(shape), device_mesh=mesh, placements=pl)
+    with dtorch.CommLog() as log:
+        y = x.redistribute(mesh, pl)
+        z = x.redistribute(mesh, x.placements)
+    assert log.counts() == {}
+    assert y is x and z is x
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_cross_mesh_same_layout_is_one_send_recv(data):
+    a = data.draw(meshes())
+    shape = data.draw(shapes())
+    pl = data.draw(placements(a, len(shape)))
+    used = set(a.device_ids)
+    offset = max(used) + 1
+    other_ids = data.draw(st.permutations([i + offset for i in a.device_ids]))
+    b = DeviceMesh("cpu", np.array(other_ids).reshape(a.shape), mesh_dim_names=a.dim_names)
+    full = value(shape)
+    with dtorch.CommLog() as log:
+        y = roundtrip(full, a, pl, b, pl)
+    assert [(k, n) for (k, _), n in log.counts().items()] == [("send_recv", 1)]
+    assert y.device_mesh == b
+
+
+# -- the expected collectives for each basic transition on one mesh dim ----------------------------
+def transitions(k: int, j: int):
+    """(src, dst, expected collective kind or None) for one mesh dim; tensor dims k != j."""
+    out = [(Shard(k), Replicate(), "all_gather"), (Shard(k), Shard(j), "all_to_all"),
+           (Replicate(), Shard(k), None), (Replicate(), Replicate(), None), (Shard(k), Shard(k), None)]
+    for op in REDUCE_OPS:
+        out += [(Partial(op), Replicate(), "all_reduce"), (Replicate(), Partial(op), None),
+                (Partial(op), Partial(op), None)]
+    out.append((Partial("sum"), Shard(k), "reduce_scatter"))
+    out.append((Partial("avg"), Shard(k), "reduce_scatter"))
+    return out
+
+
+@st.composite
+def one_dim_transition(draw):
+    mesh = draw(meshes())
+    shape = draw(shapes(min_dims=2))
+    i = draw(st.integers(0, mesh.ndim - 1))
+    k, j = draw(st.permutations(range(len(shape))))[:2]
+    src_p, dst_p, kind = draw(st.sampled_from(transitions(k, j)))
+    # other mesh dims keep their placement; an inner one must not shard k or j (that would force
+    # gathers on it first), an outer one may (nested shards)
+    others = []
+    for m in range(mesh.ndim):
+        if m == i:
+            others.append(None)
+            continue
+        dims = [d for d in range(len(shape)) if m < i or d not in (k, j)]
+        opts = [st.just(Replicate()), st.just(Partial())] + ([st.sampled_from(dims).map(Shard)] if dims else [])
+        others.append(draw(st.one_of(*opts)))
+    src = [src_p if m == i else p for m, p in enumerate(others)]
+    dst = [dst_p if m == i else p for m, p in enumerate(others)]
+    return mesh, shape, i, src, dst, kind
+
+
+@settings(max_examples=150, deadline=None)
+@given(one_dim_transition())
+def test_basic_transition_collectives(case):
+    mesh, shape, i, src, dst, kind = case
+    full = value(shape)
+    x = dtorch.Tensor(full, device_mesh=mesh, placements=src)
+    with dtorch.CommLog() as log:
+        y = x.redistribute(mesh, dst)
+    expected = {} if kind is None else {(kind, mesh.dim_label(i)): 1}
+    assert log.counts() == expected, f"{src} -> {dst} on {mesh}: {log.counts()}"
+    torch.testing.assert_close(y.to_torch(), full, rtol=0, atol=1e-5)
+    assert_blocks_match(y, full)
+    if kind is not None:
+        assert log.bytes()[(kind, mesh.dim_label(i))] >= 0
+
+
+def test_commlog_bytes_are_the_input_blocks():
+    mesh = dtorch.init_device_mesh("cpu", (2, 3), mesh_dim_names=["dp", "tp"])
+    x = dtorch.Tensor(torch.ones(4, 6), device_mesh=mesh, placements=[Replicate(), Shard(1)])
+    with dtorch.CommLog() as log:
+        x.redistribute(mesh, [Replicate(), Replicate()])
+    # every one of the 6 devices contributes its 4x2 float32 block
+    assert log.bytes() == {("all_gather", "tp"): 6 * 4 * 2 * 4}
+    assert log.total() == 1 and log.total("all_reduce") == 0
+    table = log.table()
+    assert "all_gather" in table and "tp" in table and "192 B" in table
+    assert dtorch.CommLog().table() == "no communication"
+
+
+def test_commlog_nests_and_stops_recording():
+    mesh = dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["tp"])
+    x = dtorch.Tensor(torch.ones(4), device_mesh=mesh, placements=[Partial()])
+    with dtorch.CommLog() as outer:
+        with dtorch.CommLog() as inner:
+            x.redistribute(mesh, [Replicate()])
+        x.redistribute(mesh, [Shard(0)])
+    x.redistribute(mesh, [Replicate()])
+    assert inner.counts() == {("all_reduce", "tp"): 1}
+    assert outer.counts() == {("all_reduce", "tp"): 1, ("reduce_scatter", "tp"): 1}
+
+
+# -- the planner -------------------------------------------------------------------------------------
+def _plan(mesh_shape, src, dst, shape):
+    mesh = dtorch.init_device_mesh("cpu", mesh_shape)
+    s = DTensorSpec(mesh, tuple(src), shape, torch.float32)
+    return [(st.kind, st.mesh_dim) for st in plan_redistribute(s, s.with_placements(tuple(dst))).steps]
+
+
+S0, S1, R, P = Shard(0), Shard(1), Replicate(), Partial()
+
+
+@pytest.mark.parametrize("src,dst,steps", [
+    # inner shard of a nested pair goes: one gather on the inner mesh dim
+    ([S0, S0], [S0, R], [("all_gather", 1)]),
+    # the outer one cannot be gathered first: gather inner, gather outer, re-cut inner
+    ([S0, S0], [R, S0], [("all_gather", 1), ("all_gather", 0), ("slice", 1)]),
+    # nesting a new inner shard under an existing one is a local cut
+    ([S0, R], [S0, S0], [("slice", 1)]),
+    ([R, R], [S0, S0], [("slice", 0), ("slice", 1)]),
+    # the inner shard moves to another tensor dim in place: one all_to_all
+    ([S0, S0], [S0, S1], [("all_to_all", 1)]),
+    ([S0, S1], [S1, S0], [("all_gather", 1), ("all_to_all", 0), ("slice", 1)]),
+    # partial sums are reduce-scattered straight into a nested inner shard
+    ([S0, P], [S0, S0], [("reduce_scatter", 1)]),
+    ([P, P], [R, R], [("all_reduce", 0), ("all_reduce", 1)]),
+    ([P, S0], [S0, S0], [("all_gather", 1), ("reduce_scatter", 0), ("slice", 1)]),
+    ([R, R], [P, S1], [("to_partial", 0), ("slice", 1)]),
+    ([S1, S0], [S1, S0], []),
+])
+@pytest.mark.parametrize("shape", [(8, 8), (5, 3), (1, 7)])
+def test_planner_nested_and_uneven(src, dst, steps, shape):
+    # the plan depends on placements only: uneven and tiny shapes get the same steps
+    assert _plan((2, 3), src, dst, shape) == steps
+
+
+def test_plan_is_printable_and_cached():
+    mesh = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["dp", "tp"])
+    s = DTensorSpec(mesh, (S0, P), (4, 4), torch.float32)
+    d = s.with_placements((R, S1))
+    plan = plan_redistribute(s, d)
+    assert plan is plan_redistribute(s, d)
+    assert str(plan) == "P(sum) -> S(1) reduce_scatter on mesh dim 1; S(0) -> R all_gather on mesh dim 0"
+    assert str(plan_redistribute(s, s)) == "no-op"
+
+
+def test_uneven_blocks_follow_torch_chunk():
+    mesh = dtorch.init_device_mesh("cpu", (4,))
+    full = torch.arange(4 * 11.0).reshape(4, 11)
+    x = dtorch.Tensor(full, device_mesh=mesh, placements=[Shard(1)])
+    expected = torch.chunk(full, 4, dim=1)
+    assert [tuple(b.shape) for b in x.local_blocks()] == [tuple(c.shape) for c in expected]
+    for b, c in zip(x.local_blocks(), expected):
+        assert torch.equal(b, c)
+    # 3 rows over 4 devices: torch.chunk gives 3 chunks, the last device holds an empty block
+    y = dtorch.Tensor(torch.ones(3, 2), device_mesh=mesh, placements=[Shard(0)])
+    assert [b.shape[0] for b in y.local_blocks()] == [1, 1, 1, 0]
+
+
+def test_unbind_stages_hand_on_with_send_recv_on_the_parent_dim():
+    mesh = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["pp", "tp"])
+    s0, s1 = mesh.unbind("pp")
+    full = value((5, 3))
+    x = dtorch.Tensor(full, device_mesh=s0, placements=[Shard(0)])
+    with dtorch.CommLog() as log:
+        y = x.redistribute(s1, [Shard(0)])
+    assert log.counts() == {("send_recv", "pp"): 1}
+    assert_blocks_match(y, full)
+
+
+@pytest.mark.parametrize("src,dst", list(itertools.product([Shard(0), Replicate(), Partial()], repeat=2)))
+def test_cpu_one_device_to_mesh_and_back(src, dst):
+    one = DeviceMesh("cpu")
+    mesh = dtorch.init_device_mesh("cpu", (3,), mesh_dim_names=["tp"])
+    full = value((7, 2))
+    y = roundtrip(full, one, [src], mesh, [dst])
+    roundtrip(full, mesh, [dst], one, [src])
+    assert y.device_mesh == mesh
