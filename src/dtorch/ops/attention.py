@@ -210,10 +210,10 @@ def _check(specs, has_mask: bool, causal: bool, gqa: bool):
         problems.append("key and value must agree on heads (dim 1) and sequence length (dim 2)")
     if ek != e:
         problems.append("query and key must have the same embedding size (dim 3)")
-    if hq != hk and not (gqa and hk and hq % hk == 0):
-        problems.append(f"{hq} query heads vs {hk} key/value heads: pass enable_gqa=True with query heads a "
-                        "multiple of key/value heads" if not gqa else
-                        f"query heads ({hq}) must be a multiple of key/value heads ({hk})")
+    if hq != hk and not gqa:
+        problems.append(f"{hq} query heads vs {hk} key/value heads: pass enable_gqa=True for grouped-query attention")
+    elif hq != hk and (hk == 0 or hq % hk):
+        problems.append(f"query heads ({hq}) must be a multiple of key/value heads ({hk})")
     if not q.dtype == k.dtype == v.dtype:
         problems.append(f"dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
     if has_mask:
