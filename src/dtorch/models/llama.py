@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch
 
+import dtorch
+
 from .. import nn
 from ..errors import DTorchError
 from ..graph import Graph
 from ..mesh import DeviceMesh, assign_layers_to_stages, get_default_device_mesh
-from ..ops.factory import arange
 from ..placement import Partial, Replicate, Shard
 from ..tensor import Tensor
 from ..nn import functional as F
@@ -73,11 +74,11 @@ def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def activation_placements(mesh: DeviceMesh, batch_dim: int = 0, seq_dim: int = 1) -> list:
-    """Batch over dp, sequence over the cp dims, Replicate elsewhere."""
+def activation_placements(mesh: DeviceMesh, batch_dim: int | None = 0, seq_dim: int = 1) -> list:
+    """Batch over dp (``batch_dim=None``: no batch dim), sequence over the cp dims, Replicate elsewhere."""
     out = []
     for name in mesh.dim_names or [None] * mesh.ndim:
-        if name == "dp":
+        if name == "dp" and batch_dim is not None:
             out.append(Shard(batch_dim))
         elif name in CP_DIMS:
             out.append(Shard(seq_dim))
@@ -120,7 +121,7 @@ class LlamaRotaryEmbedding(nn.Module):
 
     def forward(self, positions: Tensor, dtype: torch.dtype = torch.float32):
         freqs = positions.float().unsqueeze(-1) * self._inv_freq_on(positions.device_mesh)  # [S, 1] * [d/2] -> [S, d/2]
-        emb = F.cat((freqs, freqs), dim=-1)  # [S, d]
+        emb = dtorch.cat((freqs, freqs), dim=-1)  # [S, d]
         cos, sin = emb.cos(), emb.sin()
         if self.attention_scaling != 1.0:
             cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
@@ -129,7 +130,7 @@ class LlamaRotaryEmbedding(nn.Module):
 
 def rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
-    return F.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return dtorch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor):
@@ -225,7 +226,7 @@ class LlamaModel(nn.Module):
             self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def rope(self, mesh: DeviceMesh, seq_len: int, dtype: torch.dtype):
-        positions = arange(seq_len, device_mesh=mesh, placements=activation_placements(mesh, 0, 0))
+        positions = dtorch.arange(seq_len, device_mesh=mesh, placements=activation_placements(mesh, None, 0))
         return self.rotary_emb(positions, dtype)
 
     def forward(self, input_ids: Tensor) -> Tensor:
