@@ -86,11 +86,19 @@ def arange(start, end=None, step=1, *, dtype=None, device_mesh=None, placements=
     return _place(full_t, device_mesh, placements, device)
 
 
+def _like_layout(input: Tensor, device_mesh, placements, device):
+    """Mesh and placements of a ``*_like`` result: the input's unless a mesh or device is given."""
+    if device is not None:
+        return _resolve_mesh(device_mesh, device), placements
+    mesh = device_mesh or input.device_mesh
+    if placements is None:
+        placements = input.placements if mesh == input.device_mesh else None
+    return mesh, placements
+
+
 def _like(name, base):
-    def fn(input: Tensor, *args, dtype=None, device_mesh=None, placements=None, **kwargs):
-        mesh = device_mesh or input.device_mesh
-        if placements is None:
-            placements = input.placements if mesh == input.device_mesh else None
+    def fn(input: Tensor, *args, dtype=None, device_mesh=None, placements=None, device=None, **kwargs):
+        mesh, placements = _like_layout(input, device_mesh, placements, device)
         return base(*args, input.shape, dtype=dtype or input.dtype, device_mesh=mesh, placements=placements, **kwargs) \
             if name != "full_like" else base(input.shape, *args, dtype=dtype or input.dtype, device_mesh=mesh,
                                              placements=placements, **kwargs)
@@ -108,10 +116,9 @@ full_like = _like("full_like", full)
 
 
 @register()
-def randint_like(input: Tensor, low, high=None, *, dtype=None, device_mesh=None, placements=None, generator=None):
-    mesh = device_mesh or input.device_mesh
-    if placements is None:
-        placements = input.placements if mesh == input.device_mesh else None
+def randint_like(input: Tensor, low, high=None, *, dtype=None, device_mesh=None, placements=None, device=None,
+                 generator=None):
+    mesh, placements = _like_layout(input, device_mesh, placements, device)
     if high is None:
         low, high = 0, low
     return randint(low, high, tuple(input.shape), dtype=dtype or input.dtype, device_mesh=mesh, placements=placements,
