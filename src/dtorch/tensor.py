@@ -207,9 +207,13 @@ class Tensor:
             else:
                 placements.append(self._keep_placement(mesh, i))
         if missing:
+            # an unnamed mesh cannot be addressed by name at all: say how to fix that first
+            hint = ("this mesh has no dim names, so placements_dict can only use mesh dim indices; build the mesh "
+                    "with mesh_dim_names=[...] or " if not names else "")
             raise PlacementError(
                 f"redistribute_by_dict(default_placement_mode='raise_error'): no placement given for mesh dims "
-                f"{missing}; add them to placements_dict or use default_placement_mode='keep' or 'replicate'"
+                f"{missing} of {mesh}; {hint}add them to placements_dict or use default_placement_mode='keep' or "
+                "'replicate'"
             )
         return self.redistribute(mesh, placements)
 
@@ -300,7 +304,13 @@ def as_torch(data, dtype: torch.dtype | None, graph: Graph) -> torch.Tensor:
         out = out.to(dtype) if dtype is not None and dtype != out.dtype else out
         return out.clone() if out.data_ptr() == data.data_ptr() or out is data else out
     if isinstance(data, np.ndarray):
-        out = torch.from_numpy(np.array(data))
+        try:
+            out = torch.from_numpy(np.array(data))
+        except TypeError:
+            raise TypeError(
+                f"cannot build a dtorch.Tensor from a numpy array of dtype {data.dtype}; convert it to a numeric "
+                "or bool dtype first (e.g. arr.astype(np.float32))"
+            ) from None
         return out.to(dtype) if dtype is not None else out
     if isinstance(data, (bool, numbers.Number, list, tuple)):
         try:
