@@ -56,6 +56,9 @@ class DeviceMesh:
             raise MeshError(f"device ids must be unique within a mesh; repeated: {dup}")
         names = None
         if mesh_dim_names is not None:
+            if isinstance(mesh_dim_names, str):  # list("tp") would silently become ["t", "p"]
+                raise MeshError(f"mesh_dim_names must be a list of names, one per mesh dim; got the string "
+                                f"{mesh_dim_names!r}: write [{mesh_dim_names!r}]")
             names = [str(n) for n in mesh_dim_names]
             if len(names) != arr.ndim:
                 raise MeshError(
