@@ -112,6 +112,9 @@ class DeviceMesh:
         if isinstance(dim, str):
             idx = self.dim_name_index(dim)
             if idx is None:
+                if self._names is None:
+                    raise MeshError(f"mesh {self} has no dim names, so {dim!r} is unknown; use a mesh dim index "
+                                    "or build the mesh with mesh_dim_names=[...]")
                 raise MeshError(f"mesh has no dim named {dim!r}; its dims are {self._names}")
             return idx
         if not -self.ndim <= dim < self.ndim:
