@@ -156,7 +156,8 @@ class Graph:
 
         live: dict = {}
         for obj in gc.get_objects():
-            if isinstance(obj, Tensor) and getattr(obj, "_graph", None) is self:
+            # type(), not isinstance(): isinstance reads obj.__class__, which warns on deprecated torch objects
+            if issubclass(type(obj), Tensor) and getattr(obj, "_graph", None) is self:
                 spec = obj._spec
                 live[spec.mesh] = live.get(spec.mesh, 0) + _device_bytes(spec)
         return live
