@@ -6,6 +6,8 @@
 """
 from __future__ import annotations
 
+import numbers
+
 from .errors import PlacementError
 
 _REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -28,9 +30,9 @@ class Shard(Placement):
     __slots__ = ("dim",)
 
     def __init__(self, dim: int):
-        if not isinstance(dim, int) or isinstance(dim, bool):
-            raise PlacementError(f"Shard(dim) needs an int tensor dim, got {dim!r}")
-        self.dim = dim
+        if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+            raise PlacementError(f"Shard(dim) needs an int tensor dim, got {dim!r} of type {type(dim).__name__}")
+        self.dim = int(dim)  # numpy ints too: they hash and print like ints
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or self.dim == dim
