@@ -30,11 +30,17 @@ def _render(spec: DTensorSpec) -> str:
     partial = [f"mesh dim {spec.mesh.dim_label(i)}: {p} (each device holds a term)" for i, p in enumerate(spec.placements)
                if isinstance(p, Partial)]
     owners = _owners(spec)
-    if spec.ndim in (1, 2) and all(n > 0 for n in spec.shape):
+    if spec.ndim == 0:
+        body = f"  devices {_devs(spec.mesh.device_ids)}: the whole 0-d value"
+    elif spec.ndim in (1, 2) and all(n > 0 for n in spec.shape):
         body = _grid(spec, owners)
+        # uneven shards can leave devices with nothing; the grid has no cell for them
+        empty = [d for box, ids in owners.items() if any(n == 0 for _, n in box) for d in ids]
+        if empty:
+            body += f"\nempty blocks on dev {_devs(empty)}"
     else:
         rows = [f"  devices {_devs(ids)}: " + ", ".join(f"[{o}:{o + n}]" for o, n in box) for box, ids in owners.items()]
-        body = "\n".join(rows) if rows else "  (0-d tensor: every device holds the value)"
+        body = "\n".join(rows)
     return "\n".join([header] + partial + [body])
 
 
