@@ -39,24 +39,52 @@ def _matmul_local(a, b, na, nb, lead):
         a = a.unsqueeze(-2)
     if nb == 1:
         b = b.unsqueeze(-1)
-    ra, rb = a.ndim - lead, b.ndim - lead
-    r = max(ra, rb)
-    a = a.reshape(a.shape[:lead] + (1,) * (r - ra) + a.shape[lead:])
-    if all(s == 1 for s in b.shape[:-2]):
-        # one matrix for every device and batch entry: torch folds a's batch into rows (no copies of b)
-        out = torch.matmul(a, b.reshape(b.shape[-2:]))
-    elif all(s == 1 for s in b.shape[lead:-2]):
-        # b is a matrix per device: fold a's batch dims into rows instead of expanding b per batch entry
-        b = b.reshape(b.shape[:lead] + b.shape[-2:])
-        out = torch.matmul(a.reshape(a.shape[:lead] + (-1, a.shape[-1])), b)
-        out = out.reshape(out.shape[:lead] + a.shape[lead:-1] + (b.shape[-1],))
-    else:
-        out = torch.matmul(a, b.reshape(b.shape[:lead] + (1,) * (r - rb) + b.shape[lead:]))
+    r = max(a.ndim, b.ndim)
+    a = a.reshape(a.shape[:lead] + (1,) * (r - a.ndim) + a.shape[lead:])
+    b = b.reshape(b.shape[:lead] + (1,) * (r - b.ndim) + b.shape[lead:])
+    out = _folded_matmul(a, b)
     if na == 1:
         out = out.squeeze(-2)
     if nb == 1:
         out = out.squeeze(-1)
     return out
+
+
+def _folded_matmul(a, b):
+    """``torch.matmul(a, b)`` for equal-rank ``a [..., m, k]``, ``b [..., k, n]`` with broadcasting batch dims.
+
+    torch would expand both operands to the common batch shape (copies) and run one small GEMM per
+    entry. Here batch dims only ``a`` varies over become rows, dims only ``b`` varies over become
+    columns, and only dims both vary over stay a batch: for stacked simulated devices (activations
+    vary over dp/cp, weights over tp) that is one large GEMM, as on one device.
+    """
+    nbatch = a.ndim - 2
+    both, a_only, b_only = [], [], []
+    for d in range(nbatch):
+        sa, sb = a.shape[d], b.shape[d]
+        if sa == sb and sa != 1:
+            both.append(d)
+        elif sb == 1 and sa != 1:
+            a_only.append(d)
+        elif sa == 1 and sb != 1:
+            b_only.append(d)
+        elif sa != sb:
+            raise RuntimeError(f"matmul batch dims do not broadcast: {tuple(a.shape)} @ {tuple(b.shape)}")
+    if not a_only and not b_only:
+        return torch.matmul(a, b)
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    size = lambda t, dims: math.prod(t.shape[d] for d in dims)  # noqa: E731
+    ones_a = [d for d in range(nbatch) if d not in both and d not in a_only]
+    ones_b = [d for d in range(nbatch) if d not in both and d not in b_only]
+    tb, ma, nb_ = size(a, both), size(a, a_only), size(b, b_only)
+    a2 = a.permute(both + a_only + [nbatch] + ones_a + [nbatch + 1]).reshape(tb, ma * m, k)
+    b2 = b.permute(both + [nbatch] + b_only + [nbatch + 1] + ones_b).reshape(tb, k, nb_ * n)
+    c = torch.mm(a2[0], b2[0]).unsqueeze(0) if tb == 1 else torch.bmm(a2, b2)
+    labels = both + a_only + ["m"] + b_only + ["n"]
+    c = c.reshape([a.shape[d] for d in both] + [a.shape[d] for d in a_only] + [m] + [b.shape[d] for d in b_only] + [n])
+    target = [d for d in range(nbatch) if d in both or d in a_only or d in b_only] + ["m", "n"]
+    c = c.permute([labels.index(x) for x in target])
+    return c.reshape([a.shape[d] if b.shape[d] == 1 else b.shape[d] for d in range(nbatch)] + [m, n])
 
 
 @kernel("matmul")
