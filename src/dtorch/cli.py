@@ -30,8 +30,11 @@ def _walkthrough(args) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="dtorch", description="dtorch: single-controller distributed tensors")
     sub = parser.add_subparsers(dest="command")
-    demo = sub.add_parser("demo", help="the main demo (Llama under a parallel layout on simulated CPU devices)")
-    demo.set_defaults(func=_demo)
+    # add_help=False: `dtorch demo --help` reaches the demo's own parser
+    for name in ("demo", "llama"):
+        demo = sub.add_parser(name, add_help=False, help="the main demo (Llama under a parallel layout on simulated "
+                              "CPU devices)" if name == "demo" else "the same as demo")
+        demo.set_defaults(func=_demo)
     walk = sub.add_parser("walkthrough", help="a DTensor walk-through with visualize_sharding")
     walk.set_defaults(func=_walkthrough)
     args, rest = parser.parse_known_args(argv)

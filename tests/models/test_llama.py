@@ -215,6 +215,28 @@ def test_pipeline_hand_offs_are_send_recv_on_stage_boundaries(dims, config):
         torch.testing.assert_close(out, hf(ids).logits, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("dims,expected_per_layer,expected_once", [
+    # Ulysses: q, k, v to heads and the output back; TP: o_proj and the layer output
+    ((("dp", 2), ("tp", 2), ("pp", 2), ("ulysess_cp", 2)),
+     {("all_reduce", "tp"): 2, ("all_to_all", "ulysess_cp"): 4}, {("all_gather", "tp"): 1, ("send_recv", "pp"): 1}),
+    # Ring: k and v passed on once per extra block
+    ((("pp", 2), ("dp", 2), ("ring_cp", 2), ("tp", 2)),
+     {("all_reduce", "tp"): 2, ("send_recv", "ring_cp"): 2}, {("all_gather", "tp"): 1, ("send_recv", "pp"): 1}),
+], ids=["dp2xtp2xpp2xulysses2", "dp2xtp2xpp2xring2"])
+def test_sixteen_device_forward_communicates_exactly(dims, expected_per_layer, expected_once):
+    """Besides the per-layer collectives: the embedding's all_gather over tp and one pipeline hand-off."""
+    names, sizes = zip(*dims)
+    mesh = dtorch.init_device_mesh("cpu", sizes, mesh_dim_names=list(names))
+    cfg = make_config()
+    model = LlamaForCausalLM(cfg, mesh)
+    with CommLog() as log:
+        model(torch.randint(0, cfg.vocab_size, (4, 8)))
+    expected = {k: v * cfg.num_hidden_layers for k, v in expected_per_layer.items()}
+    for k, v in expected_once.items():
+        expected[k] = expected.get(k, 0) + v
+    assert log.counts() == expected
+
+
 def test_data_parallel_alone_communicates_nothing_but_the_output():
     hf = hf_model()
     mesh = dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["dp"])

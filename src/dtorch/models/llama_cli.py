@@ -1,0 +1,251 @@
+"""dtorch demo: a Llama under a parallel layout on simulated devices, checked against Hugging Face.
+
+    dtorch demo                                   # dp2 x tp2 x pp2 x ulysses2 = 16 simulated CPU devices
+    dtorch demo --tp 4 --ring-cp 2 --layers 6
+    dtorch demo --model path/to/hf_checkpoint     # config.json + *.safetensors
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+import dtorch
+
+from ..errors import DTorchError
+from .llama import LlamaForCausalLM, dim_size
+
+# (argument, mesh dim) outer to inner. tp before ulysess_cp: both split the heads around attention and
+# the outer mesh dim splits first, so Ulysses' all_to_all then leaves tp's head shards in place.
+_DIM_ORDER = (("pp", "pp"), ("dp", "dp"), ("tp", "tp"), ("ulysses_cp", "ulysess_cp"), ("ring_cp", "ring_cp"))
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="dtorch demo", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("layout (mesh dim sizes; their product is the number of simulated devices)")
+    g.add_argument("--dp", type=int, default=2, help="data parallel: the batch is split")
+    g.add_argument("--tp", type=int, default=2, help="tensor parallel: heads and MLP features are split")
+    g.add_argument("--pp", type=int, default=2, help="pipeline parallel: layers are split into stages")
+    g.add_argument("--ulysses-cp", type=int, default=2, help="Ulysses context parallel: the sequence is split")
+    g.add_argument("--ring-cp", type=int, default=1, help="Ring context parallel: the sequence is split")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="mesh device type (cpu devices are virtual; cuda needs GPUs or DTORCH_DTENSOR_IN_SAME_DEVICE=1)")
+    m = p.add_argument_group("model (a random Llama unless --model is given)")
+    m.add_argument("--model", metavar="PATH", help="a Hugging Face Llama checkpoint directory")
+    m.add_argument("--layers", type=int, default=4)
+    m.add_argument("--hidden", type=int, default=128)
+    m.add_argument("--heads", type=int, default=8)
+    m.add_argument("--kv-heads", type=int, default=4, help="fewer than --heads: grouped-query attention")
+    m.add_argument("--intermediate", type=int, default=None, help="MLP width (default: ~2.75 x hidden)")
+    m.add_argument("--vocab", type=int, default=512)
+    i = p.add_argument_group("input and check")
+    i.add_argument("--batch", type=int, default=4)
+    i.add_argument("--seq", type=int, default=32)
+    i.add_argument("--seed", type=int, default=0)
+    i.add_argument("--tolerance", type=float, default=1e-4, help="rtol = atol for the comparison with Hugging Face")
+    return p.parse_args(argv)
+
+
+class Progress:
+    """One line that fills up on a terminal; a start and an end line otherwise."""
+
+    def __init__(self, label: str, total: int = 0):
+        self.label, self.total, self.tty = label, total, sys.stdout.isatty()
+        self.t0 = time.perf_counter()
+        if not self.tty:
+            print(f"{label} ...", flush=True)
+        self.update(0)
+
+    def update(self, done: int, note: str = "", total: int | None = None) -> None:
+        self.total = total or self.total
+        if self.tty and self.total:
+            filled = int(24 * done / self.total)
+            bar = "#" * filled + "." * (24 - filled)
+            print(f"\r{self.label:34s} [{bar}] {done}/{self.total} {note[:40]:40s}", end="", flush=True)
+
+    def done(self, note: str = "") -> float:
+        dt = time.perf_counter() - self.t0
+        msg = f"{self.label:34s} done in {dt:.2f} s{(' ' + note) if note else ''}"
+        print(("\r" + msg + " " * 60) if self.tty else "  " + msg.strip(), flush=True)
+        return dt
+
+
+def _random_config(args):
+    from transformers import LlamaConfig
+
+    inter = args.intermediate or int(round(args.hidden * 2.75 / 8)) * 8
+    cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=inter, num_hidden_layers=args.layers,
+                      num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
+                      max_position_embeddings=max(args.seq, 64), initializer_range=0.1)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def _mesh(args):
+    dims = [(name, getattr(args, attr)) for attr, name in _DIM_ORDER]
+    bad = [f"--{attr.replace('_', '-')} {getattr(args, attr)}" for attr, _ in _DIM_ORDER if getattr(args, attr) < 1]
+    if bad:
+        raise ValueError(f"mesh dim sizes must be >= 1, got {', '.join(bad)}")
+    dims = [(n, s) for n, s in dims if s > 1]
+    if not dims:
+        return dtorch.DeviceMesh(args.device)
+    names, sizes = zip(*dims)
+    mesh = dtorch.init_device_mesh(args.device, sizes, mesh_dim_names=list(names))
+    if not dtorch.default_graph().satisfy(mesh):
+        from ..runtime.devices import mesh_problems, read_device_config
+
+        raise ValueError(mesh_problems(mesh, read_device_config()))
+    return mesh
+
+
+def _describe_layout(model: LlamaForCausalLM, cfg, args) -> str:
+    mesh = model.device_mesh
+    lines = [f"mesh    {mesh}  ({mesh.size()} simulated {mesh.device_type} devices)"]
+    tp, ul, ring, dp = (dim_size(mesh, n) for n in ("tp", "ulysess_cp", "ring_cp", "dp"))
+    kv = cfg.num_key_value_heads
+    if dp > 1:
+        lines.append(f"  {'dp=' + str(dp):14s}batch {args.batch} split {dp} ways")
+    if tp > 1:
+        lines.append(f"  {'tp=' + str(tp):14s}{cfg.num_attention_heads} heads ({kv} kv) -> {cfg.num_attention_heads // tp} "
+                     f"({kv // tp} kv) per device; MLP {cfg.intermediate_size} -> {cfg.intermediate_size // tp}; "
+                     f"vocab {cfg.vocab_size} -> {cfg.vocab_size // tp} in lm_head")
+    for name, size, how in (("ulysess_cp", ul, "all-to-all sequence <-> heads around attention"),
+                            ("ring_cp", ring, "K/V blocks passed around a ring, log-sum-exp merge")):
+        if size > 1:
+            lines.append(f"  {name + '=' + str(size):14s}sequence {args.seq} split {size} ways: {how}")
+    stages = model.model.stage_meshes
+    if len(stages) > 1:
+        lines.append(f"  {'pp=' + str(len(stages)):14s}{cfg.num_hidden_layers} layers in {len(stages)} stages, "
+                     "activations handed on with send_recv")
+    for s, smesh in enumerate(stages):
+        layers = [i for i, st in enumerate(model.model.layer_stages) if st == s]
+        parts = (["embed_tokens"] if s == 0 else []) + [f"layers {layers[0]}-{layers[-1]}" if len(layers) > 1
+                                                         else f"layer {layers[0]}"]
+        parts += ["norm", "lm_head"] if s == len(stages) - 1 else []
+        lines.append(f"  stage {s}: devices {_ids(smesh.device_ids)}: {', '.join(parts)}")
+    return "\n".join(lines)
+
+
+def _ids(ids) -> str:
+    """[0, 1, 2, 3, 8, 9] -> "0-3,8-9"."""
+    runs, ids = [], sorted(ids)
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _memory_table(graph, mesh, single_bytes: int) -> str:
+    """One row per group of devices holding the same bytes (a 16-device mesh is usually 1-2 rows)."""
+    groups: dict = {}
+    for (_, dev), st in graph.get_memory_stats(mesh).items():
+        groups.setdefault((st["allocated"], st["peak"]), []).append(dev)
+    rows = [("devices", "allocated", "peak")]
+    for (alloc, peak), devs in sorted(groups.items(), key=lambda kv: kv[1][0]):
+        rows.append((_ids(devs), _mib(alloc), _mib(peak)))
+    widths = [max(len(r[c]) for r in rows) for c in range(3)]
+    out = ["  ".join(c.rjust(w) if k else c.ljust(w) for k, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    out.append(f"(one device holding the whole model: {_mib(single_bytes)} of parameters)")
+    return "\n".join(out)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _hf_forward(hf, ids, label: str):
+    """The reference forward with a per-layer progress line (forward hooks on the decoder layers)."""
+    layers = hf.model.layers
+    bar = Progress(label, len(layers))
+    hooks = [layer.register_forward_hook(lambda m, a, o, i=i: bar.update(i + 1, f"layer {i}"))
+             for i, layer in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            logits = hf(ids).logits
+            dt = time.perf_counter() - t0
+    finally:
+        for h in hooks:
+            h.remove()
+    bar.done()
+    return logits, dt
+
+
+def run(args) -> int:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # this demo draws its own
+
+    torch.manual_seed(args.seed)
+    graph = dtorch.default_graph()
+    graph.track_memory()
+    mesh = _mesh(args)
+    print("dtorch demo: Llama, single controller, every device simulated in this process\n")
+
+    if args.model:
+        bar = Progress("loading dtorch model (sharded reads)")
+        model = LlamaForCausalLM.from_pretrained(args.model, device_mesh=mesh, dtype=torch.float32,
+                                                 progress=lambda i, n, key: bar.update(i, key, n))
+        bar.done()
+        cfg = model.config
+        bar = Progress("loading Hugging Face reference")
+        hf = transformers.LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        bar.done()
+        source = f"checkpoint {args.model}"
+    else:
+        cfg = _random_config(args)
+        hf = transformers.LlamaForCausalLM(cfg).eval()
+        model = LlamaForCausalLM(cfg, mesh)
+        model.load_state_dict(hf.state_dict())
+        source = "random weights"
+    n_params = sum(p.numel() for p in hf.parameters())
+    print(f"model   Llama ({source}): {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+          f"{cfg.num_attention_heads} heads ({cfg.num_key_value_heads} kv), MLP {cfg.intermediate_size}, "
+          f"vocab {cfg.vocab_size}; {n_params / 1e6:.2f} M parameters")
+    print(f"input   token ids [batch {args.batch}, seq {args.seq}]")
+    print(_describe_layout(model, cfg, args) + "\n")
+
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
+    expected, hf_time = _hf_forward(hf, ids, "Hugging Face forward (1 device)")
+    t0 = time.perf_counter()
+    model(ids)  # first call: plans every op and redistribution once (cached afterwards)
+    cold = time.perf_counter() - t0
+    graph.reset_peak_memory_stats()
+    with dtorch.CommLog() as log:
+        t0 = time.perf_counter()
+        logits = model(ids)
+        warm = time.perf_counter() - t0
+
+    err = (logits - expected).abs().max().item()
+    ok = torch.allclose(logits, expected, rtol=args.tolerance, atol=args.tolerance)
+    verdict = "PASS" if ok else "FAIL"
+    print(f"\nmax |dtorch - Hugging Face| = {err:.3e}   {verdict} (rtol = atol = {args.tolerance:g}, logits "
+          f"{list(logits.shape)})")
+    print(f"time    dtorch forward {warm * 1e3:.1f} ms on {mesh.size()} simulated devices "
+          f"(first call {cold * 1e3:.1f} ms, planning included); Hugging Face forward {hf_time * 1e3:.1f} ms\n")
+    print("memory per device (logical bytes; peak during the forward)")
+    print(_memory_table(graph, mesh, n_params * 4) + "\n")
+    print("communication in one forward")
+    print(log.table())
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return run(args)
+    except (DTorchError, ValueError, FileNotFoundError) as exc:
+        print(f"dtorch demo: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        dtorch.default_graph().track_memory(False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
