@@ -151,6 +151,18 @@ def test_dtorch_ids_come_back_in_the_callers_layout():
         torch.testing.assert_close(out.to_torch(), hf(ids).logits, rtol=RTOL, atol=ATOL)
 
 
+def test_llama_model_hidden_states():
+    hf = hf_model()
+    mesh = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["tp", "ring_cp"])
+    model = LlamaForCausalLM(hf.config, mesh)
+    model.load_state_dict(hf.state_dict())
+    ids = torch.randint(0, 160, (2, 6))
+    h = model.model(ids)
+    assert h.placements == [Replicate(), Shard(1)]
+    with torch.no_grad():
+        torch.testing.assert_close(h.to_torch(), hf.model(ids).last_hidden_state, rtol=RTOL, atol=ATOL)
+
+
 def test_parameter_layout_and_stages():
     mesh = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["pp", "tp"])
     model = LlamaForCausalLM(make_config("three_layers"), mesh)

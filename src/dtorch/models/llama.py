@@ -200,8 +200,8 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding (first stage), decoder layers (bound to stages), final norm (last stage).
 
-    ``forward(input_ids)`` takes ids already laid out on the first stage mesh and returns the hidden
-    states ``[B, S, H]`` on the last stage mesh (batch over dp, sequence over cp, Replicate on tp).
+    ``model(input_ids)`` returns the hidden states ``[B, S, H]`` as a dtorch tensor on the last stage mesh
+    (batch over dp, sequence over cp, Replicate on tp).
     """
 
     def __init__(self, config, device_mesh: DeviceMesh | None = None):
@@ -224,6 +224,16 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         with guard(self.stage_meshes[-1]):
             self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def redistribute_input(self, input_ids):
+        """Token ids ``[B, S]`` (torch or dtorch, any mesh) onto the first stage: batch over dp, sequence over cp."""
+        if not isinstance(input_ids, (torch.Tensor, Tensor)) or input_ids.ndim != 2 or input_ids.dtype.is_floating_point:
+            got = f"{type(input_ids).__name__} {getattr(input_ids, 'dtype', '')} of shape {list(getattr(input_ids, 'shape', []))}"
+            raise TypeError(f"input_ids must be an integer tensor [batch, seq] (torch or dtorch), got {got}")
+        first = self.stage_meshes[0]
+        if isinstance(input_ids, torch.Tensor):
+            return (Tensor(input_ids, device_mesh=first, placements=activation_placements(first)),), {}
+        return (input_ids.redistribute(first, activation_placements(first)),), {}
 
     def rope(self, mesh: DeviceMesh, seq_len: int, dtype: torch.dtype):
         positions = dtorch.arange(seq_len, device_mesh=mesh, placements=activation_placements(mesh, None, 0))
@@ -267,20 +277,12 @@ class LlamaForCausalLM(nn.Module):
     def redistribute_input(self, input_ids, *args, **kwargs):
         if args or kwargs:
             raise TypeError("LlamaForCausalLM(input_ids) takes only token ids (no masks, caches or labels)")
-        if not isinstance(input_ids, (torch.Tensor, Tensor)) or input_ids.ndim != 2 or input_ids.dtype.is_floating_point:
-            got = f"{type(input_ids).__name__} {getattr(input_ids, 'dtype', '')} of shape {list(getattr(input_ids, 'shape', []))}"
-            raise TypeError(f"input_ids must be an integer tensor [batch, seq] (torch or dtorch), got {got}")
-        first = self.model.stage_meshes[0]
-        if isinstance(input_ids, torch.Tensor):
-            self._caller = None
-            ids = Tensor(input_ids, device_mesh=first, placements=activation_placements(first))
-        else:
-            self._caller = (input_ids.device_mesh, input_ids.placements)
-            ids = input_ids.redistribute(first, activation_placements(first))
-        return (ids,), {}
+        # remembered for redistribute_output: logits go back the way the ids came
+        self._caller = (input_ids.device_mesh, input_ids.placements) if isinstance(input_ids, Tensor) else None
+        return (input_ids,), {}
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        return self.lm_head(self.model(input_ids))  # [B, S, H] -> [B, S, vocab]
+    def forward(self, input_ids) -> Tensor:
+        return self.lm_head(self.model(input_ids))  # ids laid out by LlamaModel; [B, S, H] -> [B, S, vocab]
 
     def redistribute_output(self, logits: Tensor):
         caller, self._caller = self._caller, None
