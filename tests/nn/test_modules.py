@@ -353,3 +353,14 @@ def test_dropout():
     assert torch.equal(nn.Dropout(0.0)(x).to_torch(), x.to_torch())
     with pytest.raises(ValueError, match="between 0 and 1"):
         nn.Dropout(1.5)
+
+
+def test_to_mesh_and_buffer_loading():
+    m = Block()
+    sd = {k: v + 1 for k, v in TorchBlock().state_dict().items()}
+    m.load_state_dict(sd)
+    torch.testing.assert_close(m.steps.to_torch(), torch.arange(4.0) + 1)
+    m.to(DP_TP)
+    assert all(t.device_mesh == DP_TP for t in list(m.parameters()) + list(m.buffers()))
+    for k, v in m.state_dict().items():
+        torch.testing.assert_close(v, sd[k])
