@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -375,3 +377,15 @@ def test_unsupported_data_types(data, words):
         dtorch.Tensor(data)
     for w in words:
         assert w in str(err.value), (w, str(err.value))
+
+
+# -- the user docs' snippets run ------------------------------------------------------------------------
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+
+
+@pytest.mark.parametrize("page", ["mesh.md", "placements.md", "redistribute.md", "dtensor.md"])
+def test_doc_snippets_run(page, capsys):
+    blocks = re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(), flags=re.S)
+    assert blocks, page
+    for code in blocks:
+        exec(compile(code, f"{page} snippet", "exec"), {"__name__": "__doc_snippet__"})
