@@ -20,7 +20,7 @@ from dtorch import DeviceMesh, Partial, Replicate, Shard
 from dtorch.redistribute import plan_redistribute
 from dtorch.spec import DTensorSpec
 
-SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 REDUCE_OPS = ("sum", "avg", "max", "min")
 SIZES = st.sampled_from([0, 1, 1, 2, 3, 4, 5, 7])
 
@@ -231,7 +231,7 @@ def one_dim_transition(draw):
     return mesh, shape, i, src, dst, kind
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=250, deadline=None)
 @given(one_dim_transition())
 def test_basic_transition_collectives(case):
     mesh, shape, i, src, dst, kind = case
