@@ -357,11 +357,7 @@ DTYPES = [torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32
 @pytest.mark.parametrize("n", [4, 5], ids=["even", "uneven"])
 @pytest.mark.parametrize("op", REDUCE_OPS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_partial_reductions_keep_dtype(dtype, op, n, request):
-    if not dtype.is_floating_point and (op == "avg" or (op == "sum" and dtype != torch.int64)):
-        # runtime/inprocess.py (_REDUCE and _reduce_list) reduce with torch.sum, which promotes
-        # int32/int8/bool to int64, and with torch.mean, which rejects integer dtypes
-        request.applymarker(pytest.mark.xfail(strict=True, reason="in-process reductions change integer dtypes"))
+def test_partial_reductions_keep_dtype(dtype, op, n):
     mesh = dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["tp"])
     full = (torch.arange(n) % 3).to(dtype)
     x = dtorch.Tensor(full, device_mesh=mesh, placements=[Partial(op)])

@@ -42,24 +42,26 @@ class Shards:
         return f"Shards(blocks={[tuple(b.shape) for b in self.blocks]})"
 
 
-_REDUCE = {
-    "sum": lambda x, d: x.sum(d, keepdim=True),
-    "avg": lambda x, d: x.mean(d, keepdim=True),
-    "max": lambda x, d: x.amax(d, keepdim=True),
-    "min": lambda x, d: x.amin(d, keepdim=True),
-}
+def _reduce_dim(op: str, x: torch.Tensor, d: int) -> torch.Tensor:
+    """Reduce partial terms along dim ``d`` (kept, size 1), staying in ``x``'s dtype like a collective."""
+    if op == "max":
+        return x.amax(d, keepdim=True)
+    if op == "min":
+        return x.amin(d, keepdim=True)
+    if op == "avg" and (x.is_floating_point() or x.is_complex()):
+        return x.mean(d, keepdim=True)
+    if op == "avg":  # integers and bools: floor of the mean
+        return x.sum(d, keepdim=True).div(x.shape[d], rounding_mode="floor").to(x.dtype)
+    return x.sum(d, keepdim=True, dtype=x.dtype)
+
+
+_REDUCE = {op: (lambda x, d, op=op: _reduce_dim(op, x, d)) for op in ("sum", "avg", "max", "min")}
 
 
 def _reduce_list(op: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-    out = tensors[0]
     if len(tensors) == 1:
-        return out
-    if op in ("sum", "avg"):
-        out = torch.stack(tensors).sum(0)
-        if op == "avg":
-            out = out / len(tensors) if out.is_floating_point() or out.is_complex() else out // len(tensors)
-        return out
-    return torch.stack(tensors).amax(0) if op == "max" else torch.stack(tensors).amin(0)
+        return tensors[0]
+    return _reduce_dim(op, torch.stack(tensors), 0).squeeze(0)
 
 
 @lru_cache(maxsize=65536)
