@@ -107,7 +107,7 @@ def test_sync_future_and_empty_cache():
 
 def test_memory_stats_grow_and_shrink(fresh_graph):
     g = fresh_graph()
-    mesh = dtorch.init_device_mesh("cpu", (2, 3), mesh_dim_names=["dp", "tp"], )
+    mesh = dtorch.init_device_mesh("cpu", (2, 3), mesh_dim_names=["dp", "tp"])
     keys = [("cpu", i) for i in range(6)]
     assert g.get_memory_stats(mesh) == {k: {"allocated": 0, "peak": 0} for k in keys}
     x = dtorch.zeros(6, 9, device_mesh=mesh, placements=[Shard(0), Shard(1)])  # 3x3 float32 per device
