@@ -44,14 +44,15 @@ def _embedding_kernel(ids, weight, *, lead, masked: bool, vocab_off=0):
         idx = torch.where(valid, idx, 0)
     if vl == 0:  # an empty vocab shard (uneven split) contributes nothing
         return torch.zeros(idx.shape + (d,), dtype=weight.dtype, device=weight.device)
-    table = weight
     if lead:
-        # F.embedding wants a 2-D table: flatten the grid blocks into one, block g's rows start at g * vl
-        grid = tuple(weight.shape[:lead])
-        base = torch.arange(int(np.prod(grid)), device=weight.device).reshape(grid) * vl
-        idx = idx + base.reshape(grid + (1,) * (idx.ndim - lead))
-        table = weight.reshape(-1, d)
-    out = F.embedding(idx, table)
+        # gather rows straight from each grid block (the weight block may be a strided view of a larger
+        # table: flattening it into one 2-D table would copy the whole table on every call)
+        index = []
+        for k, g in enumerate(weight.shape[:lead]):
+            index.append(0 if g == 1 else torch.arange(g, device=weight.device).reshape((g,) + (1,) * (idx.ndim - k - 1)))
+        out = weight[tuple(index) + (idx,)]
+    else:
+        out = F.embedding(idx, weight)
     if masked:
         out = torch.where(valid.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out
