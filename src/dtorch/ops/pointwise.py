@@ -36,14 +36,6 @@ def _pointwise_kernel(*xs, fn: str, template: tuple, kwargs: tuple):
     return resolve_torch(fn)(*args, **dict(kwargs))
 
 
-def _unwrap(v):
-    if isinstance(v, tuple) and v and isinstance(v[0], str) and v[0] in ("int", "float", "bool", "complex"):
-        return v[1]
-    if isinstance(v, tuple) and v and v[0] in ("tuple", "list"):
-        return tuple(_unwrap(x) for x in v[1:])
-    return v
-
-
 # Steady-state fast path: (fn, graph, spec or scalar per operand) -> a closure that calls the torch
 # function straight on the stacked blocks. Filled after a first, fully planned call showed that the
 # plan needs no redistribution and the runtime can run the kernel directly on grids.
@@ -216,7 +208,7 @@ def _numel(shape) -> int:
 # ------------------------------------------------------------------------------------------------
 # the op set
 
-def _unary(name: str, fn: str, *, methods=None, torch_fn=None, functional=False):
+def _elementwise_op(name: str, fn: str, *, methods=None, torch_fn=None, functional=False):
     def op(input, *args, **kwargs):
         return pointwise(name, fn, input, *args, **kwargs)
 
@@ -250,7 +242,7 @@ _UNARY = [
 
 for _name, _fn, _functional in _UNARY:
     _tf = getattr(torch, _name, None) if _fn.startswith("torch.") else getattr(torch.nn.functional, _name)
-    globals()[_name] = _unary(_name, _fn, torch_fn=_tf, functional=_functional)
+    globals()[_name] = _elementwise_op(_name, _fn, torch_fn=_tf, functional=_functional)
     if _functional and _fn.startswith("torch.") and hasattr(torch.nn.functional, _name):
         from .registry import TORCH_FUNCTIONS as _TF
 
@@ -269,7 +261,7 @@ _BINARY = [
 ]
 
 for _name, _fn in _BINARY:
-    globals()[_name] = _unary(_name, _fn, torch_fn=getattr(torch, _name))
+    globals()[_name] = _elementwise_op(_name, _fn, torch_fn=getattr(torch, _name))
 
 
 @register(methods=("where",), torch_fns=(torch.where,))
@@ -277,8 +269,6 @@ def where(condition, input=None, other=None):
     """``torch.where(condition, input, other)``; inputs may be dtorch tensors or scalars."""
     if input is None and other is None:
         raise NotImplementedError("dtorch.where(condition) (the nonzero form) is not supported; pass input and other")
-    if isinstance(condition, Tensor) and not isinstance(input, Tensor) and not isinstance(other, Tensor):
-        pass
     return pointwise("where", "torch.where", condition, input, other)
 
 
