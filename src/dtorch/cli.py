@@ -37,12 +37,21 @@ def main(argv=None) -> int:
         demo.set_defaults(func=_demo)
     walk = sub.add_parser("walkthrough", help="a DTensor walk-through with visualize_sharding")
     walk.set_defaults(func=_walkthrough)
+    worker = sub.add_parser("worker", add_help=False, help="start process-backend workers that join a controller "
+                            "(--controller HOST:PORT --ranks 0-3)")
+    worker.set_defaults(func=_worker)
     args, rest = parser.parse_known_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     args.rest = rest
     return args.func(args)
+
+
+def _worker(args) -> int:
+    from .runtime.worker import main as worker_main
+
+    return worker_main(args.rest)
 
 
 def _demo(args) -> int:

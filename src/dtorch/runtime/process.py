@@ -1,0 +1,575 @@
+"""The process backend (scale-out): one worker process per device, torch.distributed underneath.
+
+The controller (this object, in the user's process) never touches data. It turns each runtime call
+into an op record, buffers the records per worker and pushes them in batches through its TCPStore
+(one queue per worker); it waits on workers only to fetch values (``to_global``), in ``sync`` and in
+``TensorFuture.get``. Handles are integer ids the controller allocates, so outputs exist before any
+worker has run anything. A mesh's device id is a worker's rank; what each worker does for a kernel
+or a redistribution step is a pure function of the specs (``process_plan``), sent once per plan.
+
+Transport: control records and controller<->worker data go through the store (data in 4 MiB chunks);
+worker<->worker data goes through torch.distributed collectives and send/recv (gloo on CPU, NCCL on
+CUDA). Numerics match the in-process backend bit for bit: reductions run in mesh order with the
+same function, except where any order gives the same bits (two terms, max/min, int64) and the native
+all-reduce is used.
+
+Configuration (environment):
+  DTORCH_PROCESS_LISTEN   HOST:PORT the store listens on (default 127.0.0.1:0: loopback, a free port)
+  DTORCH_PROCESS_SPAWN    1 (default): start workers here; 0: wait for `dtorch worker` launches
+  DTORCH_PROCESS_WORKERS  workers to start with (default: what the first mesh needs); with SPAWN=0,
+                          how many will join
+  DTORCH_PROCESS_TIMEOUT  seconds one wait may take (default 300); DTORCH_PROCESS_SYNC=1 waits after
+                          every op, so a failing op raises where it was issued (debugging)
+"""
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import itertools
+import os
+import pickle
+import threading
+import time
+import weakref
+
+import numpy as np
+import torch
+
+from .. import commlog
+from ..errors import DeviceUnavailableError, RuntimeBackendError
+from ..mesh import DeviceMesh
+from ..placement import Partial
+from ..spec import DTensorSpec
+from . import process_plan as pp
+from .devices import read_device_config
+from .inprocess import InProcessRuntime, spec_total_bytes
+from .interface import Runtime
+from .process_pool import Pool, WorkerError
+
+__all__ = ["ProcessRuntime", "WorkerError"]
+
+FLUSH_RECORDS = 64  # records buffered before a push
+FLUSH_AFTER_S = 0.002  # ... or this long after the first one
+INLINE_BYTES = 256 << 10  # blocks up to this size travel inside the op record
+BATCH_LIMIT = 6 << 20  # larger batches go to the store by key (the store caps values at 8 MiB)
+_TAG_SPAN = 1 << 24
+
+_LIVE: "weakref.WeakSet[ProcessRuntime]" = weakref.WeakSet()
+
+
+class Handle:
+    """A DTensor's storage on the workers. When the last reference goes, its blocks are freed."""
+
+    __slots__ = ("id", "ranks", "epoch", "sink", "__weakref__")
+
+    def __init__(self, hid: int, ranks: tuple, epoch: int, sink: list):
+        self.id = hid
+        self.ranks = ranks
+        self.epoch = epoch
+        self.sink = sink
+
+    def __del__(self):
+        try:
+            self.sink.append((self.id, self.ranks))
+        except Exception:  # noqa: BLE001  (interpreter shutdown)
+            pass
+
+    def __repr__(self):
+        return f"Handle({self.id} on ranks {list(self.ranks)})"
+
+
+def _env_int(name: str, default):
+    raw = os.environ.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} must be an integer") from None
+
+
+class ProcessRuntime(Runtime):
+    name = "process"
+
+    def __init__(self, *, workers: int | None = None, listen: str | None = None, spawn: bool | None = None,
+                 timeout: float | None = None, max_workers: int | None = None):
+        self.config = read_device_config()
+        self.min_workers = workers if workers is not None else _env_int("DTORCH_PROCESS_WORKERS", None)
+        self.listen = listen or os.environ.get("DTORCH_PROCESS_LISTEN") or "127.0.0.1:0"
+        self.spawn = spawn if spawn is not None else os.environ.get("DTORCH_PROCESS_SPAWN", "1") not in ("0", "false")
+        self.timeout = float(timeout if timeout is not None else _env_int("DTORCH_PROCESS_TIMEOUT", 300))
+        self.max_workers = max_workers or _env_int("DTORCH_PROCESS_MAX_WORKERS", 64)
+        self.sync_every_op = os.environ.get("DTORCH_PROCESS_SYNC", "0") in ("1", "true")
+        if not self.spawn and not self.min_workers:
+            raise ValueError("DTORCH_PROCESS_SPAWN=0 needs DTORCH_PROCESS_WORKERS=N: how many workers will join")
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._seq = itertools.count(1)
+        self._assembler = InProcessRuntime()
+        self._pool: Pool | None = None
+        self._epoch = 0
+        self._lost = None  # why the previous epoch's tensors are gone
+        self.stats = {"ops": 0, "records": 0, "flushes": 0, "bytes_pushed": 0}
+        self._reset()
+        _LIVE.add(self)
+
+    def _reset(self) -> None:
+        """State of one pool of workers."""
+        self._buf: dict[int, list] = {}
+        self._nrec = 0
+        self._t_first = 0.0
+        self._sink: list = []  # (id, ranks) of dead handles, appended by Handle.__del__
+        self._ready: set = set()  # meshes whose workers run
+        self._defined: set = set()  # plan ids the workers know
+        self._pids: dict = {}
+        self._groups: set = set()  # (mesh, dim) whose process groups exist
+        self._dev_args: dict = {}
+        self._ops: dict = {}  # seq -> what it was, for error messages
+        self._tag = 0
+        self._world = 0
+        self._cuda = False
+
+    # -- devices ---------------------------------------------------------------------------------
+    def devices(self, mesh) -> tuple:
+        if mesh.device_type == "cpu":
+            return (torch.device("cpu"),) * mesh.size()
+        return tuple(torch.device("cuda", i) for i in mesh.device_ids)
+
+    def _ensure(self, mesh: DeviceMesh) -> None:
+        if mesh in self._ready:
+            return
+        with self._lock:
+            need = max(mesh.device_ids) + 1
+            if need > self.max_workers:
+                raise DeviceUnavailableError(
+                    f"mesh {mesh} needs {need} worker processes (one per device id 0..{need - 1}) but the process "
+                    f"backend allows {self.max_workers}; use a smaller mesh, the in-process backend, or raise "
+                    "DTORCH_PROCESS_MAX_WORKERS")
+            cuda = self._cuda or (mesh.device_type == "cuda" and torch.cuda.is_available() and not self.config.same_device)
+            world = max(need, self._world, self.min_workers or 0)
+            if self._pool is None:
+                self._start(world, cuda)
+            elif world > self._world or cuda != self._cuda:
+                if not self.spawn:
+                    raise DeviceUnavailableError(
+                        f"mesh {mesh} needs device ids up to {need - 1} but {self._world} workers joined "
+                        f"(DTORCH_PROCESS_WORKERS); start workers for the missing ranks and raise DTORCH_PROCESS_WORKERS")
+                self._grow(world, cuda)
+            self._ready.add(mesh)
+
+    def _start(self, world: int, cuda: bool) -> None:
+        pool = Pool(self.listen, self.spawn, self.timeout, max(60.0, 15.0 * world), self.min_workers)
+        pool.describe = self._describe
+        self._pool = pool
+        try:
+            self._resize(world, cuda)
+        except BaseException as exc:
+            self._teardown(f"the workers did not start: {exc}")
+            raise
+
+    def _grow(self, world: int, cuda: bool) -> None:
+        """More workers (or NCCL): every worker re-joins a new process-group generation; blocks stay."""
+        self.sync()
+        try:
+            self._resize(world, cuda)
+        except WorkerError as exc:
+            self._teardown(str(exc))
+            raise
+
+    def _resize(self, world: int, cuda: bool) -> None:
+        old = self._world
+
+        def reform():
+            for r in range(old):
+                self._pool.push(r, pickle.dumps([("reform",)]))
+
+        self._pool.resize(world, "cpu:gloo,cuda:nccl" if cuda else "gloo", cuda, reform)
+        self._world, self._cuda = world, cuda
+        for r in range(world):
+            self._buf.setdefault(r, [])
+        self._defined.clear()
+        self._groups.clear()
+
+    # -- records ---------------------------------------------------------------------------------
+    def _new(self, ranks: tuple) -> Handle:
+        return Handle(next(self._ids), ranks, self._epoch, self._sink)
+
+    def _id(self, h) -> int:
+        if not isinstance(h, Handle) or h.epoch != self._epoch:
+            raise RuntimeBackendError(
+                f"this tensor's blocks are gone: the process backend's workers were stopped ({self._lost}). "
+                "Recreate the tensor (and reload module parameters).")
+        return h.id
+
+    def _note(self, what: tuple) -> int:
+        seq = next(self._seq)
+        ops = self._ops
+        ops[seq] = what
+        if len(ops) > 20000:
+            for k in list(itertools.islice(ops, 10000)):
+                del ops[k]
+        self.stats["ops"] += 1
+        return seq
+
+    def _emit(self, ranks, rec) -> None:
+        buf = self._buf
+        for r in ranks:
+            buf[r].append(rec)
+        self._counted(len(ranks))
+
+    def _counted(self, n: int) -> None:
+        if not self._nrec:
+            self._t_first = time.perf_counter()
+        self._nrec += n
+        if self._nrec >= FLUSH_RECORDS or time.perf_counter() - self._t_first > FLUSH_AFTER_S:
+            self.flush()
+
+    def _define(self, key, rec: tuple, ranks) -> int:
+        """The plan id of ``key``; its definition is queued for ``ranks`` the first time."""
+        pid = self._pids.get(key)
+        if pid is None:
+            pid = self._pids[key] = len(self._pids) + 1
+        if pid not in self._defined:
+            full = (rec[0], pid) + rec[1:]
+            for r in ranks:
+                self._buf[r].append(full)
+            self._defined.add(pid)
+        return pid
+
+    def _make_groups(self, mesh: DeviceMesh, dim: int) -> None:
+        """new_group is collective over all workers: every worker creates every group, in our order."""
+        if (mesh, dim) in self._groups or mesh.shape[dim] == 1:
+            return
+        rec = ("groups", pp.dim_groups(mesh, dim))
+        for r in range(self._world):
+            self._buf[r].append(rec)
+        self._groups.add((mesh, dim))
+
+    def _tags(self, n: int) -> int:
+        if self._tag + n >= _TAG_SPAN:
+            self._tag = 0
+        base = self._tag
+        self._tag += max(n, 1)
+        return base
+
+    def flush(self) -> None:
+        """Push every buffered record to its worker (one store message per worker)."""
+        with self._lock:
+            pool = self._pool
+            if pool is None:
+                return
+            sink = self._sink
+            n = len(sink)
+            if n:
+                frees: dict = {}
+                for hid, ranks in sink[:n]:
+                    for r in ranks:
+                        frees.setdefault(r, []).append(hid)
+                del sink[:n]
+                for r, ids in frees.items():
+                    self._buf[r].append(("free", ids))
+            for r, recs in self._buf.items():
+                if not recs:
+                    continue
+                blob = pickle.dumps(recs, protocol=5)
+                if len(blob) > BATCH_LIMIT:
+                    name = f"b/{next(self._ids)}"
+                    pp.store_put(pool.store, name, blob)
+                    blob = pickle.dumps([("batch", name, len(blob))])
+                pool.push(r, blob)
+                self.stats["bytes_pushed"] += len(blob)
+                self._buf[r] = []
+            self.stats["flushes"] += 1
+            self.stats["records"] += self._nrec
+            self._nrec = 0
+            try:
+                pool.check()  # a dead worker surfaces at the next op, not only at the next wait
+            except WorkerError as exc:
+                self._teardown(str(exc))
+                raise
+
+    # -- placement of global values ---------------------------------------------------------------
+    def from_global(self, full: torch.Tensor, spec: DTensorSpec) -> Handle:
+        mesh = spec.mesh
+        self._ensure(mesh)
+        full = full.detach().cpu()
+        ranks = tuple(mesh.device_ids)
+        h = self._new(ranks)
+        seq = self._note(("put", spec))
+        store = self._pool.store
+        blobs: dict = {}
+        readers: dict = {}
+        plan = []
+        for r, coord in zip(ranks, mesh.coordinates()):
+            shape = spec.local_shape(coord)
+            zero = any(isinstance(p, Partial) and p.reduce_op == "sum" and coord[i] != 0
+                       for i, p in enumerate(spec.placements))
+            if zero:
+                plan.append((r, ("zeros", seq, h.id, spec.dtype, shape, mesh.device_type)))
+                continue
+            box = spec.local_box(coord)
+            if box not in blobs:
+                blobs[box] = pp.to_blob(full[tuple(slice(o, o + s) for o, s in box)])
+            readers[box] = readers.get(box, 0) + 1
+            plan.append((r, ("put", seq, h.id, spec.dtype, shape, mesh.device_type, box)))
+        data = {}
+        for n, (box, blob) in enumerate(blobs.items()):
+            if len(blob) <= INLINE_BYTES:
+                data[box] = blob
+            else:
+                name = f"p/{h.id}/{n}"
+                pp.store_put(store, name, blob)
+                store.add(f"{name}/left", readers[box])
+                data[box] = (name, len(blob))
+        for r, rec in plan:
+            if rec[0] == "put":
+                rec = rec[:-1] + (data[rec[-1]],)
+            self._buf[r].append(rec)
+        self._counted(len(plan))
+        return h
+
+    # -- fetching values -------------------------------------------------------------------------
+    def _request(self, h: Handle, spec: DTensorSpec, coords) -> tuple:
+        """Ask the workers holding ``coords`` for their blocks; returns what ``_collect`` needs."""
+        self._ensure(spec.mesh)
+        hid = self._id(h)
+        req = next(self._ids)
+        seq = self._note(("get", spec))
+        ranks = [int(spec.mesh.mesh[c]) for c in coords]
+        for r in ranks:
+            self._buf[r].append(("get", seq, hid, req))
+        self._counted(len(ranks))
+        self.flush()
+        return req, ranks, self._pool
+
+    def _collect(self, req: int, ranks, pool: Pool, spec: DTensorSpec) -> list:
+        key = f"g/{req}"
+        try:
+            pool.wait(lambda: int(pool.store.add(key, 0)) >= len(ranks), f"the blocks of {spec}")
+        except WorkerError as exc:
+            with self._lock:
+                if pool is self._pool:
+                    self._teardown(str(exc))
+            raise
+        store = pool.store
+        store.delete_key(key)
+        heads = store.multi_get([f"{key}/{r}" for r in ranks])
+        out = []
+        for r, head in zip(ranks, heads):
+            dtype, shape = pickle.loads(head)
+            size = pp.nbytes(shape, dtype)
+            out.append(pp.from_blob(pp.store_take(store, f"{key}/{r}", size), dtype, shape))
+            store.delete_key(f"{key}/{r}")
+        return out
+
+    def _assemble(self, spec: DTensorSpec, coords, blocks) -> torch.Tensor:
+        """The global value from the blocks of ``coords``, computed exactly as the in-process backend does."""
+        mesh = spec.mesh
+        if mesh.device_type != "cpu":
+            spec = DTensorSpec(DeviceMesh("cpu", mesh.mesh, mesh_dim_names=mesh.dim_names), spec.placements,
+                               spec.shape, spec.dtype)
+        got = dict(zip(coords, blocks))
+        flat = [got.get(c) for c in spec.mesh.coordinates()]
+        rt = self._assembler
+        return rt.to_global(rt._make(spec, blocks=flat), spec)
+
+    def to_global(self, h: Handle, spec: DTensorSpec) -> torch.Tensor:
+        coords = pp.grid_coords(spec)
+        with self._lock:
+            req, ranks, pool = self._request(h, spec, coords)
+        return self._assemble(spec, coords, self._collect(req, ranks, pool, spec))
+
+    def to_global_async(self, h: Handle, spec: DTensorSpec):
+        from ..future import TensorFuture
+
+        coords = pp.grid_coords(spec)
+        with self._lock:
+            req, ranks, pool = self._request(h, spec, coords)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def finish():
+            try:
+                fut.set_result(self._assemble(spec, coords, self._collect(req, ranks, pool, spec)))
+            except BaseException as exc:  # noqa: BLE001  (delivered through the future)
+                fut.set_exception(exc)
+
+        threading.Thread(target=finish, name="dtorch-fetch", daemon=True).start()
+        return TensorFuture(fut, describe=f"to_torch_async() of {spec}")
+
+    def local_blocks(self, h: Handle, spec: DTensorSpec) -> list[torch.Tensor]:
+        coords = spec.mesh.coordinates()
+        with self._lock:
+            req, ranks, pool = self._request(h, spec, coords)
+        return self._collect(req, ranks, pool, spec)
+
+    # -- local kernels ---------------------------------------------------------------------------
+    def run_local(self, kernel, inputs, in_specs, out_specs, kwargs, device_args=None):
+        mesh = out_specs[0].mesh if out_specs else in_specs[0].mesh
+        self._ensure(mesh)
+        in_specs, out_specs = tuple(in_specs), tuple(out_specs)
+        ranks = tuple(mesh.device_ids)
+        pid = self._define(("k", kernel.name, in_specs, out_specs),
+                           ("defk", kernel.name, kernel.fn.__module__, in_specs, out_specs), ranks)
+        in_ids = tuple(self._id(h) for h in inputs)
+        outs = [self._new(ranks) for _ in out_specs]
+        out_ids = tuple(h.id for h in outs)
+        seq = self._note(("kernel", kernel.name, kwargs, in_specs))
+        if device_args:
+            per = self._per_rank(mesh, device_args)
+            for r in ranks:
+                self._buf[r].append(("k", seq, pid, in_ids, out_ids, kwargs, per[r]))
+            self._counted(len(ranks))
+        else:
+            self._emit(ranks, ("k", seq, pid, in_ids, out_ids, kwargs, None))
+        if self.sync_every_op:
+            self.sync()
+        return outs
+
+    def _per_rank(self, mesh, device_args: dict) -> dict:
+        """rank -> {name: python number} (cached per device_args object: plans reuse theirs)."""
+        hit = self._dev_args.get(id(device_args))
+        if hit is not None and hit[0] is device_args and hit[1] == mesh:
+            return hit[2]
+        arrays = {k: np.asarray(v) for k, v in device_args.items()}
+        per = {r: {k: a[c].item() for k, a in arrays.items()} for r, c in zip(mesh.device_ids, mesh.coordinates())}
+        if len(self._dev_args) > 4096:
+            self._dev_args.clear()
+        self._dev_args[id(device_args)] = (device_args, mesh, per)
+        return per
+
+    # -- redistribution --------------------------------------------------------------------------
+    def redistribute_step(self, step, h: Handle, before: DTensorSpec, after: DTensorSpec) -> Handle:
+        if step.kind == "move":
+            return self._move(step, h, before, after)
+        mesh = before.mesh
+        self._ensure(mesh)
+        i = step.mesh_dim
+        if step.is_collective:
+            commlog.record(step.kind, mesh.dim_label(i), spec_total_bytes(before), mesh.device_ids)
+            self._make_groups(mesh, i)
+        ranks = tuple(mesh.device_ids)
+        pid = self._define(("s", step, before, after), ("defs", step, before, after), ranks)
+        hid = self._id(h)
+        out = self._new(ranks)
+        seq = self._note(("step", step, before))
+        self._emit(ranks, ("s", seq, pid, hid, out.id, 0))
+        if self.sync_every_op:
+            self.sync()
+        return out
+
+    def _move(self, step, h: Handle, before: DTensorSpec, after: DTensorSpec) -> Handle:
+        commlog.record("send_recv", before.mesh.parent_dim_between(after.mesh), spec_total_bytes(after),
+                       tuple(before.mesh.device_ids) + tuple(after.mesh.device_ids))
+        self._ensure(before.mesh)
+        self._ensure(after.mesh)
+        ranks = tuple(dict.fromkeys(before.mesh.device_ids + after.mesh.device_ids))
+        pid = self._define(("s", step, before, after), ("defs", step, before, after), ranks)
+        hid = self._id(h)
+        out = self._new(tuple(after.mesh.device_ids))
+        tag = self._tags(len(pp.move_transfers(before, after, step.same_layout)))
+        seq = self._note(("step", step, before))
+        self._emit(ranks, ("s", seq, pid, hid, out.id, tag))
+        if self.sync_every_op:
+            self.sync()
+        return out
+
+    def ring_shift(self, h: Handle, spec: DTensorSpec, mesh_dim: int, shift: int = 1) -> Handle:
+        mesh = spec.mesh
+        commlog.record("send_recv", mesh.dim_label(mesh_dim), spec_total_bytes(spec), mesh.device_ids)
+        self._ensure(mesh)
+        ranks = tuple(mesh.device_ids)
+        pid = self._define(("r", spec, mesh_dim, shift), ("defr", spec, mesh_dim, shift), ranks)
+        hid = self._id(h)
+        out = self._new(ranks)
+        seq = self._note(("ring_shift", mesh_dim, spec))
+        self._emit(ranks, ("r", seq, pid, hid, out.id, self._tags(1)))
+        return out
+
+    # -- waiting, errors, lifetime -----------------------------------------------------------------
+    def sync(self) -> None:
+        with self._lock:
+            pool = self._pool
+            if pool is None:
+                return
+            tok = next(self._ids)
+            for r in range(self._world):
+                self._buf[r].append(("sync", tok))
+            self.flush()
+            key = f"s/{tok}"
+            try:
+                pool.wait(lambda: int(pool.store.add(key, 0)) >= self._world, "the workers to finish their queued work")
+            except WorkerError as exc:
+                self._teardown(str(exc))
+                raise
+            pool.store.delete_key(key)
+
+    def empty_cache(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                for r in range(self._world):
+                    self._buf[r].append(("empty_cache",))
+                self.flush()
+
+    def release(self, handle) -> None:
+        # Tensors may share a handle; its blocks are freed when the Handle itself dies (Handle.__del__).
+        pass
+
+    def _describe(self, seq, kind) -> str:
+        what = self._ops.get(seq)
+        if what is None:
+            return f"record '{kind}'"
+        if what[0] == "kernel":
+            _, name, kwargs, in_specs = what
+            kw = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+            kw = kw if len(kw) < 160 else kw[:157] + "..."
+            ins = "; ".join(f"#{n}: {s}" for n, s in enumerate(in_specs))
+            return f"kernel {name}({kw}) on inputs {ins}"
+        if what[0] == "step":
+            return f"redistribute step '{what[1]}' of {what[2]}"
+        if what[0] == "ring_shift":
+            return f"ring_shift on mesh dim {what[1]} of {what[2]}"
+        return {"put": "placing", "get": "fetching"}[what[0]] + f" {what[1]}"
+
+    def _teardown(self, reason: str) -> None:
+        """After a fault: stop every worker; tensors of this epoch are gone; the next op starts afresh."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+            if pool is not None:
+                pool.stop(clean=False)
+            self._lost = reason.splitlines()[0] if reason else "shut down"
+            self._epoch += 1
+            self._sink.clear()
+            self._reset()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            pool = self._pool
+            if pool is None:
+                return
+            try:
+                for r in range(self._world):
+                    self._buf[r].append(("exit",))
+                self.flush()
+                clean = True
+            except Exception:  # noqa: BLE001
+                clean = False
+            self._pool = None
+            pool.stop(clean=clean)
+            self._lost = "the backend was shut down"
+            self._epoch += 1
+            self._reset()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for rt in list(_LIVE):
+        try:
+            rt.shutdown()
+        except Exception:  # noqa: BLE001
+            pass

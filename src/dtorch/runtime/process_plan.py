@@ -1,0 +1,165 @@
+"""Pure helpers the process backend's controller and workers share: who holds what, who talks to whom.
+
+A mesh's device id is the worker's rank. Everything here is a function of specs (and a rank), so
+the controller and every worker compute the same answer without asking each other.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from ..placement import Replicate, Shard
+from ..spec import DTensorSpec, shard_range
+
+CHUNK = 4 << 20  # bytes per TCPStore value: the libuv store refuses payloads over 8 MiB
+
+
+# -- meshes ----------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=4096)
+def rank_coords(mesh) -> dict:
+    """rank -> its coordinate in ``mesh``."""
+    return dict(zip(mesh.device_ids, mesh.coordinates()))
+
+
+def members(mesh, coord, dim: int) -> tuple:
+    """Ranks along mesh dim ``dim`` through ``coord``, in mesh order."""
+    idx = list(coord)
+    out = []
+    for j in range(mesh.shape[dim]):
+        idx[dim] = j
+        out.append(int(mesh.mesh[tuple(idx)]))
+    return tuple(out)
+
+
+@lru_cache(maxsize=4096)
+def dim_groups(mesh, dim: int) -> tuple:
+    """Every group of ranks along mesh dim ``dim`` (each in mesh order)."""
+    seen = {}
+    for coord in mesh.coordinates():
+        g = members(mesh, coord, dim)
+        seen.setdefault(g, None)
+    return tuple(seen)
+
+
+@lru_cache(maxsize=4096)
+def grid_coords(spec: DTensorSpec) -> tuple:
+    """The coordinates whose blocks determine the global value: index 0 on Replicate mesh dims."""
+    return tuple(c for c in spec.mesh.coordinates()
+                 if all(c[i] == 0 for i, p in enumerate(spec.placements) if isinstance(p, Replicate)))
+
+
+# -- tensors <-> bytes -----------------------------------------------------------------------------
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of ``t``'s values (collectives and the store move bytes of any dtype)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def from_bytes(b: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    if b.numel() == 0:
+        return torch.empty(shape, dtype=dtype, device=b.device)
+    return b.view(dtype).reshape(shape)
+
+
+def nbytes(shape, dtype: torch.dtype) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+
+
+def to_blob(t: torch.Tensor) -> bytes:
+    return as_bytes(t.detach().cpu()).numpy().tobytes()
+
+
+def from_blob(data, dtype: torch.dtype, shape) -> torch.Tensor:
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return from_bytes(torch.frombuffer(bytearray(data), dtype=torch.uint8), dtype, shape)
+
+
+def store_put(store, key: str, data: bytes) -> None:
+    """Write ``data`` under ``key`` in chunks the store accepts (the reader knows the size)."""
+    if not data:
+        return
+    for n, off in enumerate(range(0, len(data), CHUNK)):
+        store.set(f"{key}/{n}", data[off:off + CHUNK])
+
+
+def store_take(store, key: str, size: int, delete: bool = True) -> bytes:
+    if size == 0:
+        return b""
+    parts = store.multi_get([f"{key}/{n}" for n in range(-(-size // CHUNK))])
+    if delete:
+        store_drop(store, key, size)
+    return b"".join(parts)
+
+
+def store_drop(store, key: str, size: int) -> None:
+    for n in range(-(-size // CHUNK)):
+        store.delete_key(f"{key}/{n}")
+
+
+# -- cross-mesh moves ----------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=4096)
+def move_transfers(before: DTensorSpec, after: DTensorSpec, same_layout: bool) -> tuple:
+    """Every copy a move between meshes needs: (src rank, dst rank, src slices, dst slices, shape).
+
+    Same layout: device k of the source hands its block to device k of the destination. Otherwise,
+    for each destination block, the regions where it overlaps the source blocks (no partials here: the
+    planner reduces them first), each from one replica, preferring a replica the destination holds.
+    """
+    src_ids, dst_ids = before.mesh.device_ids, after.mesh.device_ids
+    if same_layout:
+        return tuple((s, d, None, None, before.local_shape(c))
+                     for s, d, c in zip(src_ids, dst_ids, before.mesh.coordinates()))
+    # distinct source boxes and the ranks holding each (replicas)
+    holders: dict = {}
+    for r, c in zip(src_ids, before.mesh.coordinates()):
+        holders.setdefault(before.local_box(c), []).append(r)
+    out = []
+    for n, (d, c) in enumerate(zip(dst_ids, after.mesh.coordinates())):
+        dbox = after.local_box(c)
+        for sbox, ranks in holders.items():
+            lo = [max(a[0], b[0]) for a, b in zip(sbox, dbox)]
+            hi = [min(a[0] + a[1], b[0] + b[1]) for a, b in zip(sbox, dbox)]
+            if any(h <= l for l, h in zip(lo, hi)) and len(lo):
+                continue
+            shape = tuple(h - l for l, h in zip(lo, hi))
+            src = d if d in ranks else ranks[n % len(ranks)]
+            s_sl = tuple(slice(l - b[0], h - b[0]) for l, h, b in zip(lo, hi, sbox))
+            d_sl = tuple(slice(l - b[0], h - b[0]) for l, h, b in zip(lo, hi, dbox))
+            out.append((src, d, s_sl, d_sl, shape))
+    return tuple(out)
+
+
+# -- collectives on one mesh dim ---------------------------------------------------------------------
+
+
+def cut(x: torch.Tensor, dim: int, m: int, j: int) -> torch.Tensor:
+    off, n = shard_range(x.shape[dim], m, j)
+    return x.narrow(dim, off, n)
+
+
+def cut_shape(shape, dim: int, m: int, j: int) -> tuple:
+    out = list(shape)
+    out[dim] = shard_range(shape[dim], m, j)[1]
+    return tuple(out)
+
+
+def member_shapes(spec: DTensorSpec, coord, dim: int) -> tuple:
+    """Block shapes of the devices along mesh dim ``dim`` through ``coord``, in mesh order."""
+    c = list(coord)
+    out = []
+    for j in range(spec.mesh.shape[dim]):
+        c[dim] = j
+        out.append(spec.local_shape(tuple(c)))
+    return tuple(out)
+
+
+def shard_dim(p) -> int | None:
+    return p.dim if isinstance(p, Shard) else None

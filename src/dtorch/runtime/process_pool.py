@@ -1,0 +1,198 @@
+"""The process backend's workers: start them, grow them, watch them, stop them.
+
+The controller hosts a TCPStore (loopback and a free port unless told otherwise). It publishes the
+process-group configuration under ``cfg``; workers join ``init_process_group`` with it and announce
+``ready/<gen>/<rank>``. Growing the pool publishes a new generation: running workers re-join (their
+blocks stay), new ones are started. Faults reach the controller three ways: a worker's exception
+(``err/<rank>``), a launcher reporting a dead worker (``dead/<rank>``), both counted in ``nfault``;
+and, for workers this controller started, their exit status. Workers started elsewhere also tick
+``hb/<rank>`` so a vanished node is noticed.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch.distributed as dist
+
+from ..errors import RuntimeBackendError
+from .worker import worker_command, worker_env
+
+HEARTBEAT_STALE_S = 15.0
+
+
+class WorkerError(RuntimeBackendError):
+    """A worker died, raised, or stopped answering; the backend's workers were stopped."""
+
+
+class Pool:
+    def __init__(self, listen: str, spawn: bool, timeout: float, start_timeout: float, expected: int | None):
+        host, _, port = listen.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"DTORCH_PROCESS_LISTEN={listen!r} must be HOST:PORT, e.g. 127.0.0.1:0 (0: a free port)")
+        self.timeout = timeout
+        self.start_timeout = start_timeout
+        self.spawn = spawn
+        self.expected = expected
+        self.store = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=timeout))
+        connect_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        self.address = f"{connect_host}:{self.store.port}"
+        self.listen = f"{host}:{self.store.port}"
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.world = 0
+        self.gen = -1
+        self.backend = None
+        self.logdir = tempfile.mkdtemp(prefix="dtorch-workers-")
+        self._logs: dict = {}
+        self._beats: dict = {}
+        self._next_check = 0.0
+        self._next_beat = 0.0
+        self.describe = lambda seq, kind: f"{kind} #{seq}"
+
+    # -- membership ----------------------------------------------------------------------------
+    def resize(self, world: int, backend: str, cuda: bool, reform) -> None:
+        """Make ``world`` workers run process-group generation gen+1 (``reform()`` tells the running ones)."""
+        gen = self.gen + 1
+        self.store.set("cfg", pickle.dumps({"gen": gen, "world": world, "backend": backend, "cuda": cuda,
+                                            "timeout": self.timeout}))
+        if self.world:
+            reform()
+        if self.spawn:
+            threads = max(1, (os.cpu_count() or 1) // world)
+            env = worker_env(threads)
+            for r in range(self.world, world):
+                log = self._logs[r] = open(os.path.join(self.logdir, f"worker-{r}.log"), "ab")
+                self.procs[r] = subprocess.Popen(worker_command(self.address, r, r, os.getpid(), self.start_timeout),
+                                                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                 start_new_session=True)  # Ctrl-C goes to the controller only
+            wait_s = self.start_timeout
+        else:
+            if self.world == 0:
+                print(f"dtorch: waiting for {world} workers to join at {self.listen}; on each node run "
+                      f"`dtorch worker --controller {self.listen} --ranks FIRST-LAST`", file=sys.stderr, flush=True)
+            wait_s = self.timeout
+        self.world, self.backend = world, backend
+        keys = [f"ready/{gen}/{r}" for r in range(world)]
+        self.wait(lambda: self.store.check(keys), f"{world} workers to join (generation {gen})", wait_s)
+        self.gen = gen
+
+    def push(self, rank: int, blob: bytes) -> None:
+        self.store.queue_push(f"q/{rank}", blob)
+
+    # -- waiting and health ------------------------------------------------------------------------
+    def wait(self, done, what: str, timeout: float | None = None) -> None:
+        """Poll ``done()`` until true; check the workers' health meanwhile; never longer than ``timeout``."""
+        timeout = self.timeout if timeout is None else timeout
+        start = time.perf_counter()
+        delay = 0.0
+        while not done():
+            now = time.perf_counter()
+            self.check(now)
+            if now - start > timeout:
+                raise WorkerError(f"dtorch process backend: timed out after {timeout:.0f} s waiting for {what}; "
+                                  f"worker logs are in {self.logdir}. Raise DTORCH_PROCESS_TIMEOUT if the work is "
+                                  "just long.")
+            time.sleep(delay)
+            delay = min(0.002, delay * 2 + 2e-5)
+
+    def check(self, now: float | None = None, force: bool = False) -> None:
+        """Raise WorkerError if a worker died, raised, or (when started elsewhere) fell silent."""
+        now = time.perf_counter() if now is None else now
+        if not force and now < self._next_check:
+            return
+        self._next_check = now + 0.05
+        dead = [r for r, p in self.procs.items() if p.poll() is not None]
+        faults = int(self.store.add("nfault", 0))
+        silent = self._silent(now) if not self.spawn else []
+        if dead or faults or silent:
+            time.sleep(0.3)  # let a dying worker's peers and launchers report too: name the root cause
+            raise WorkerError(self._fault_report(silent))
+
+    def _silent(self, now: float) -> list:
+        if now < self._next_beat:
+            return []
+        self._next_beat = now + 1.0
+        out = []
+        for r in range(self.world):
+            beat = int(self.store.add(f"hb/{r}", 0))
+            last = self._beats.get(r)
+            if last is None or last[0] != beat:
+                self._beats[r] = (beat, now)
+            elif now - last[1] > HEARTBEAT_STALE_S:
+                out.append(r)
+        return out
+
+    def _fault_report(self, silent) -> str:
+        lines = []
+        for r, p in sorted(self.procs.items()):
+            rc = p.poll()
+            if rc is not None:
+                how = f"killed by signal {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
+                lines.append(f"worker {r} (pid {p.pid}) died: {how}{self._log_tail(r)}")
+        for r in range(self.world):
+            if self.store.check([f"dead/{r}"]):
+                lines.append(f"worker {r} died: {self.store.get(f'dead/{r}').decode()}")
+        for r in silent:
+            lines.append(f"worker {r} sent no heartbeat for {HEARTBEAT_STALE_S:.0f} s (its node or process is gone)")
+        errors = []
+        for r in range(self.world):
+            if self.store.check([f"err/{r}"]):
+                seq, kind, text, tb = pickle.loads(self.store.get(f"err/{r}"))
+                errors.append(f"worker {r} failed running {self.describe(seq, kind)}:\n    {text}")
+        # a dead peer makes the others' collectives fail too; the death is the news, their errors follow
+        lines += errors
+        if not lines:
+            lines.append("a worker reported a fault but left no message")
+        return ("dtorch process backend: " + "\n".join(lines) +
+                "\nThe backend's workers were stopped; tensors on them are lost (the next operation starts new "
+                f"workers). Worker logs: {self.logdir}")
+
+    def _log_tail(self, r: int, n: int = 6) -> str:
+        try:
+            with open(os.path.join(self.logdir, f"worker-{r}.log"), "rb") as f:
+                f.seek(0, 2)
+                f.seek(max(0, f.tell() - 4000))
+                tail = f.read().decode(errors="replace").strip().splitlines()[-n:]
+        except OSError:
+            return ""
+        return ("; its log ends:\n      " + "\n      ".join(tail)) if tail else ""
+
+    # -- stopping ------------------------------------------------------------------------------
+    def stop(self, clean: bool, grace: float = 10.0) -> None:
+        """Clean: the workers got an exit record; wait for them. Else (or after ``grace``) kill them."""
+        deadline = time.monotonic() + (grace if clean else 0.0)
+        if not clean:
+            try:
+                self.store.set("abort", "1")  # workers started elsewhere exit on this
+            except Exception:  # noqa: BLE001
+                pass
+        for p in self.procs.values():
+            left = deadline - time.monotonic()
+            try:
+                p.wait(timeout=max(left, 0.01)) if clean else None
+            except subprocess.TimeoutExpired:
+                pass
+            if p.poll() is None:
+                p.kill()
+                try:
+                    p.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
+        if clean and not self.spawn:
+            keys = [f"bye/{r}" for r in range(self.world)]
+            while time.monotonic() < deadline and not self.store.check(keys):
+                time.sleep(0.02)
+        for f in self._logs.values():
+            f.close()
+        if clean:
+            shutil.rmtree(self.logdir, ignore_errors=True)
+        self.procs.clear()
+        self.store = None  # closes the server: workers started elsewhere notice and exit

@@ -1,0 +1,458 @@
+"""A process-backend worker: one process per device, holding that device's blocks.
+
+The controller streams batches of op records through its TCPStore (a queue per worker); the worker
+runs them in order: kernels on its local blocks (the in-process backend's per-device path, ``lead=0``),
+collectives over the process groups of mesh dims, point-to-point copies for moves between meshes,
+and uploads of blocks the controller asked for. It never answers a record unless asked (``get``,
+``sync``), so the controller does not wait on it.
+
+Run by the controller (``--rank``), or on another node by ``dtorch worker --controller HOST:PORT
+--ranks 0-3``, which starts one worker per rank and reports the ones that die.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import inspect
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from . import process_plan as pp
+from .inprocess import _reduce_list
+from .kernels import get_kernel
+
+_NATIVE_REDUCE = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def connect(address: str, timeout_s: float) -> dist.TCPStore:
+    host, _, port = address.rpartition(":")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+class _Exit(Exception):
+    pass
+
+
+class Worker:
+    def __init__(self, store: dist.TCPStore, rank: int, device_index: int, parent_pid: int | None):
+        self.store = store
+        self.rank = rank
+        self.device_index = device_index
+        self.parent_pid = parent_pid
+        self.t: dict = {}  # handle id -> local block
+        self.defs: dict = {}  # plan id -> what this rank does for it
+        self.groups: dict = {}  # sorted ranks -> process group
+        self.failed = False
+        self.cfg: dict = {}
+
+    # -- setup -------------------------------------------------------------------------------
+    def join(self) -> None:
+        """(Re-)join the current process group generation the controller published."""
+        cfg = self.cfg = pickle.loads(self.store.get("cfg"))
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.groups.clear()
+        dist.init_process_group(cfg["backend"], store=dist.PrefixStore(f"g{cfg['gen']}/", self.store), rank=self.rank,
+                                world_size=cfg["world"], timeout=datetime.timedelta(seconds=cfg["timeout"]))
+        self.store.set(f"ready/{cfg['gen']}/{self.rank}", str(os.getpid()))
+
+    def device(self, device_type: str) -> torch.device:
+        # "cuda" meshes run on the CPU when the controller simulates GPUs (no GPU, or same-device mode)
+        if device_type == "cuda" and self.cfg.get("cuda"):
+            return torch.device("cuda", self.device_index)
+        return torch.device("cpu")
+
+    # -- main loop -----------------------------------------------------------------------------
+    def loop(self) -> None:
+        key = f"q/{self.rank}"
+        while True:
+            try:
+                blob = self.store.queue_pop(key)
+            except dist.DistNetworkError:
+                os._exit(1)  # the controller is gone
+            except dist.DistStoreError:
+                continue  # idle past the store timeout
+            self.run(pickle.loads(blob))
+
+    def run(self, records) -> None:
+        for rec in records:
+            if self.failed:
+                if rec[0] == "exit":
+                    os._exit(0)
+                continue
+            try:
+                getattr(self, "op_" + rec[0])(*rec[1:])
+            except _Exit:
+                self.leave()
+            except BaseException as exc:  # noqa: BLE001  (report everything, then wait to be stopped)
+                self.report(rec, exc)
+
+    def report(self, rec, exc: BaseException) -> None:
+        self.failed = True
+        seq = rec[1] if len(rec) > 1 and isinstance(rec[1], int) else None
+        text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        self.store.set(f"err/{self.rank}", pickle.dumps((seq, rec[0], text, traceback.format_exc())))
+        self.store.add("nfault", 1)
+
+    def leave(self) -> None:
+        # A barrier before exiting: a gloo process that exits while a peer still talks to it can abort
+        # at interpreter exit; os._exit skips the teardown that aborts.
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            self.store.set(f"bye/{self.rank}", "")
+        finally:
+            os._exit(0)
+
+    # -- records ------------------------------------------------------------------------------
+    def op_exit(self):
+        raise _Exit
+
+    def op_reform(self):
+        self.join()
+
+    def op_groups(self, groups):
+        # every worker creates every group, in the controller's order (new_group is collective)
+        for ranks in groups:
+            key = tuple(sorted(ranks))
+            if key not in self.groups:
+                self.groups[key] = dist.new_group(list(key))
+
+    def op_free(self, ids):
+        for i in ids:
+            self.t.pop(i, None)
+
+    def op_empty_cache(self):
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def op_sync(self, tok):
+        self.store.add(f"s/{tok}", 1)
+
+    def op_put(self, seq, hid, dtype, shape, device_type, data):
+        if isinstance(data, tuple):  # a large block, in the store under ``name`` for ``readers`` workers
+            name, size = data
+            raw = pp.store_take(self.store, name, size, delete=False)
+            if self.store.add(f"{name}/left", -1) == 0:
+                pp.store_drop(self.store, name, size)
+                self.store.delete_key(f"{name}/left")
+            data = raw
+        self.t[hid] = pp.from_blob(data, dtype, shape).to(self.device(device_type))
+
+    def op_zeros(self, seq, hid, dtype, shape, device_type):
+        self.t[hid] = torch.zeros(shape, dtype=dtype, device=self.device(device_type))
+
+    def op_get(self, seq, hid, req):
+        x = self.t[hid]
+        key = f"g/{req}/{self.rank}"
+        pp.store_put(self.store, key, pp.to_blob(x))
+        self.store.set(key, pickle.dumps((x.dtype, tuple(x.shape))))
+        self.store.add(f"g/{req}", 1)
+
+    def op_batch(self, name, size):  # a batch too large for one queue message
+        self.run(pickle.loads(pp.store_take(self.store, name, size)))
+
+    # -- kernels ------------------------------------------------------------------------------
+    def op_defk(self, pid, name, module, in_specs, out_specs):
+        try:
+            k = get_kernel(name)
+        except KeyError:
+            importlib.import_module(module)  # kernels registered outside dtorch's own op modules
+            k = get_kernel(name)
+        mesh = out_specs[0].mesh if out_specs else in_specs[0].mesh
+        coord = pp.rank_coords(mesh)[self.rank]
+        lead = "lead" in inspect.signature(k.fn).parameters
+        self.defs[pid] = (k, lead, tuple(s.local_shape(coord) for s in out_specs))
+
+    def op_k(self, seq, pid, in_ids, out_ids, kwargs, dev_kw):
+        k, lead, shapes = self.defs[pid]
+        kw = dict(kwargs, **dev_kw) if dev_kw else kwargs
+        if lead:
+            kw = dict(kw, lead=0)
+        out = k.fn(*[self.t[i] for i in in_ids], **kw)
+        outs = out if isinstance(out, tuple) else (out,)
+        for i, y, shape in zip(out_ids, outs, shapes):
+            if tuple(y.shape) != shape:
+                raise RuntimeError(f"kernel {k.name} produced local shape {tuple(y.shape)}, expected {shape}")
+            self.t[i] = y
+
+    # -- redistribution -------------------------------------------------------------------------
+    def op_defs(self, pid, step, before, after):
+        self.defs[pid] = (step, before, after)
+
+    def op_s(self, seq, pid, in_id, out_id, tag):
+        step, before, after = self.defs[pid]
+        if step.kind == "move":
+            out = self.move(pp.move_transfers(before, after, step.same_layout), after, self.t.get(in_id), tag)
+            if out is not None:
+                self.t[out_id] = out
+            return
+        self.t[out_id] = self.mesh_step(step, before, self.t[in_id])
+
+    def mesh_step(self, step, before, x):
+        mesh = before.mesh
+        i = step.mesh_dim
+        coord = pp.rank_coords(mesh)[self.rank]
+        ranks = pp.members(mesh, coord, i)
+        m, j = len(ranks), coord[i]
+        kind = step.kind
+        if kind == "slice":
+            return pp.cut(x, step.dst.dim, m, j)
+        if kind == "to_partial":
+            return x if j == 0 or step.dst.reduce_op != "sum" else torch.zeros_like(x)
+        if kind == "all_gather":
+            return torch.cat(self.all_gather(x, pp.member_shapes(before, coord, i), ranks), dim=step.src.dim)
+        if kind == "all_to_all":
+            d = step.dst.dim
+            shapes = [pp.cut_shape(s, d, m, j) for s in pp.member_shapes(before, coord, i)]
+            got = self.all_to_all([pp.cut(x, d, m, jj) for jj in range(m)], shapes, ranks)
+            return torch.cat(got, dim=step.src.dim)
+        op = step.src.reduce_op
+        if kind == "reduce_scatter":
+            # the in-process backend reduces whole blocks, then cuts; reducing the cut pieces in the same
+            # (mesh) order gives the same bits and moves 1/m of the data
+            d = step.dst.dim
+            got = self.all_to_all([pp.cut(x, d, m, jj) for jj in range(m)], [pp.cut_shape(x.shape, d, m, j)] * m, ranks)
+            return _reduce_list(op, got)
+        if kind == "all_reduce":
+            if m == 1:
+                return x
+            exact = op in ("max", "min") or m <= 2  # any order gives the same bits
+            if (x.dtype in _FLOATS and exact) or x.dtype == torch.int64:
+                y = x.clone(memory_format=torch.contiguous_format)
+                dist.all_reduce(y, _NATIVE_REDUCE[op], group=self.group(ranks))
+                if op == "avg":
+                    y = y / m if y.is_floating_point() else y // m
+                return y
+            return _reduce_list(op, self.all_gather(x, [tuple(x.shape)] * m, ranks))
+        raise RuntimeError(f"unknown redistribute step {step}")
+
+    def group(self, ranks):
+        return self.groups[tuple(sorted(ranks))]
+
+    def all_gather(self, x, shapes, ranks) -> list:
+        """Every member's block, in mesh order (gloo gathers equal sizes: pad to the largest, trim)."""
+        if len(ranks) == 1:
+            return [x]
+        sizes = [pp.nbytes(s, x.dtype) for s in shapes]
+        top = max(sizes)
+        if top == 0:
+            return [x.new_empty(s) for s in shapes]
+        buf = pp.as_bytes(x)
+        if buf.numel() < top:
+            buf = torch.cat([buf, buf.new_zeros(top - buf.numel())])
+        outs = [buf.new_empty(top) for _ in ranks]
+        dist.all_gather(outs, buf, group=self.group(ranks))
+        pos = {r: n for n, r in enumerate(sorted(ranks))}
+        return [pp.from_bytes(outs[pos[r]][:n], x.dtype, s) for r, n, s in zip(ranks, sizes, shapes)]
+
+    def all_to_all(self, pieces, shapes, ranks) -> list:
+        """Send ``pieces[j]`` to member j; returns what each member sent here (shapes known), mesh order."""
+        if len(ranks) == 1:
+            return [pieces[0]]
+        dtype = pieces[0].dtype
+        order = sorted(range(len(ranks)), key=lambda n: ranks[n])  # group rank order
+        send = [pp.as_bytes(pieces[n]) for n in order]
+        recv_sizes = [pp.nbytes(shapes[n], dtype) for n in order]
+        inp = torch.cat(send) if send else pieces[0].new_empty(0, dtype=torch.uint8)
+        out = inp.new_empty(sum(recv_sizes))
+        if inp.numel() or out.numel():
+            dist.all_to_all_single(out, inp, recv_sizes, [s.numel() for s in send], group=self.group(ranks))
+        parts = dict(zip(order, out.split(recv_sizes)))
+        return [pp.from_bytes(parts[n], dtype, shapes[n]) for n in range(len(ranks))]
+
+    def op_defr(self, pid, spec, mesh_dim, shift):
+        self.defs[pid] = (spec, mesh_dim, shift)
+
+    def op_r(self, seq, pid, in_id, out_id, tag):
+        spec, i, shift = self.defs[pid]
+        mesh = spec.mesh
+        coord = pp.rank_coords(mesh)[self.rank]
+        ranks = pp.members(mesh, coord, i)
+        m, j = len(ranks), coord[i]
+        x = self.t[in_id]
+        if shift % m == 0:
+            self.t[out_id] = x
+            return
+        src = list(coord)
+        src[i] = (j - shift) % m
+        shape = spec.local_shape(tuple(src))
+        buf = torch.empty(pp.nbytes(shape, x.dtype), dtype=torch.uint8, device=x.device)
+        ops = []
+        if buf.numel():
+            ops.append(dist.P2POp(dist.irecv, buf, ranks[(j - shift) % m], tag=tag))
+        if x.numel():
+            ops.append(dist.P2POp(dist.isend, pp.as_bytes(x), ranks[(j + shift) % m], tag=tag))
+        _run_p2p(ops)
+        self.t[out_id] = pp.from_bytes(buf, x.dtype, shape)
+
+    def move(self, transfers, after, x, tag):
+        """Run this rank's part of a move; returns its destination block (None if it has none)."""
+        me = self.rank
+        coords = pp.rank_coords(after.mesh)
+        out = None
+        if me in coords:
+            shape = after.local_shape(coords[me])
+            device = self.device(after.mesh.device_type)
+            single = [t for t in transfers if t[1] == me and t[2] is None]
+            if not single:
+                out = torch.empty(shape, dtype=after.dtype, device=device)
+        recvs, ops = [], []
+        for n, (src, dst, s_sl, d_sl, shape) in enumerate(transfers):
+            if src == dst == me:
+                piece = x if s_sl is None else x[s_sl]
+                if d_sl is None:
+                    out = piece.to(self.device(after.mesh.device_type))
+                else:
+                    out[d_sl] = piece
+            elif dst == me:
+                buf = torch.empty(pp.nbytes(shape, after.dtype), dtype=torch.uint8, device=self.device(after.mesh.device_type))
+                if buf.numel():
+                    ops.append(dist.P2POp(dist.irecv, buf, src, tag=tag + n))
+                recvs.append((buf, d_sl, shape))
+            elif src == me:
+                piece = x if s_sl is None else x[s_sl]
+                if piece.numel():
+                    ops.append(dist.P2POp(dist.isend, pp.as_bytes(piece), dst, tag=tag + n))
+        _run_p2p(ops)
+        for buf, d_sl, shape in recvs:
+            got = pp.from_bytes(buf, after.dtype, shape)
+            if d_sl is None:
+                out = got
+            else:
+                out[d_sl] = got
+        return out
+
+
+def _run_p2p(ops) -> None:
+    if ops:
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+
+def _watch(store: dist.TCPStore, rank: int, parent_pid: int | None) -> None:
+    """Exit when the controller (its store or its process) goes away, even mid-collective."""
+    s = store.clone()
+    while True:
+        try:
+            s.add(f"hb/{rank}", 1)
+            if s.check(["abort"]):
+                os._exit(1)
+        except Exception:  # noqa: BLE001
+            os._exit(1)
+        if parent_pid and os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(0.5)
+
+
+def run_worker(address: str, rank: int, device_index: int, parent_pid: int | None, connect_timeout: float) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the controller, which stops us
+    store = connect(address, connect_timeout)
+    w = Worker(store, rank, device_index, parent_pid)
+    threading.Thread(target=_watch, args=(store, rank, parent_pid), daemon=True).start()
+    w.join()
+    store.set_timeout(datetime.timedelta(seconds=30))
+    w.loop()
+
+
+# -- launcher: the workers of one node ----------------------------------------------------------------
+
+
+def parse_ranks(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out += list(range(int(lo), int(hi or lo) + 1))
+    if not out or len(set(out)) != len(out) or min(out) < 0:
+        raise ValueError(f"--ranks {text!r} must name distinct non-negative ranks, e.g. 0-3 or 0,2,4")
+    return out
+
+
+def worker_command(address: str, rank: int, device_index: int, parent_pid: int, connect_timeout: float) -> list[str]:
+    return [sys.executable, "-m", "dtorch.runtime.worker", "--controller", address, "--rank", str(rank),
+            "--device-index", str(device_index), "--parent-pid", str(parent_pid),
+            "--connect-timeout", str(connect_timeout)]
+
+
+def worker_env(threads: int) -> dict:
+    env = dict(os.environ)
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # idle queue waits time out; that is not news
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    return env
+
+
+def launch(address: str, ranks: list[int], devices: list[int] | None, connect_timeout: float) -> int:
+    """Start one worker per rank on this node; report the ones that die; return when all have exited."""
+    devices = devices or list(range(len(ranks)))
+    env = worker_env(max(1, (os.cpu_count() or 1) // len(ranks)))
+    procs = {r: subprocess.Popen(worker_command(address, r, d, os.getpid(), connect_timeout), env=env)
+             for r, d in zip(ranks, devices)}
+
+    def stop(*_):
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+        sys.exit(130)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    store = None
+    worst = 0
+    live = dict(procs)
+    while live:
+        time.sleep(0.2)
+        for r, p in list(live.items()):
+            rc = p.poll()
+            if rc is None:
+                continue
+            del live[r]
+            if rc != 0:
+                worst = worst or rc
+                try:
+                    store = store or connect(address, 5)
+                    if not store.check([f"bye/{r}"]):
+                        store.set(f"dead/{r}", f"exit code {rc}")
+                        store.add("nfault", 1)
+                except Exception:  # noqa: BLE001  (the controller is gone: nobody to tell)
+                    pass
+    return 0 if worst == 0 else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="dtorch worker", description="start process-backend workers and join a controller")
+    ap.add_argument("--controller", required=True, help="HOST:PORT of the controller's store (DTORCH_PROCESS_LISTEN)")
+    ap.add_argument("--ranks", help="the ranks (device ids) this node runs, e.g. 0-3 or 4,5")
+    ap.add_argument("--devices", help="local CUDA device index of each rank (default: 0, 1, ... in --ranks order)")
+    ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--device-index", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--connect-timeout", type=float, default=300.0, help="seconds to wait for the controller")
+    args = ap.parse_args(argv)
+    if args.rank is not None:
+        run_worker(args.controller, args.rank, args.device_index, args.parent_pid, args.connect_timeout)
+        return 0
+    if not args.ranks:
+        ap.error("give --ranks (e.g. --ranks 0-3)")
+    ranks = parse_ranks(args.ranks)
+    devices = parse_ranks(args.devices) if args.devices else None
+    if devices is not None and len(devices) != len(ranks):
+        ap.error(f"--devices names {len(devices)} devices for {len(ranks)} ranks; give one per rank")
+    return launch(args.controller, ranks, devices, args.connect_timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
