@@ -274,6 +274,13 @@ class Tensor:
     def __hash__(self):
         return id(self)
 
+    def __setitem__(self, index, value):
+        # Blocks may be shared by replicas and views, so dtorch never writes in place.
+        raise TypeError(
+            "dtorch tensors are not written in place; build the new value instead, e.g. "
+            "x = dtorch.where(mask, value, x), x.masked_fill(mask, value) or dtorch.cat([...])"
+        )
+
     # torch functions (``torch.matmul(x, w)``, ``F.silu(x)``) route to dtorch's ops
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
