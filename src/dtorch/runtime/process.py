@@ -41,7 +41,7 @@ from ..mesh import DeviceMesh
 from ..placement import Partial
 from ..spec import DTensorSpec
 from . import process_plan as pp
-from .devices import read_device_config
+from .devices import mesh_problems, read_device_config
 from .inprocess import InProcessRuntime, spec_total_bytes
 from .interface import Runtime
 from .process_pool import Pool, WorkerError
@@ -61,6 +61,9 @@ class Handle:
     """A DTensor's storage on the workers. When the last reference goes, its blocks are freed."""
 
     __slots__ = ("id", "ranks", "epoch", "sink", "__weakref__")
+    # code written for the in-process backend's storage probes these; here the data lives elsewhere
+    grid = None
+    blocks = None
 
     def __init__(self, hid: int, ranks: tuple, epoch: int, sink: list):
         self.id = hid
@@ -70,7 +73,7 @@ class Handle:
 
     def __del__(self):
         try:
-            self.sink.append((self.id, self.ranks))
+            self.sink.append((self.id, self.ranks, self.epoch))
         except Exception:  # noqa: BLE001  (interpreter shutdown)
             pass
 
@@ -110,6 +113,7 @@ class ProcessRuntime(Runtime):
         self._epoch = 0
         self._lost = None  # why the previous epoch's tensors are gone
         self.stats = {"ops": 0, "records": 0, "flushes": 0, "bytes_pushed": 0}
+        self._sink: list = []  # (id, ranks, epoch) of dead handles, appended by Handle.__del__
         self._reset()
         _LIVE.add(self)
 
@@ -118,7 +122,6 @@ class ProcessRuntime(Runtime):
         self._buf: dict[int, list] = {}
         self._nrec = 0
         self._t_first = 0.0
-        self._sink: list = []  # (id, ranks) of dead handles, appended by Handle.__del__
         self._ready: set = set()  # meshes whose workers run
         self._defined: set = set()  # plan ids the workers know
         self._pids: dict = {}
@@ -139,6 +142,9 @@ class ProcessRuntime(Runtime):
         if mesh in self._ready:
             return
         with self._lock:
+            problem = mesh_problems(mesh, self.config)
+            if problem:
+                raise DeviceUnavailableError(problem)
             need = max(mesh.device_ids) + 1
             if need > self.max_workers:
                 raise DeviceUnavailableError(
@@ -252,22 +258,28 @@ class ProcessRuntime(Runtime):
         self._tag += max(n, 1)
         return base
 
+    def _queue_frees(self) -> None:
+        """Free records for the handles that died (after every record that used them: they are queued)."""
+        sink = self._sink
+        n = len(sink)
+        if n:
+            frees: dict = {}
+            for hid, ranks, epoch in sink[:n]:
+                if epoch != self._epoch:
+                    continue  # its workers are gone
+                for r in ranks:
+                    frees.setdefault(r, []).append(hid)
+            del sink[:n]
+            for r, ids in frees.items():
+                self._buf[r].append(("free", ids))
+
     def flush(self) -> None:
         """Push every buffered record to its worker (one store message per worker)."""
         with self._lock:
             pool = self._pool
             if pool is None:
                 return
-            sink = self._sink
-            n = len(sink)
-            if n:
-                frees: dict = {}
-                for hid, ranks in sink[:n]:
-                    for r in ranks:
-                        frees.setdefault(r, []).append(hid)
-                del sink[:n]
-                for r, ids in frees.items():
-                    self._buf[r].append(("free", ids))
+            self._queue_frees()
             for r, recs in self._buf.items():
                 if not recs:
                     continue
@@ -492,6 +504,7 @@ class ProcessRuntime(Runtime):
             if pool is None:
                 return
             tok = next(self._ids)
+            self._queue_frees()
             for r in range(self._world):
                 self._buf[r].append(("sync", tok))
             self.flush()
@@ -509,6 +522,29 @@ class ProcessRuntime(Runtime):
                 for r in range(self._world):
                     self._buf[r].append(("empty_cache",))
                 self.flush()
+
+    def worker_stats(self) -> dict:
+        """rank -> {"blocks": live blocks, "bytes": their bytes}, after the queued work (for tests and debugging)."""
+        with self._lock:
+            pool = self._pool
+            if pool is None:
+                return {}
+            req = next(self._ids)
+            self._queue_frees()
+            for r in range(self._world):
+                self._buf[r].append(("stats", req))
+            self.flush()
+            key = f"st/{req}"
+            try:
+                pool.wait(lambda: int(pool.store.add(key, 0)) >= self._world, "worker statistics")
+            except WorkerError as exc:
+                self._teardown(str(exc))
+                raise
+            out = {r: pickle.loads(pool.store.get(f"{key}/{r}")) for r in range(self._world)}
+            for r in range(self._world):
+                pool.store.delete_key(f"{key}/{r}")
+            pool.store.delete_key(key)
+            return out
 
     def release(self, handle) -> None:
         # Tensors may share a handle; its blocks are freed when the Handle itself dies (Handle.__del__).
@@ -538,7 +574,6 @@ class ProcessRuntime(Runtime):
                 pool.stop(clean=False)
             self._lost = reason.splitlines()[0] if reason else "shut down"
             self._epoch += 1
-            self._sink.clear()
             self._reset()
 
     def shutdown(self) -> None:
@@ -547,6 +582,7 @@ class ProcessRuntime(Runtime):
             if pool is None:
                 return
             try:
+                pool.store.set("stop", "1")  # queued work can no longer be observed: workers skip it
                 for r in range(self._world):
                     self._buf[r].append(("exit",))
                 self.flush()

@@ -166,7 +166,7 @@ class Pool:
         return ("; its log ends:\n      " + "\n      ".join(tail)) if tail else ""
 
     # -- stopping ------------------------------------------------------------------------------
-    def stop(self, clean: bool, grace: float = 10.0) -> None:
+    def stop(self, clean: bool, grace: float = 5.0) -> None:
         """Clean: the workers got an exit record; wait for them. Else (or after ``grace``) kill them."""
         deadline = time.monotonic() + (grace if clean else 0.0)
         if not clean:

@@ -54,6 +54,7 @@ class Worker:
         self.defs: dict = {}  # plan id -> what this rank does for it
         self.groups: dict = {}  # sorted ranks -> process group
         self.failed = False
+        self.stopping = False  # the controller is shutting down: skip to the exit record
         self.cfg: dict = {}
 
     # -- setup -------------------------------------------------------------------------------
@@ -87,8 +88,8 @@ class Worker:
 
     def run(self, records) -> None:
         for rec in records:
-            if self.failed:
-                if rec[0] == "exit":
+            if self.failed or (self.stopping and rec[0] != "exit"):
+                if rec[0] == "exit" and self.failed:
                     os._exit(0)
                 continue
             try:
@@ -138,6 +139,11 @@ class Worker:
     def op_empty_cache(self):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+    def op_stats(self, req):
+        stats = {"blocks": len(self.t), "bytes": sum(x.numel() * x.element_size() for x in self.t.values())}
+        self.store.set(f"st/{req}/{self.rank}", pickle.dumps(stats))
+        self.store.add(f"st/{req}", 1)
 
     def op_sync(self, tok):
         self.store.add(f"s/{tok}", 1)
@@ -269,8 +275,8 @@ class Worker:
         recv_sizes = [pp.nbytes(shapes[n], dtype) for n in order]
         inp = torch.cat(send) if send else pieces[0].new_empty(0, dtype=torch.uint8)
         out = inp.new_empty(sum(recv_sizes))
-        if inp.numel() or out.numel():
-            dist.all_to_all_single(out, inp, recv_sizes, [s.numel() for s in send], group=self.group(ranks))
+        # every member calls, even with nothing to send or receive: skipping would strand the others
+        dist.all_to_all_single(out, inp, recv_sizes, [s.numel() for s in send], group=self.group(ranks))
         parts = dict(zip(order, out.split(recv_sizes)))
         return [pp.from_bytes(parts[n], dtype, shapes[n]) for n in range(len(ranks))]
 
@@ -343,14 +349,16 @@ def _run_p2p(ops) -> None:
             w.wait()
 
 
-def _watch(store: dist.TCPStore, rank: int, parent_pid: int | None) -> None:
+def _watch(store: dist.TCPStore, worker: Worker, parent_pid: int | None) -> None:
     """Exit when the controller (its store or its process) goes away, even mid-collective."""
     s = store.clone()
     while True:
         try:
-            s.add(f"hb/{rank}", 1)
+            s.add(f"hb/{worker.rank}", 1)
             if s.check(["abort"]):
                 os._exit(1)
+            if not worker.stopping and s.check(["stop"]):
+                worker.stopping = True
         except Exception:  # noqa: BLE001
             os._exit(1)
         if parent_pid and os.getppid() != parent_pid:
@@ -362,7 +370,7 @@ def run_worker(address: str, rank: int, device_index: int, parent_pid: int | Non
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the controller, which stops us
     store = connect(address, connect_timeout)
     w = Worker(store, rank, device_index, parent_pid)
-    threading.Thread(target=_watch, args=(store, rank, parent_pid), daemon=True).start()
+    threading.Thread(target=_watch, args=(store, w, parent_pid), daemon=True).start()
     w.join()
     store.set_timeout(datetime.timedelta(seconds=30))
     w.loop()

@@ -1,0 +1,62 @@
+"""Fixtures for the process-backend tests: one pool of workers per module, references, a hang guard."""
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+
+import pytest
+
+import dtorch
+from dtorch.runtime.inprocess import InProcessRuntime
+from dtorch.runtime.process import ProcessRuntime
+
+TEST_TIMEOUT_S = 240  # a hung test dumps every thread's stack and ends the run instead of hanging CI
+
+
+@pytest.fixture(autouse=True)
+def no_hang():
+    faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+class BlocksRuntime(InProcessRuntime):
+    """The in-process backend forced onto its per-device path: the path a worker takes (one block, lead=0)."""
+
+    def grid_device(self, mesh):
+        return None
+
+
+def process_graph(**kwargs) -> dtorch.Graph:
+    g = dtorch.Graph(backend="process")
+    g.runtime = ProcessRuntime(**{"timeout": 60, **kwargs})
+    return g
+
+
+@contextlib.contextmanager
+def using(graph: dtorch.Graph):
+    old = dtorch.Graph.default_graph()
+    dtorch.Graph.set_default_graph(graph)
+    try:
+        yield graph
+    finally:
+        dtorch.Graph.set_default_graph(old)
+
+
+@pytest.fixture(scope="module")
+def proc():
+    g = process_graph(workers=4)
+    yield g
+    g.runtime.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return dtorch.Graph(backend="inprocess")
+
+
+@pytest.fixture(scope="module")
+def blocks_ref():
+    g = dtorch.Graph(backend="inprocess")
+    g.runtime = BlocksRuntime()
+    return g

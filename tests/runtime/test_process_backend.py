@@ -1,0 +1,351 @@
+"""The process backend (one worker process per device, gloo) against the in-process backend.
+
+Redistributions move and reduce data exactly as the in-process backend does: results are compared bit
+for bit, block by block. Kernels run on each worker's own (contiguous) block; torch's kernels may round
+differently for differently strided inputs (the in-process backend's grid and per-device paths differ
+the same way), so op results are compared to the in-process backend within 1e-5 and to torch.
+
+    .venv/bin/pytest -q tests/runtime/test_process_backend.py
+"""
+from __future__ import annotations
+
+import gc
+import itertools
+import random
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dtorch
+from dtorch import CommLog, DeviceMesh, Partial, Replicate, Shard
+
+from . import process_kernels
+from .conftest import process_graph, using
+
+# device ids out of mesh order, so group ranks != mesh positions
+MESH_1D = DeviceMesh("cpu", [0, 2, 1], mesh_dim_names=["a"])
+MESH_2D = DeviceMesh("cpu", [[2, 0], [3, 1]], mesh_dim_names=["a", "b"])
+MESH_3D = DeviceMesh("cpu", [[[1], [0]], [[3], [2]]], mesh_dim_names=["a", "b", "c"])
+
+
+def value(shape, dtype=torch.float32, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if not dtype.is_floating_point:
+        return torch.randint(-50, 50, shape, generator=g, dtype=dtype)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def redistributed(graph, full, mesh, src, mesh2, dst):
+    with using(graph):
+        x = dtorch.Tensor(full, device_mesh=mesh, placements=list(src))
+        y = x.redistribute(mesh2, list(dst))
+        return y.to_torch(), y.local_blocks()
+
+
+def assert_identical(a, b, what):
+    assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"{what}: {a} != {b}"
+
+
+def check_transition(proc, ref, full, mesh, src, dst, mesh2=None):
+    what = f"{mesh} {list(map(str, src))} -> {mesh2 or mesh} {list(map(str, dst))} on {tuple(full.shape)}"
+    want = redistributed(ref, full, mesh, src, mesh2 or mesh, dst)
+    got = redistributed(proc, full, mesh, src, mesh2 or mesh, dst)
+    assert_identical(got[0], want[0], what)
+    assert len(got[1]) == len(want[1])
+    for n, (g, w) in enumerate(zip(got[1], want[1])):
+        assert_identical(g, w, f"{what}, block {n}")
+
+
+def pairs(cases, n, seed):
+    """``n`` (src, dst) pairs of ``cases``, a fixed random subset when there are more."""
+    every = list(itertools.product(cases, cases))
+    return random.Random(seed).sample(every, min(n, len(every)))
+
+
+def options(ndim, partial=("sum",)):
+    return [Replicate()] + [Shard(d) for d in range(ndim)] + [Partial(op) for op in partial]
+
+
+@pytest.mark.parametrize("mesh", [MESH_1D, MESH_2D], ids=["1d", "2d"])
+@pytest.mark.parametrize("shape", [(5, 3), (2, 7)])
+def test_every_transition_is_bit_identical(proc, ref, mesh, shape):
+    full = value(shape)
+    cases = list(itertools.product(options(len(shape)), repeat=mesh.ndim))
+    for src, dst in itertools.product(cases, cases):
+        check_transition(proc, ref, full, mesh, src, dst)
+
+
+@pytest.mark.parametrize("op", ["avg", "max", "min"])
+def test_partial_reduce_ops(proc, ref, op):
+    full = value((5, 3))
+    for mesh in (MESH_1D, MESH_2D):
+        cases = list(itertools.product(options(2, ("sum", op)), repeat=mesh.ndim))
+        for src, dst in pairs(cases, 40, op):
+            check_transition(proc, ref, full, mesh, src, dst)
+
+
+def test_3d_mesh_with_a_size_one_dim(proc, ref):
+    full = value((4, 5, 3))
+    cases = list(itertools.product(options(3, ("sum", "max")), repeat=3))
+    for src, dst in pairs(cases, 60, 3):
+        check_transition(proc, ref, full, MESH_3D, src, dst)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.bfloat16, torch.float16, torch.float64])
+def test_dtypes(proc, ref, dtype):
+    full = value((5, 3), dtype)
+    partial = () if dtype == torch.bool else ("sum", "avg", "max")
+    cases = list(itertools.product(options(2, partial), repeat=2))
+    for src, dst in random.Random(str(dtype)).sample(list(itertools.product(cases, cases)), 30):
+        check_transition(proc, ref, full, MESH_2D, src, dst)
+
+
+@pytest.mark.parametrize("shape", [(), (0, 3), (1,), (3, 0)])
+def test_scalars_and_empty_tensors(proc, ref, shape):
+    full = value(shape)
+    cases = list(itertools.product(options(len(shape)), repeat=2))
+    for src, dst in itertools.product(cases, cases):
+        check_transition(proc, ref, full, MESH_2D, src, dst)
+
+
+MOVES = [
+    # same layout: device k hands its block to device k of the other mesh
+    (MESH_2D, [Shard(0), Partial()], DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=["a", "b"]), [Shard(0), Partial()]),
+    (DeviceMesh("cpu", [0, 1]), [Shard(1)], DeviceMesh("cpu", [2, 3]), [Shard(1)]),
+    # different layouts: overlapping regions, one replica each
+    (DeviceMesh("cpu", [0, 1]), [Shard(0)], MESH_2D, [Shard(1), Replicate()]),
+    (MESH_2D, [Shard(0), Shard(1)], MESH_1D, [Shard(1)]),
+    (MESH_2D, [Partial(), Shard(0)], DeviceMesh("cpu", [3, 2]), [Replicate()]),
+    (MESH_1D, [Replicate()], DeviceMesh("cpu", [[1, 3]]), [Partial("max"), Shard(0)]),
+    (MESH_1D, [Shard(0)], MESH_3D, [Shard(1), Shard(0), Replicate()]),
+    (MESH_3D, [Shard(0), Replicate(), Shard(0)], DeviceMesh("cpu", [3]), [Replicate()]),
+]
+
+
+@pytest.mark.parametrize("src_mesh,src,dst_mesh,dst", MOVES)
+@pytest.mark.parametrize("shape", [(5, 3), (2, 7)])
+def test_moves_between_meshes(proc, ref, src_mesh, src, dst_mesh, dst, shape):
+    check_transition(proc, ref, value(shape), src_mesh, src, dst, dst_mesh)
+
+
+def test_pipeline_hand_off_is_one_send_recv_on_pp(proc, ref):
+    mesh = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["pp", "tp"])
+    s0, s1 = mesh.unbind("pp")
+    full = value((3, 5))
+    logs = []
+    for g in (ref, proc):
+        with using(g), CommLog() as log:
+            x = dtorch.Tensor(full, device_mesh=s0, placements=[Shard(1)])
+            y = x.redistribute(s1, [Shard(1)])
+            assert_identical(y.to_torch(), full, "hand-off")
+        logs.append((log.counts(), log.bytes()))
+    assert logs[0] == logs[1] == ({("send_recv", "pp"): 1}, {("send_recv", "pp"): full.numel() * 4})
+
+
+def test_commlog_matches_inprocess(proc, ref):
+    full = value((5, 4))
+    logs = []
+    for g in (ref, proc):
+        with using(g), CommLog() as log:
+            x = dtorch.Tensor(full, device_mesh=MESH_2D, placements=[Partial(), Shard(0)])
+            x.redistribute(MESH_2D, [Shard(1), Replicate()]).redistribute(MESH_1D, [Shard(0)])
+        logs.append((log.counts(), log.bytes()))
+    assert logs[0] == logs[1] and logs[0][0]
+
+
+@pytest.mark.parametrize("mesh_dim,shift", [(0, 1), (1, 1), (0, -1), (1, 3)])
+def test_ring_shift(proc, ref, mesh_dim, shift):
+    mesh = DeviceMesh("cpu", [[2, 0, 1], [3, 5, 4]], mesh_dim_names=["a", "ring"])
+    full = value((4, 7))
+    blocks = []
+    for g in (ref, proc):
+        with using(g):
+            x = dtorch.Tensor(full, device_mesh=mesh, placements=[Shard(0), Shard(1)])
+            h = g.runtime.ring_shift(x._h, x.spec, mesh_dim, shift)
+            blocks.append(g.runtime.local_blocks(h, x.spec))
+    for n, (a, b) in enumerate(zip(*blocks)):
+        assert_identical(b, a, f"block {n}")
+
+
+# -- operators ------------------------------------------------------------------------------------
+
+A = value((5, 6, 4), seed=1)
+B = value((6, 4), seed=2)
+W = value((3, 4), seed=3)
+Q, K, V = (value((2, 4, 6, 8), seed=s) for s in (4, 5, 6))
+
+OPS = [
+    ("add broadcast", lambda a, b: a + b, lambda a, b: a + b, [A, B]),
+    ("mul scalar, where", lambda a: dtorch.where(a > 0, a * 2.5, -a), lambda a: torch.where(a > 0, a * 2.5, -a), [A]),
+    ("silu, cast", lambda a: F.silu(a).to(torch.float64), lambda a: F.silu(a).to(torch.float64), [A]),
+    ("sum over dims", lambda a: a.sum(1), lambda a: a.sum(1), [A]),
+    ("mean keepdim", lambda a: a.mean(-1, keepdim=True), lambda a: a.mean(-1, keepdim=True), [A]),
+    ("amax", lambda a: a.amax(0), lambda a: a.amax(0), [A]),
+    ("softmax", lambda a: a.softmax(-1), lambda a: a.softmax(-1), [A]),
+    ("reshape, transpose", lambda a: a.reshape(5, 24).transpose(0, 1), lambda a: a.reshape(5, 24).transpose(0, 1), [A]),
+    ("getitem, cat", lambda a: dtorch.cat([a[1:4], a[:2]], 0), lambda a: torch.cat([a[1:4], a[:2]], 0), [A]),
+    ("matmul", lambda a, w: a @ w.transpose(0, 1), lambda a, w: a @ w.transpose(0, 1), [A, W]),
+    ("linear", lambda a, w: F.linear(a, w), lambda a, w: F.linear(a, w), [A, W]),
+    ("rms_norm", lambda a: F.rms_norm(a, (4,)), lambda a: F.rms_norm(a, (4,)), [A]),
+    ("sdpa causal", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+     lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), [Q, K, V]),
+]
+
+
+def op_cases(inputs, mesh, n, seed):
+    per = [list(itertools.product(options(x.ndim, ("sum",)), repeat=mesh.ndim)) for x in inputs]
+    combos = list(itertools.product(*per))
+    return random.Random(seed).sample(combos, min(n, len(combos)))
+
+
+@pytest.mark.parametrize("name,dt_fn,torch_fn,inputs", OPS, ids=[o[0] for o in OPS])
+def test_ops_match_inprocess_and_torch(proc, ref, name, dt_fn, torch_fn, inputs):
+    expected = torch_fn(*inputs)
+    for mesh in (MESH_1D, MESH_2D):
+        for combo in op_cases(inputs, mesh, 8, name):
+            outs = []
+            for g in (ref, proc):
+                with using(g):
+                    dts = [dtorch.Tensor(x, device_mesh=mesh, placements=list(p)) for x, p in zip(inputs, combo)]
+                    out = dt_fn(*dts)
+                    outs.append((out.placements, out.to_torch()))
+                    for d, x, p in zip(dts, inputs, combo):
+                        assert d.placements == list(p) and torch.equal(d.to_torch(), x), f"{name} changed an input"
+            (p_ref, want), (p_got, got) = outs
+            assert p_got == p_ref, f"{name} on {combo}: placements {p_got} != in-process {p_ref}"
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} on {combo}: {m}")
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} on {combo}: {m}")
+
+
+@pytest.mark.parametrize("cp", ["ring_cp", "ulysess_cp"])
+def test_context_parallel_attention(proc, ref, cp):
+    mesh = dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=[cp])
+    expected = F.scaled_dot_product_attention(Q, K, V, is_causal=True)
+    outs = []
+    for g in (ref, proc):
+        with using(g), CommLog() as log:
+            q, k, v = (dtorch.Tensor(x, device_mesh=mesh, placements=[Shard(2)]) for x in (Q, K, V))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            outs.append((out.to_torch(), log.counts()))
+    assert outs[0][1] == outs[1][1] and outs[0][1]
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(outs[1][0], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_placement_sweep_on_the_process_backend(proc):
+    from sweep import run_sweep
+
+    with using(proc):
+        assert run_sweep(dtorch.mul, torch.mul, [A, B], limit=12) > 0
+        assert run_sweep(lambda a: a.sum(-1), lambda a: a.sum(-1), [A], limit=12) > 0
+
+
+# -- execution model ------------------------------------------------------------------------------
+
+
+def test_records_are_batched_and_the_controller_does_not_wait(proc):
+    from dtorch.runtime.kernels import get_kernel
+
+    rt = proc.runtime
+    with using(proc):
+        x = dtorch.Tensor(torch.arange(16.0).reshape(4, 4), device_mesh=MESH_2D, placements=[Shard(0), Shard(1)])
+        proc.sync()
+        before = dict(rt.stats)
+        t0 = time.perf_counter()
+        y = x
+        for _ in range(6):  # 6 x 0.25 s of work on every worker
+            y = process_kernels.run(proc, get_kernel("test_sleep"), y, seconds=0.25)
+        for _ in range(200):
+            y = y + 1
+        issued = time.perf_counter() - t0
+        proc.sync()
+        waited = time.perf_counter() - t0
+        assert issued < 0.8 < 1.4 < waited, (issued, waited)
+        assert torch.equal(y.to_torch(), x.to_torch() + 200)
+    ops = rt.stats["ops"] - before["ops"]
+    flushes = rt.stats["flushes"] - before["flushes"]
+    assert ops >= 206 and flushes <= ops // 10, (ops, flushes)
+
+
+def test_to_torch_async(proc):
+    with using(proc):
+        full = value((6, 5))
+        x = dtorch.Tensor(full, device_mesh=MESH_1D, placements=[Partial()])
+        futures = [(x * n).to_torch_async() for n in range(1, 4)]
+        for n, f in enumerate(futures, 1):
+            torch.testing.assert_close(f.get(timeout=30), full * n)
+            assert f.is_ready()
+
+
+def test_device_args_reach_each_device(proc):
+    import numpy as np
+    from dtorch.runtime.kernels import get_kernel
+
+    with using(proc):
+        x = dtorch.Tensor(torch.zeros(2, 2), device_mesh=MESH_2D, placements=[Shard(0), Shard(1)])
+        y = process_kernels.run(proc, get_kernel("test_add_rank"), x,
+                                device_args={"value": np.arange(4.0).reshape(2, 2)})
+        assert [b.item() for b in y.local_blocks()] == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_blocks_are_freed_when_tensors_die(proc):
+    rt = proc.runtime
+    with using(proc):
+        gc.collect()
+        base = rt.worker_stats()
+        xs = [dtorch.Tensor(value((8, 8)), device_mesh=MESH_2D, placements=[Shard(0), Replicate()]) for _ in range(5)]
+        ys = [x.redistribute(MESH_2D, [Replicate(), Shard(1)]) * 2 for x in xs]
+        grown = rt.worker_stats()
+        assert all(grown[r]["blocks"] >= base[r]["blocks"] + 10 for r in MESH_2D.device_ids)
+        del xs, ys
+        gc.collect()
+        assert rt.worker_stats() == base
+
+
+def test_large_values_and_large_batches(proc):
+    with using(proc):
+        full = value((1100, 1100))  # 4.8 MB: chunked through the store, one copy for both replicas
+        x = dtorch.Tensor(full, device_mesh=DeviceMesh("cpu", [1, 3]), placements=[Replicate()])
+        assert_identical(x.to_torch(), full, "large replicated value")
+        y = dtorch.Tensor(full, device_mesh=MESH_2D, placements=[Shard(1), Partial()])
+        assert_identical(y.redistribute(MESH_2D, [Replicate(), Replicate()]).to_torch(), full, "large partial")
+    big = torch.arange(2_000_000.0)  # an 8 MB kernel argument: the batch goes to the store by key
+    with using(proc):
+        z = process_kernels.run(proc, process_kernels.get_kernel("test_add_const"), x, const=big)
+        assert_identical(z.to_torch(), full + big[:1100], "big batch")
+
+
+def test_pool_grows_and_keeps_blocks(ref):
+    g = process_graph()
+    try:
+        with using(g):
+            small = DeviceMesh("cpu", [0, 1])
+            x = dtorch.Tensor(value((5, 3)), device_mesh=small, placements=[Shard(0)])
+            assert g.runtime._world == 2
+            y = x.redistribute(MESH_1D, [Shard(1)])  # needs device 2: a third worker joins
+            assert g.runtime._world == 3
+            assert_identical(x.to_torch(), value((5, 3)), "block kept across the re-formed group")
+            assert_identical(y.to_torch(), value((5, 3)), "moved onto the grown pool")
+            assert_identical((y + x.redistribute(MESH_1D, [Partial()])).to_torch(), 2 * value((5, 3)), "ops after growing")
+    finally:
+        g.runtime.shutdown()
+
+
+def test_simulated_cuda_mesh():
+    from dtorch.runtime.devices import DeviceConfig
+
+    g = process_graph()
+    g.runtime.config = DeviceConfig(same_device=True, num_simulated_gpus=4)
+    try:
+        with using(g):
+            mesh = dtorch.init_device_mesh("cuda", (2,), mesh_dim_names=["tp"])
+            x = dtorch.Tensor(value((3, 4)), device_mesh=mesh, placements=[Shard(1)])
+            assert_identical((x * 2).redistribute(mesh, [Replicate()]).to_torch(), value((3, 4)) * 2, "cuda mesh")
+            with pytest.raises(dtorch.DeviceUnavailableError, match="simulated"):
+                dtorch.Tensor(value((3, 4)), device_mesh=dtorch.init_device_mesh("cuda", (6,)))
+    finally:
+        g.runtime.shutdown()
