@@ -356,14 +356,14 @@ class ProcessRuntime(Runtime):
 
     def _collect(self, req: int, ranks, pool: Pool, spec: DTensorSpec) -> list:
         key = f"g/{req}"
+        store = pool.client
         try:
-            pool.wait(lambda: int(pool.store.add(key, 0)) >= len(ranks), f"the blocks of {spec}")
+            pool.wait(lambda: int(store.add(key, 0)) >= len(ranks), f"the blocks of {spec}")
         except WorkerError as exc:
             with self._lock:
                 if pool is self._pool:
                     self._teardown(str(exc))
             raise
-        store = pool.store
         store.delete_key(key)
         heads = store.multi_get([f"{key}/{r}" for r in ranks])
         out = []

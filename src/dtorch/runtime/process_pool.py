@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import torch.distributed as dist
@@ -50,12 +51,24 @@ class Pool:
         self.world = 0
         self.gen = -1
         self.backend = None
-        self.logdir = tempfile.mkdtemp(prefix="dtorch-workers-")
+        self.logdir = tempfile.mkdtemp(prefix="dtorch-workers-") if spawn else None
         self._logs: dict = {}
         self._beats: dict = {}
         self._next_check = 0.0
         self._next_beat = 0.0
         self.describe = lambda seq, kind: f"{kind} #{seq}"
+        self._owner = threading.get_ident()
+        self._tls = threading.local()
+
+    @property
+    def client(self) -> dist.TCPStore:
+        """This thread's store connection (connections are not shared between threads)."""
+        if threading.get_ident() == self._owner:
+            return self.store
+        c = getattr(self._tls, "store", None)
+        if c is None:
+            c = self._tls.store = self.store.clone()
+        return c
 
     # -- membership ----------------------------------------------------------------------------
     def resize(self, world: int, backend: str, cuda: bool, reform) -> None:
@@ -97,9 +110,8 @@ class Pool:
             now = time.perf_counter()
             self.check(now)
             if now - start > timeout:
-                raise WorkerError(f"dtorch process backend: timed out after {timeout:.0f} s waiting for {what}; "
-                                  f"worker logs are in {self.logdir}. Raise DTORCH_PROCESS_TIMEOUT if the work is "
-                                  "just long.")
+                raise WorkerError(f"dtorch process backend: timed out after {timeout:.0f} s waiting for {what}. "
+                                  "Raise DTORCH_PROCESS_TIMEOUT if the work is just long.")
             time.sleep(delay)
             delay = min(0.002, delay * 2 + 2e-5)
 
@@ -110,7 +122,7 @@ class Pool:
             return
         self._next_check = now + 0.05
         dead = [r for r, p in self.procs.items() if p.poll() is not None]
-        faults = int(self.store.add("nfault", 0))
+        faults = int(self.client.add("nfault", 0))
         silent = self._silent(now) if not self.spawn else []
         if dead or faults or silent:
             time.sleep(0.3)  # let a dying worker's peers and launchers report too: name the root cause
@@ -122,7 +134,7 @@ class Pool:
         self._next_beat = now + 1.0
         out = []
         for r in range(self.world):
-            beat = int(self.store.add(f"hb/{r}", 0))
+            beat = int(self.client.add(f"hb/{r}", 0))
             last = self._beats.get(r)
             if last is None or last[0] != beat:
                 self._beats[r] = (beat, now)
@@ -131,6 +143,7 @@ class Pool:
         return out
 
     def _fault_report(self, silent) -> str:
+        store = self.client
         lines = []
         for r, p in sorted(self.procs.items()):
             rc = p.poll()
@@ -138,22 +151,26 @@ class Pool:
                 how = f"killed by signal {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
                 lines.append(f"worker {r} (pid {p.pid}) died: {how}{self._log_tail(r)}")
         for r in range(self.world):
-            if self.store.check([f"dead/{r}"]):
-                lines.append(f"worker {r} died: {self.store.get(f'dead/{r}').decode()}")
+            if store.check([f"dead/{r}"]):
+                lines.append(f"worker {r} died: {store.get(f'dead/{r}').decode()}")
         for r in silent:
             lines.append(f"worker {r} sent no heartbeat for {HEARTBEAT_STALE_S:.0f} s (its node or process is gone)")
         errors = []
         for r in range(self.world):
-            if self.store.check([f"err/{r}"]):
-                seq, kind, text, tb = pickle.loads(self.store.get(f"err/{r}"))
+            if store.check([f"err/{r}"]):
+                seq, kind, text, tb = pickle.loads(store.get(f"err/{r}"))
                 errors.append(f"worker {r} failed running {self.describe(seq, kind)}:\n    {text}")
         # a dead peer makes the others' collectives fail too; the death is the news, their errors follow
         lines += errors
         if not lines:
             lines.append("a worker reported a fault but left no message")
+        logs = f" Worker logs: {self.logdir}" if self._logs_written() else ""
         return ("dtorch process backend: " + "\n".join(lines) +
                 "\nThe backend's workers were stopped; tensors on them are lost (the next operation starts new "
-                f"workers). Worker logs: {self.logdir}")
+                f"workers).{logs}")
+
+    def _logs_written(self) -> bool:
+        return any(os.path.getsize(f.name) for f in self._logs.values())
 
     def _log_tail(self, r: int, n: int = 6) -> str:
         try:
@@ -190,9 +207,10 @@ class Pool:
             keys = [f"bye/{r}" for r in range(self.world)]
             while time.monotonic() < deadline and not self.store.check(keys):
                 time.sleep(0.02)
+        keep = not clean and self._logs_written()  # a fault's logs stay for reading
         for f in self._logs.values():
             f.close()
-        if clean:
+        if self.logdir and not keep:
             shutil.rmtree(self.logdir, ignore_errors=True)
         self.procs.clear()
         self.store = None  # closes the server: workers started elsewhere notice and exit

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import importlib
 import inspect
 import os
@@ -64,7 +65,9 @@ class Worker:
         if dist.is_initialized():
             dist.destroy_process_group()
         self.groups.clear()
-        dist.init_process_group(cfg["backend"], store=dist.PrefixStore(f"g{cfg['gen']}/", self.store), rank=self.rank,
+        # the process groups get their own store connection: sharing ours with gloo's rendezvous
+        # corrupted it (crashes in gloo's address parsing when groups were made under load)
+        dist.init_process_group(cfg["backend"], store=dist.PrefixStore(f"g{cfg['gen']}/", self.store.clone()), rank=self.rank,
                                 world_size=cfg["world"], timeout=datetime.timedelta(seconds=cfg["timeout"]))
         self.store.set(f"ready/{cfg['gen']}/{self.rank}", str(os.getpid()))
 
@@ -367,6 +370,7 @@ def _watch(store: dist.TCPStore, worker: Worker, parent_pid: int | None) -> None
 
 
 def run_worker(address: str, rank: int, device_index: int, parent_pid: int | None, connect_timeout: float) -> None:
+    faulthandler.enable()  # a crash in native code leaves its Python stack in the worker's log
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the controller, which stops us
     store = connect(address, connect_timeout)
     w = Worker(store, rank, device_index, parent_pid)
