@@ -188,6 +188,7 @@ OPS = [
     ("softmax", lambda a: a.softmax(-1), lambda a: a.softmax(-1), [A]),
     ("reshape, transpose", lambda a: a.reshape(5, 24).transpose(0, 1), lambda a: a.reshape(5, 24).transpose(0, 1), [A]),
     ("getitem, cat", lambda a: dtorch.cat([a[1:4], a[:2]], 0), lambda a: torch.cat([a[1:4], a[:2]], 0), [A]),
+    ("getitem ints (strided one-element blocks)", lambda a: a[:, -1, 1], lambda a: a[:, -1, 1], [A]),
     ("matmul", lambda a, w: a @ w.transpose(0, 1), lambda a, w: a @ w.transpose(0, 1), [A, W]),
     ("linear", lambda a, w: F.linear(a, w), lambda a, w: F.linear(a, w), [A, W]),
     ("rms_norm", lambda a: F.rms_norm(a, (4,)), lambda a: F.rms_norm(a, (4,)), [A]),
@@ -234,6 +235,14 @@ def test_context_parallel_attention(proc, ref, cp):
     assert outs[0][1] == outs[1][1] and outs[0][1]
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(outs[1][0], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_byte_views_of_strided_blocks():
+    from dtorch.runtime.process_plan import as_bytes, from_bytes
+
+    x = torch.arange(24.0).reshape(2, 3, 4)
+    for t in (x[:, 1], x[1, 2, 2:3], x[0, 0], x.transpose(0, 2), x[:, :1, -1], x[1, 1, 1], torch.empty(0, 3)):
+        assert torch.equal(from_bytes(as_bytes(t), t.dtype, t.shape), t)
 
 
 def test_placement_sweep_on_the_process_backend(proc):
@@ -349,3 +358,28 @@ def test_simulated_cuda_mesh():
                 dtorch.Tensor(value((3, 4)), device_mesh=dtorch.init_device_mesh("cuda", (6,)))
     finally:
         g.runtime.shutdown()
+
+
+def test_meshes_larger_than_the_worker_limit_are_refused():
+    g = process_graph(max_workers=8)
+    with using(g), pytest.raises(dtorch.DeviceUnavailableError, match=r"needs 9 worker processes.*DTORCH_PROCESS_MAX_WORKERS"):
+        dtorch.Tensor(torch.ones(3), device_mesh=DeviceMesh("cpu", [0, 8]))
+    assert g.runtime._pool is None  # refused before starting anything
+
+
+@pytest.mark.slow
+def test_operator_suites_on_the_process_backend():
+    """The operator test files of tests/ops, unchanged, with DTORCH_BACKEND=process (about 3 minutes)."""
+    import faulthandler
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    files = [f"tests/ops/{n}" for n in ("test_pointwise.py", "test_view.py", "test_reduce.py", "test_matrix.py",
+                                        "test_nn_ops.py", "test_attention.py")]
+    env = dict(os.environ, DTORCH_BACKEND="process", DTORCH_PROCESS_WORKERS="4", DTORCH_PROCESS_TIMEOUT="60")
+    faulthandler.dump_traceback_later(960, exit=True)  # longer than the per-test guard; the run has its own
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files], cwd=repo,
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]

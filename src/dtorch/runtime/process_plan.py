@@ -57,7 +57,10 @@ def grid_coords(spec: DTensorSpec) -> tuple:
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of ``t``'s values (collectives and the store move bytes of any dtype)."""
-    return t.contiguous().reshape(-1).view(torch.uint8)
+    flat = t.reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # e.g. one element of a strided view: "contiguous", stride 4
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8)
 
 
 def from_bytes(b: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:

@@ -65,6 +65,8 @@ class Worker:
         if dist.is_initialized():
             dist.destroy_process_group()
         self.groups.clear()
+        if cfg["cuda"]:
+            torch.cuda.set_device(self.device_index)  # NCCL works on the current device
         # the process groups get their own store connection: sharing ours with gloo's rendezvous
         # corrupted it (crashes in gloo's address parsing when groups were made under load)
         dist.init_process_group(cfg["backend"], store=dist.PrefixStore(f"g{cfg['gen']}/", self.store.clone()), rank=self.rank,
