@@ -146,7 +146,8 @@ def bench_dtensor(args):
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "logits.pt")
         base = [sys.executable, os.path.abspath(__file__)] + sys.argv[1:] + ["--port", str(store.port), "--out", out]
-        procs = [subprocess.Popen(base + ["--dtensor-rank", str(r)], stdout=subprocess.PIPE, text=True) for r in range(2)]
+        procs = [subprocess.Popen(base + ["--dtensor-rank", str(r)], stdout=subprocess.PIPE, text=True)
+                 for r in range(2)]
         try:
             res = json.loads(procs[0].communicate(timeout=1800)[0])
             procs[1].wait(timeout=60)

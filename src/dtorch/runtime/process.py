@@ -41,7 +41,7 @@ from ..mesh import DeviceMesh
 from ..placement import Partial
 from ..spec import DTensorSpec
 from . import process_plan as pp
-from .devices import mesh_problems, read_device_config
+from .devices import mesh_problems, read_device_config, simulation_device
 from .inprocess import InProcessRuntime, spec_total_bytes
 from .interface import Runtime
 from .process_pool import Pool, WorkerError
@@ -103,6 +103,8 @@ class ProcessRuntime(Runtime):
         self.timeout = float(timeout if timeout is not None else _env_int("DTORCH_PROCESS_TIMEOUT", 300))
         self.max_workers = max_workers or _env_int("DTORCH_PROCESS_MAX_WORKERS", 64)
         self.sync_every_op = os.environ.get("DTORCH_PROCESS_SYNC", "0") in ("1", "true")
+        # the workers' GPUs, when this controller's machine has none (several nodes)
+        self.force_cuda = os.environ.get("DTORCH_PROCESS_CUDA", "0") in ("1", "true")
         if not self.spawn and not self.min_workers:
             raise ValueError("DTORCH_PROCESS_SPAWN=0 needs DTORCH_PROCESS_WORKERS=N: how many workers will join")
         self._lock = threading.RLock()
@@ -142,16 +144,18 @@ class ProcessRuntime(Runtime):
         if mesh in self._ready:
             return
         with self._lock:
-            problem = mesh_problems(mesh, self.config)
+            problem = None if mesh.device_type == "cuda" and self.force_cuda else mesh_problems(mesh, self.config)
             if problem:
                 raise DeviceUnavailableError(problem)
+            if mesh.device_type == "cuda" and not self._real_gpus():
+                simulation_device()  # says once that simulated GPUs run on the CPU, as in-process does
             need = max(mesh.device_ids) + 1
             if need > self.max_workers:
                 raise DeviceUnavailableError(
                     f"mesh {mesh} needs {need} worker processes (one per device id 0..{need - 1}) but the process "
                     f"backend allows {self.max_workers}; use a smaller mesh, the in-process backend, or raise "
                     "DTORCH_PROCESS_MAX_WORKERS")
-            cuda = self._cuda or (mesh.device_type == "cuda" and torch.cuda.is_available() and not self.config.same_device)
+            cuda = self._cuda or (mesh.device_type == "cuda" and self._real_gpus())
             world = max(need, self._world, self.min_workers or 0)
             if self._pool is None:
                 self._start(world, cuda)
@@ -159,9 +163,14 @@ class ProcessRuntime(Runtime):
                 if not self.spawn:
                     raise DeviceUnavailableError(
                         f"mesh {mesh} needs device ids up to {need - 1} but {self._world} workers joined "
-                        f"(DTORCH_PROCESS_WORKERS); start workers for the missing ranks and raise DTORCH_PROCESS_WORKERS")
+                        "(DTORCH_PROCESS_WORKERS); start workers for the missing ranks and raise "
+                        "DTORCH_PROCESS_WORKERS")
                 self._grow(world, cuda)
             self._ready.add(mesh)
+
+    def _real_gpus(self) -> bool:
+        """Do "cuda" meshes run on GPUs (NCCL), or simulated on the workers' CPUs?"""
+        return self.force_cuda or (torch.cuda.is_available() and not self.config.same_device)
 
     def _start(self, world: int, cuda: bool) -> None:
         pool = Pool(self.listen, self.spawn, self.timeout, max(60.0, 15.0 * world), self.min_workers)
@@ -553,7 +562,7 @@ class ProcessRuntime(Runtime):
     def _describe(self, seq, kind) -> str:
         what = self._ops.get(seq)
         if what is None:
-            return f"record '{kind}'"
+            return f"record {kind}"
         if what[0] == "kernel":
             _, name, kwargs, in_specs = what
             kw = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())

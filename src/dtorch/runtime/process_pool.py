@@ -84,7 +84,8 @@ class Pool:
             for r in range(self.world, world):
                 log = self._logs[r] = open(os.path.join(self.logdir, f"worker-{r}.log"), "ab")
                 self.procs[r] = subprocess.Popen(worker_command(self.address, r, r, os.getpid(), self.start_timeout),
-                                                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                 env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                 stdin=subprocess.DEVNULL,
                                                  start_new_session=True)  # Ctrl-C goes to the controller only
             wait_s = self.start_timeout
         else:

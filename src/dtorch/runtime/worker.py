@@ -32,8 +32,10 @@ from . import process_plan as pp
 from .inprocess import _reduce_list
 from .kernels import get_kernel
 
-_NATIVE_REDUCE = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_NATIVE_REDUCE = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                  "min": dist.ReduceOp.MIN}
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_NUMBERED = ("put", "zeros", "get", "k", "s", "r")  # records whose second field is the op's number
 
 
 def connect(address: str, timeout_s: float) -> dist.TCPStore:
@@ -69,8 +71,9 @@ class Worker:
             torch.cuda.set_device(self.device_index)  # NCCL works on the current device
         # the process groups get their own store connection: sharing ours with gloo's rendezvous
         # corrupted it (crashes in gloo's address parsing when groups were made under load)
-        dist.init_process_group(cfg["backend"], store=dist.PrefixStore(f"g{cfg['gen']}/", self.store.clone()), rank=self.rank,
-                                world_size=cfg["world"], timeout=datetime.timedelta(seconds=cfg["timeout"]))
+        pg_store = dist.PrefixStore(f"g{cfg['gen']}/", self.store.clone())
+        dist.init_process_group(cfg["backend"], store=pg_store, rank=self.rank, world_size=cfg["world"],
+                                timeout=datetime.timedelta(seconds=cfg["timeout"]))
         self.store.set(f"ready/{cfg['gen']}/{self.rank}", str(os.getpid()))
 
     def device(self, device_type: str) -> torch.device:
@@ -106,9 +109,10 @@ class Worker:
 
     def report(self, rec, exc: BaseException) -> None:
         self.failed = True
-        seq = rec[1] if len(rec) > 1 and isinstance(rec[1], int) else None
+        seq = rec[1] if rec[0] in _NUMBERED else None  # the controller knows what op #seq was
+        kind = rec[0] if seq is not None or len(rec) < 3 else f"{rec[0]} {rec[2]!r}"
         text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        self.store.set(f"err/{self.rank}", pickle.dumps((seq, rec[0], text, traceback.format_exc())))
+        self.store.set(f"err/{self.rank}", pickle.dumps((seq, kind, text, traceback.format_exc())))
         self.store.add("nfault", 1)
 
     def leave(self) -> None:
@@ -314,23 +318,21 @@ class Worker:
         """Run this rank's part of a move; returns its destination block (None if it has none)."""
         me = self.rank
         coords = pp.rank_coords(after.mesh)
+        device = self.device(after.mesh.device_type)
         out = None
-        if me in coords:
-            shape = after.local_shape(coords[me])
-            device = self.device(after.mesh.device_type)
-            single = [t for t in transfers if t[1] == me and t[2] is None]
-            if not single:
-                out = torch.empty(shape, dtype=after.dtype, device=device)
+        if me in coords and not any(t[1] == me and t[2] is None for t in transfers):
+            # regions land in a fresh block (a same-layout move hands over the whole block instead)
+            out = torch.empty(after.local_shape(coords[me]), dtype=after.dtype, device=device)
         recvs, ops = [], []
         for n, (src, dst, s_sl, d_sl, shape) in enumerate(transfers):
             if src == dst == me:
                 piece = x if s_sl is None else x[s_sl]
                 if d_sl is None:
-                    out = piece.to(self.device(after.mesh.device_type))
+                    out = piece.to(device)
                 else:
                     out[d_sl] = piece
             elif dst == me:
-                buf = torch.empty(pp.nbytes(shape, after.dtype), dtype=torch.uint8, device=self.device(after.mesh.device_type))
+                buf = torch.empty(pp.nbytes(shape, after.dtype), dtype=torch.uint8, device=device)
                 if buf.numel():
                     ops.append(dist.P2POp(dist.irecv, buf, src, tag=tag + n))
                 recvs.append((buf, d_sl, shape))
@@ -447,7 +449,8 @@ def launch(address: str, ranks: list[int], devices: list[int] | None, connect_ti
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="dtorch worker", description="start process-backend workers and join a controller")
+    ap = argparse.ArgumentParser(prog="dtorch worker",
+                                 description="start process-backend workers and join a controller")
     ap.add_argument("--controller", required=True, help="HOST:PORT of the controller's store (DTORCH_PROCESS_LISTEN)")
     ap.add_argument("--ranks", help="the ranks (device ids) this node runs, e.g. 0-3 or 4,5")
     ap.add_argument("--devices", help="local CUDA device index of each rank (default: 0, 1, ... in --ranks order)")
