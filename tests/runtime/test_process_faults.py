@@ -128,6 +128,18 @@ def test_sync_mode_raises_at_the_failing_op(monkeypatch):
         g.runtime.shutdown()
 
 
+def test_unpicklable_kernel_arguments_are_named():
+    g = process_graph(workers=2)
+    try:
+        with using(g):
+            x = dtorch.Tensor(torch.ones(4), device_mesh=PAIR, placements=[Shard(0)])
+            with pytest.raises(RuntimeBackendError, match=r"cannot send kernel test_sleep.*must be picklable"):
+                process_kernels.run(g, get_kernel("test_sleep"), x, seconds=lambda: 0)
+                g.sync()
+    finally:
+        g.runtime.shutdown()
+
+
 # -- controllers in subprocesses ---------------------------------------------------------------------
 
 CONTROLLER = """
@@ -147,7 +159,8 @@ print(json.dumps([p.pid for p in g.runtime._pool.procs.values()]), flush=True)
 def run_controller(tmp_path, body: str, env=None):
     script = tmp_path / "controller.py"
     script.write_text(textwrap.dedent(CONTROLLER) + textwrap.dedent(body))
-    full_env = dict(os.environ, DTORCH_BACKEND="process", PYTHONPATH=REPO, **(env or {}))
+    # TMPDIR: a controller killed outright cannot remove its workers' log directory
+    full_env = dict(os.environ, DTORCH_BACKEND="process", PYTHONPATH=REPO, TMPDIR=str(tmp_path), **(env or {}))
     return subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 

@@ -292,7 +292,12 @@ class ProcessRuntime(Runtime):
             for r, recs in self._buf.items():
                 if not recs:
                     continue
-                blob = pickle.dumps(recs, protocol=5)
+                try:
+                    blob = pickle.dumps(recs, protocol=5)
+                except Exception as exc:  # noqa: BLE001  (the queued work can no longer run in order)
+                    msg = self._unpicklable(recs, exc)
+                    self._teardown(msg)
+                    raise RuntimeBackendError(msg) from exc
                 if len(blob) > BATCH_LIMIT:
                     name = f"b/{next(self._ids)}"
                     pp.store_put(pool.store, name, blob)
@@ -574,6 +579,16 @@ class ProcessRuntime(Runtime):
         if what[0] == "ring_shift":
             return f"ring_shift on mesh dim {what[1]} of {what[2]}"
         return {"put": "placing", "get": "fetching"}[what[0]] + f" {what[1]}"
+
+    def _unpicklable(self, recs, exc) -> str:
+        for rec in recs:
+            try:
+                pickle.dumps(rec)
+            except Exception:  # noqa: BLE001
+                what = self._describe(rec[1], rec[0]) if rec[0] in ("k", "s", "r", "put") else f"record {rec[0]}"
+                return (f"dtorch process backend: cannot send {what} to the workers: {exc}. Kernel arguments "
+                        "must be picklable (numbers, strings, tuples, dtypes, torch tensors).")
+        return f"dtorch process backend: cannot send records to the workers: {exc}"
 
     def _teardown(self, reason: str) -> None:
         """After a fault: stop every worker; tensors of this epoch are gone; the next op starts afresh."""

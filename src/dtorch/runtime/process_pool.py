@@ -114,7 +114,8 @@ class Pool:
                 raise WorkerError(f"dtorch process backend: timed out after {timeout:.0f} s waiting for {what}. "
                                   "Raise DTORCH_PROCESS_TIMEOUT if the work is just long.")
             time.sleep(delay)
-            delay = min(0.002, delay * 2 + 2e-5)
+            # answers usually come within a few ms; a long wait polls less often (the cores are the workers')
+            delay = min(0.002 if now - start < 0.2 else 0.01, delay * 2 + 2e-5)
 
     def check(self, now: float | None = None, force: bool = False) -> None:
         """Raise WorkerError if a worker died, raised, or (when started elsewhere) fell silent."""
