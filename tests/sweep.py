@@ -15,9 +15,12 @@ MESH_3D = dtorch.init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=["a", "b", "c
 MESHES = [MESH_1D, MESH_2D, MESH_3D]
 
 
+PARTIALS = [Partial("sum"), Partial("avg"), Partial("max"), Partial("min")]
+
+
 def placement_options(tensor_ndim: int, partial: bool = True) -> list:
     opts = [Replicate()] + [Shard(d) for d in range(tensor_ndim)]
-    return opts + [Partial()] if partial else opts
+    return opts + PARTIALS if partial else opts
 
 
 def placement_cases(tensor_ndim: int, mesh, partial: bool = True, limit: int = 40, seed: int = 0) -> list[tuple]:
@@ -31,8 +34,38 @@ def placement_cases(tensor_ndim: int, mesh, partial: bool = True, limit: int = 4
     return cases
 
 
-def distribute(x: torch.Tensor, mesh, placements) -> "dtorch.Tensor":
-    return dtorch.Tensor(x, device_mesh=mesh, placements=list(placements))
+def distribute(x: torch.Tensor, mesh, placements, seed: int = 0) -> "dtorch.Tensor":
+    """``x`` laid out with ``placements``; partial mesh dims get genuinely different terms on every
+    device (random, reducing to ``x``), so an op that wrongly keeps a partial cannot pass by luck."""
+    placements = list(placements)
+    partial_dims = [i for i, p in enumerate(placements) if isinstance(p, Partial)]
+    ops = {placements[i].reduce_op for i in partial_dims}
+    if not partial_dims or len(ops) != 1 or not x.is_floating_point():
+        return dtorch.Tensor(x, device_mesh=mesh, placements=placements)
+    return dtorch.Tensor.from_blocks(_partial_blocks(x, mesh, placements, partial_dims, ops.pop(), seed),
+                                     device_mesh=mesh, placements=placements, shape=x.shape)
+
+
+def _partial_blocks(x, mesh, placements, partial_dims, op, seed):
+    g = torch.Generator().manual_seed(seed)
+    combos = list(itertools.product(*[range(mesh.shape[i]) for i in partial_dims]))
+    k = len(combos)
+    if op in ("sum", "avg"):
+        noise = torch.randn((k,) + tuple(x.shape), generator=g, dtype=torch.float64)
+        noise = noise - noise.mean(0, keepdim=True)  # terms differ, their sum (mean) is untouched
+        terms = (x.double() / (k if op == "sum" else 1)) + noise
+    else:
+        gap = torch.rand((k,) + tuple(x.shape), generator=g, dtype=torch.float64) + 0.1
+        exact = torch.randint(k, (1,) + tuple(x.shape), generator=g)
+        gap = gap.scatter(0, exact, 0.0)  # one term per element holds the value, the others lie below/above it
+        terms = x.double() - gap if op == "max" else x.double() + gap
+    terms = terms.to(x.dtype)
+    spec = dtorch.DTensorSpec(mesh, tuple(placements), tuple(x.shape), x.dtype)
+    blocks = []
+    for coord in mesh.coordinates():
+        term = terms[combos.index(tuple(coord[i] for i in partial_dims))]
+        blocks.append(term[tuple(slice(o, o + n) for o, n in spec.local_box(coord))].clone())
+    return blocks
 
 
 def check(dt_out, expected, rtol=1e-4, atol=1e-5):

@@ -367,3 +367,22 @@ def test_partial_reductions_keep_dtype(dtype, op, n):
         got = y.to_torch()
         assert got.dtype == dtype and all(b.dtype == dtype for b in y.local_blocks()), (str(y.spec), got.dtype)
         assert torch.equal(got, full)
+
+
+# -- partial terms that differ per device (sweep.distribute): the reductions themselves are checked ---------
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "min"])
+@pytest.mark.parametrize("mesh_shape", [(3,), (2, 2)], ids=str)
+def test_reducing_distinct_partial_terms(op, mesh_shape):
+    from sweep import distribute
+
+    mesh = dtorch.init_device_mesh("cpu", mesh_shape)
+    full = torch.randn(5, 4, generator=torch.Generator().manual_seed(3))
+    src = [Partial(op)] + [Replicate()] * (len(mesh_shape) - 1)
+    x = distribute(full, mesh, src)
+    assert len({tuple(b.flatten().tolist()) for b in x.local_blocks()}) > 1, "terms must differ per device"
+    for dst in ([Replicate()], [Shard(0)], [Shard(1)]):
+        dst = dst + [Replicate()] * (len(mesh_shape) - 1)
+        y = x.redistribute(mesh, dst)
+        for block, coord in zip(y.local_blocks(), mesh.coordinates()):  # blocks, not to_torch: no second reduction
+            box = y.spec.local_box(coord)
+            torch.testing.assert_close(block, full[tuple(slice(o, o + n) for o, n in box)], rtol=1e-5, atol=1e-6)

@@ -389,3 +389,26 @@ def test_doc_snippets_run(page, capsys):
     assert blocks, page
     for code in blocks:
         exec(compile(code, f"{page} snippet", "exec"), {"__name__": "__doc_snippet__"})
+
+
+# -- from_blocks: one block per device ------------------------------------------------------------------
+def test_from_blocks_builds_sharded_and_partial_tensors():
+    mesh = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["dp", "tp"])
+    full = torch.randn(5, 4)
+    rows = torch.tensor_split(full, [3])  # torch.chunk sizes for 5 rows over 2: 3 + 2
+    terms = [torch.randn(2, 4) for _ in range(2)]
+    blocks = [rows[0], rows[0], rows[1], rows[1]]  # S(0) on dp, R on tp
+    x = dtorch.Tensor.from_blocks(blocks, device_mesh=mesh, placements=[Shard(0), Replicate()], shape=(5, 4))
+    assert torch.equal(x.to_torch(), full)
+    p = dtorch.Tensor.from_blocks([terms[0], terms[1], terms[0], terms[1]], device_mesh=mesh,
+                                  placements=[Replicate(), Partial()], shape=(2, 4))
+    torch.testing.assert_close(p.to_torch(), terms[0] + terms[1])
+    assert [torch.equal(a, b) for a, b in zip(p.local_blocks(), [terms[0], terms[1]] * 2)] == [True] * 4
+
+
+def test_from_blocks_rejects_wrong_block_shapes_and_counts():
+    mesh = dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["tp"])
+    with pytest.raises(dtorch.PlacementError, match=r"block 0 \(device 0, coordinate \(0,\)\) has shape \[2, 4\].* puts a \[3, 4\]"):
+        dtorch.Tensor.from_blocks([torch.zeros(2, 4), torch.zeros(2, 4)], device_mesh=mesh, placements=[Shard(0)], shape=(5, 4))
+    with pytest.raises(dtorch.PlacementError, match="3 blocks for the 2 devices"):
+        dtorch.Tensor.from_blocks([torch.zeros(1)] * 3, device_mesh=mesh, placements=[Replicate()], shape=(1,))

@@ -55,6 +55,31 @@ class Tensor:
             graph._on_create(t)
         return t
 
+    @classmethod
+    def from_blocks(cls, blocks, *, device_mesh: DeviceMesh, placements, shape) -> "Tensor":
+        """A tensor from each device's block, in mesh order (``device_mesh.coordinates()``).
+
+        Every block must have the shape its device holds under ``placements`` for the global
+        ``shape`` (torch.chunk sizes); devices that differ only on Replicate mesh dims must hold equal
+        blocks; Partial mesh dims take arbitrary terms (the value is their reduction).
+        """
+        blocks = list(blocks)
+        if not blocks or not all(isinstance(b, torch.Tensor) for b in blocks):
+            raise TypeError("from_blocks needs one torch.Tensor per device")
+        if len(blocks) != device_mesh.size():
+            raise PlacementError(f"from_blocks got {len(blocks)} blocks for the {device_mesh.size()} devices of {device_mesh}")
+        shape = tuple(int(s) for s in shape)
+        spec = DTensorSpec(device_mesh, normalize_placements(placements, device_mesh.ndim, len(shape)), shape,
+                           blocks[0].dtype)
+        for n, (b, coord) in enumerate(zip(blocks, device_mesh.coordinates())):
+            want = spec.local_shape(coord)
+            if tuple(b.shape) != want or b.dtype != spec.dtype:
+                raise PlacementError(
+                    f"from_blocks: block {n} (device {device_mesh.device_ids[n]}, coordinate {coord}) has shape "
+                    f"{list(b.shape)} {b.dtype}, but {spec} puts a {list(want)} {spec.dtype} block there")
+        graph = Graph.default_graph()
+        return cls._make(spec, graph.runtime.from_blocks(blocks, spec), graph)
+
     def _finalize(self):
         """Installed as ``__del__`` only while some Graph tracks tensors (memory peaks, worker buffers)."""
         try:

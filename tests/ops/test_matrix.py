@@ -122,8 +122,9 @@ def test_batched_and_broadcast_batch_dims():
     c = _free(lambda: distribute(Z, MESH_1D, [Shard(0)]) @ distribute(W, MESH_1D, [Replicate()]))
     assert c.placements == [Shard(0)]
     check(c, Z @ W)
-    with CommLog() as log:  # a broadcast size-1 dim cannot carry a shard
+    with CommLog() as log:  # a broadcast size-1 dim cannot carry a shard: both move to the contracted dim
         c = distribute(Z, MESH_1D, [Shard(1)]) @ distribute(W, MESH_1D, [Shard(0)])
+    assert log.counts() == {("all_to_all", "a"): 2} and c.placements == [Partial()]
     check(c, Z @ W)
 
 

@@ -241,6 +241,10 @@ class InProcessRuntime(Runtime):
             blocks.append(b.to(devs[n]))
         return Shards(blocks=blocks)
 
+    def from_blocks(self, blocks, spec: DTensorSpec) -> Shards:
+        devs = self.devices(spec.mesh)
+        return self._make(spec, blocks=[b.detach().to(d) for b, d in zip(blocks, devs)])
+
     def to_global(self, h: Shards, spec: DTensorSpec) -> torch.Tensor:
         if h.grid is not None:
             return grid_to_global(h.grid, spec)

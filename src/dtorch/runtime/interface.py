@@ -25,6 +25,13 @@ class Runtime(ABC):
         """Place a global value: every device takes its block (a Partial's terms reduce to ``full``)."""
 
     @abstractmethod
+    def from_blocks(self, blocks: Sequence[torch.Tensor], spec: DTensorSpec) -> Any:
+        """Place one given block per device (mesh order); each has the shape ``spec.local_box`` gives.
+
+        Replicas (devices that differ only on Replicate mesh dims) must get equal blocks.
+        """
+
+    @abstractmethod
     def to_global(self, handle, spec: DTensorSpec) -> torch.Tensor:
         """Fetch the global value (blocks gathered, partials reduced) as a new CPU-or-device tensor."""
 

@@ -316,40 +316,54 @@ class ProcessRuntime(Runtime):
 
     # -- placement of global values ---------------------------------------------------------------
     def from_global(self, full: torch.Tensor, spec: DTensorSpec) -> Handle:
+        full = full.detach().cpu()
+        by_box: dict = {}
+        blocks = []
+        for coord in spec.mesh.coordinates():
+            zero = any(isinstance(p, Partial) and p.reduce_op == "sum" and coord[i] != 0
+                       for i, p in enumerate(spec.placements))
+            if zero:
+                blocks.append(None)  # the worker makes the zeros itself
+                continue
+            box = spec.local_box(coord)
+            if box not in by_box:  # replicas share one tensor object: uploaded once
+                by_box[box] = full[tuple(slice(o, o + s) for o, s in box)]
+            blocks.append(by_box[box])
+        return self.from_blocks(blocks, spec)
+
+    def from_blocks(self, blocks, spec: DTensorSpec) -> Handle:
+        """One block per device in mesh order (None: zeros); the same tensor object is uploaded once."""
         mesh = spec.mesh
         self._ensure(mesh)
-        full = full.detach().cpu()
         ranks = tuple(mesh.device_ids)
         h = self._new(ranks)
         seq = self._note(("put", spec))
         store = self._pool.store
-        blobs: dict = {}
+        data: dict = {}
         readers: dict = {}
         plan = []
-        for r, coord in zip(ranks, mesh.coordinates()):
+        for r, coord, block in zip(ranks, mesh.coordinates(), blocks):
             shape = spec.local_shape(coord)
-            zero = any(isinstance(p, Partial) and p.reduce_op == "sum" and coord[i] != 0
-                       for i, p in enumerate(spec.placements))
-            if zero:
+            if block is None:
                 plan.append((r, ("zeros", seq, h.id, spec.dtype, shape, mesh.device_type)))
                 continue
-            box = spec.local_box(coord)
-            if box not in blobs:
-                blobs[box] = pp.to_blob(full[tuple(slice(o, o + s) for o, s in box)])
-            readers[box] = readers.get(box, 0) + 1
-            plan.append((r, ("put", seq, h.id, spec.dtype, shape, mesh.device_type, box)))
-        data = {}
-        for n, (box, blob) in enumerate(blobs.items()):
+            key = id(block)
+            if key not in data:
+                data[key] = (block, pp.to_blob(block.detach().cpu()))
+            readers[key] = readers.get(key, 0) + 1
+            plan.append((r, ("put", seq, h.id, spec.dtype, shape, mesh.device_type, key)))
+        payload = {}
+        for n, (key, (_, blob)) in enumerate(data.items()):
             if len(blob) <= INLINE_BYTES:
-                data[box] = blob
+                payload[key] = blob
             else:
                 name = f"p/{h.id}/{n}"
                 pp.store_put(store, name, blob)
-                store.add(f"{name}/left", readers[box])
-                data[box] = (name, len(blob))
+                store.add(f"{name}/left", readers[key])
+                payload[key] = (name, len(blob))
         for r, rec in plan:
             if rec[0] == "put":
-                rec = rec[:-1] + (data[rec[-1]],)
+                rec = rec[:-1] + (payload[rec[-1]],)
             self._buf[r].append(rec)
         self._counted(len(plan))
         return h
