@@ -271,9 +271,9 @@ def test_to_mesh_and_dtype():
     torch.testing.assert_close(z.to_torch(), full)
     both = x.to(other, torch.float16)
     assert both.device_mesh == other and both.dtype == torch.float16
-    assert x.to("cpu").device_mesh == DeviceMesh("cpu")
+    assert x.to("cpu") is x  # already on cpu devices: like torch, nothing changes
     assert x.placements == [Shard(0), Partial()] and x.dtype == torch.float32
-    with pytest.raises(TypeError, match="DeviceMesh, a torch.dtype or a device"):
+    with pytest.raises(TypeError, match="DeviceMesh, a torch.dtype, a device or a tensor"):
         x.to(3)
 
 
@@ -412,3 +412,13 @@ def test_from_blocks_rejects_wrong_block_shapes_and_counts():
         dtorch.Tensor.from_blocks([torch.zeros(2, 4), torch.zeros(2, 4)], device_mesh=mesh, placements=[Shard(0)], shape=(5, 4))
     with pytest.raises(dtorch.PlacementError, match="3 blocks for the 2 devices"):
         dtorch.Tensor.from_blocks([torch.zeros(1)] * 3, device_mesh=mesh, placements=[Replicate()], shape=(1,))
+
+
+def test_factories_take_size_keyword_and_torch_like_spellings():
+    mesh = dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["tp"])
+    z = dtorch.zeros(size=(5, 7), device_mesh=mesh, placements=[Shard(1)])
+    assert z.shape == (5, 7) and z.placements == [Shard(1)]
+    like = torch.ones_like(z)
+    assert like.placements == [Shard(1)] and torch.equal(like.to_torch(), torch.ones(5, 7))
+    with pytest.raises(TypeError, match="both positionally and as size="):
+        dtorch.zeros(3, size=(5,))

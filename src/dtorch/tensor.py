@@ -262,9 +262,17 @@ class Tensor:
         return self._spec.placements[i] == p
 
     def to(self, *args, **kwargs) -> "Tensor":
-        """``.to(device_mesh)``, ``.to(dtype)``, or both; like torch, returns self when nothing changes."""
-        target_mesh, dtype = None, kwargs.pop("dtype", None)
+        """``.to(device_mesh)``, ``.to(dtype)``, ``.to(device)``, ``.to(other)``; like torch, returns self when
+        nothing changes.
+
+        A device of the mesh's own type changes nothing (the tensor already lives on such devices); a
+        device of another type moves the tensor to the same-shaped mesh of that type.
+        """
+        dtype = kwargs.pop("dtype", None)
         target_mesh = kwargs.pop("device_mesh", None)
+        device = kwargs.pop("device", None)
+        for ignored in ("non_blocking", "copy", "memory_format"):  # no effect on immutable global tensors
+            kwargs.pop(ignored, None)
         if kwargs:
             raise TypeError(f"Tensor.to got unexpected arguments {sorted(kwargs)}")
         for a in args:
@@ -273,11 +281,18 @@ class Tensor:
             elif isinstance(a, torch.dtype):
                 dtype = a
             elif isinstance(a, (str, torch.device)):
-                from .ops.factory import mesh_for_device
-
-                target_mesh = mesh_for_device(a)
-            else:
-                raise TypeError(f"Tensor.to expects a DeviceMesh, a torch.dtype or a device, got {a!r}")
+                device = a
+            elif isinstance(a, Tensor):
+                dtype, target_mesh = a.dtype, a.device_mesh
+            elif isinstance(a, torch.Tensor):
+                dtype, device = a.dtype, a.device
+            elif not isinstance(a, bool):  # torch's positional non_blocking / copy flags
+                raise TypeError(f"Tensor.to expects a DeviceMesh, a torch.dtype, a device or a tensor, got {a!r}")
+        if device is not None and target_mesh is None:
+            kind = torch.device(device).type
+            mesh = self._spec.mesh
+            if kind != mesh.device_type:
+                target_mesh = DeviceMesh(kind, mesh.mesh, mesh_dim_names=mesh.dim_names)
         out = self
         if dtype is not None and dtype != self.dtype:
             from .ops import pointwise

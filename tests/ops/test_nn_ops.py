@@ -183,3 +183,14 @@ def test_dropout_statistics_and_identities():
     check(dtorch.dropout(xd, 1.0), torch.zeros_like(x))
     with pytest.raises(OpError, match="between 0 and 1"):
         dtorch.dropout(xd, 1.5)
+
+
+def test_torch_spellings_of_nn_ops():
+    g = _gen(11)
+    w, x = torch.randn(10, 4, generator=g), torch.randn(3, 4, generator=g)
+    ids = torch.randint(0, 10, (3, 5), generator=g)
+    dw = distribute(w, MESH_TP, [Replicate(), Shard(0)])
+    dx = distribute(x, MESH_TP, [Shard(0), Replicate()])
+    check(torch.embedding(dw, distribute(ids, MESH_TP, [Shard(0), Replicate()])), F.embedding(ids, w))
+    check(torch.layer_norm(dx, [4]), F.layer_norm(x, [4]), rtol=1e-5, atol=1e-5)
+    check(torch.rms_norm(dx, [4]), F.rms_norm(x, [4]), rtol=1e-5, atol=1e-5)

@@ -166,3 +166,18 @@ def test_torch_tensor_operand_becomes_replicate():
 def test_uneven_and_empty_shards(mesh):
     small = torch.randn(1, 3)  # fewer rows than devices: some shards are empty
     run_sweep(lambda x: x * 2 + 1, lambda x: x * 2 + 1, [small], meshes=[mesh], limit=30)
+
+
+def test_torch_tensor_on_the_left_tensor_keywords_and_torch_spellings():
+    x = distribute(A, MESH_2D, [Shard(0), Shard(2)])
+    for fn in (lambda a, b: a + b, lambda a, b: a - b, lambda a, b: a * b, lambda a, b: a / b,
+               lambda a, b: a > b, lambda a, b: a == b, lambda a, b: a // b, lambda a, b: a % b):
+        check(fn(B, x), fn(B, A))  # torch tensor on the left: torch hands over to dtorch
+    y = distribute(B, MESH_2D, [Replicate(), Replicate()])
+    check(x.clamp(min=y), A.clamp(min=B))        # tensors as keyword arguments
+    check(x.add(other=y, alpha=2), A.add(B, alpha=2))
+    check(dtorch.maximum(x, other=y), torch.maximum(A, B))
+    check(x.masked_fill(x > 0, torch.tensor(1.5)), A.masked_fill(A > 0, 1.5))  # 0-d tensor value
+    check(F.relu(x, inplace=False), F.relu(A))
+    with pytest.raises(dtorch.OpError, match="not written in place"):
+        F.relu(x, inplace=True)

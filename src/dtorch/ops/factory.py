@@ -13,7 +13,7 @@ from ..mesh import DeviceMesh
 from ..placement import normalize_placements
 from ..spec import DTensorSpec
 from ..tensor import Tensor
-from .registry import register
+from .registry import TORCH_FUNCTIONS, register
 
 
 def mesh_for_device(device) -> DeviceMesh:
@@ -48,7 +48,14 @@ def _float_dtype(dtype):
 
 
 def _factory(name, make):
-    def fn(*size, dtype=None, device_mesh=None, placements=None, device=None, generator=None, requires_grad=False):
+    def fn(*size, dtype=None, device_mesh=None, placements=None, device=None, generator=None, requires_grad=False,
+           **kw):
+        if "size" in kw:  # torch also takes size=
+            if size:
+                raise TypeError(f"dtorch.{name}() got sizes both positionally and as size=")
+            size = (kw.pop("size"),)
+        if kw:
+            raise TypeError(f"dtorch.{name}() got unexpected keyword arguments {sorted(kw)}")
         return _place(make(_shape(size), dtype, generator), device_mesh, placements, device)
 
     fn.__name__ = name
@@ -108,6 +115,7 @@ def _like(name, base):
 
 
 zeros_like = _like("zeros_like", zeros)
+# torch.zeros_like(dtensor) and friends route here too (see the loop at the end of this file)
 ones_like = _like("ones_like", ones)
 empty_like = _like("empty_like", empty)
 rand_like = _like("rand_like", rand)
@@ -133,3 +141,7 @@ def tensor(data, *, dtype=None, device_mesh=None, placements=None):
 @register()
 def from_torch(data, *, device_mesh=None, placements=None, dtype=None):
     return Tensor(data, device_mesh=device_mesh, placements=placements, dtype=dtype)
+
+
+for _name in ("zeros_like", "ones_like", "empty_like", "rand_like", "randn_like", "full_like", "randint_like"):
+    TORCH_FUNCTIONS[getattr(torch, _name)] = globals()[_name]

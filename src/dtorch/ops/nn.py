@@ -27,7 +27,7 @@ from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel, per_device
 from ..spec import DTensorSpec
 from ..tensor import Tensor
-from .registry import OpPlan, dispatch, meta_call, register, replicated, spec_like, static_value, to_dtensors
+from .registry import TORCH_FUNCTIONS, OpPlan, dispatch, meta_call, register, replicated, spec_like, static_value, to_dtensors
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -221,3 +221,12 @@ def dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False)
     noise = torch.empty(spec.shape, dtype=spec.dtype).bernoulli_(1 - p).div_(1 - p)
     layout = [Replicate() if isinstance(pl, Partial) else pl for pl in spec.placements]
     return mul(input, Tensor(noise, device_mesh=spec.mesh, placements=layout))
+
+
+# torch's own spellings (``torch.embedding`` takes the weight first)
+TORCH_FUNCTIONS[torch.embedding] = lambda weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False: \
+    embedding(indices, weight)
+TORCH_FUNCTIONS[torch.layer_norm] = lambda input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True: \
+    layer_norm(input, normalized_shape, weight, bias, eps)
+TORCH_FUNCTIONS[torch.rms_norm] = lambda input, normalized_shape, weight=None, eps=None: \
+    rms_norm(input, normalized_shape, weight, eps)

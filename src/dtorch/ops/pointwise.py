@@ -16,11 +16,12 @@ from functools import lru_cache
 
 import torch
 
+from ..errors import OpError
 from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
-from .registry import _PLANS, OpPlan, dispatch, register, resolve_torch, static_value, to_dtensors
+from .registry import _PLANS, TORCH_FUNCTIONS, OpPlan, dispatch, register, resolve_torch, static_value, to_dtensors
 
 # op name -> how it treats partial inputs: "add" (linear in every operand), "scale" (linear in its
 # first operand when the others are replicated or scalars)
@@ -33,7 +34,11 @@ _PARTIAL_RULE = {
 @kernel("pointwise", align=True)
 def _pointwise_kernel(*xs, fn: str, template: tuple, kwargs: tuple):
     args = [xs[a] if isinstance(a, int) else a[-1] for a in template]
-    return resolve_torch(fn)(*args, **dict(kwargs))
+    return resolve_torch(fn)(*args, **_kwargs_with_tensors(kwargs, xs))
+
+
+def _kwargs_with_tensors(kwargs: tuple, xs) -> dict:
+    return {k: xs[v[1]] if isinstance(v, tuple) and len(v) == 2 and v[0] == _TENSOR_KW else v for k, v in kwargs}
 
 
 # Steady-state fast path: (fn, graph, spec or scalar per operand) -> a closure that calls the torch
@@ -114,8 +119,13 @@ def _make_fast(torch_fn, args, out_spec, graph):
     return fast
 
 
+_TENSOR_KW = "__tensor__"  # a keyword argument holding tensor input number n: (_TENSOR_KW, n)
+
+
 def _pointwise_slow(name, fn, args, kwargs):
-    args = to_dtensors(name, args)
+    kw_names = [k for k, v in kwargs.items() if isinstance(v, (Tensor, torch.Tensor))]
+    converted = to_dtensors(name, list(args) + [kwargs[k] for k in kw_names])
+    args = converted[: len(args)]
     tensors, template = [], []
     for a in args:
         if isinstance(a, Tensor):
@@ -123,6 +133,10 @@ def _pointwise_slow(name, fn, args, kwargs):
             tensors.append(a)
         else:
             template.append(("c", static_value(a), a))
+    kwargs = dict(kwargs)
+    for k, t in zip(kw_names, converted[len(args):]):
+        kwargs[k] = (_TENSOR_KW, len(tensors))
+        tensors.append(t)
     static = (fn, tuple(template), tuple(sorted((k, static_value(v), v) for k, v in kwargs.items() if v is not None)))
     key_static = (fn, tuple(t[:2] if isinstance(t, tuple) else t for t in template),
                   tuple((k, sv) for k, sv, _ in static[2]))
@@ -144,7 +158,8 @@ def _pointwise_plan(name, fn, template, kwargs, specs) -> OpPlan:
     mesh = specs[0].mesh
     # output shape and dtype from torch itself, on meta tensors
     metas = [torch.empty(s.shape, dtype=s.dtype, device="meta") for s in specs]
-    out_meta = resolve_torch(fn)(*[metas[a] if isinstance(a, int) else a[-1] for a in template], **dict(kwargs))
+    out_meta = resolve_torch(fn)(*[metas[a] if isinstance(a, int) else a[-1] for a in template],
+                                 **_kwargs_with_tensors(kwargs, metas))
     out_shape = tuple(out_meta.shape)
     nout = len(out_shape)
     has_scalar = any(not isinstance(a, int) for a in template)
@@ -209,7 +224,10 @@ def _numel(shape) -> int:
 # the op set
 
 def _elementwise_op(name: str, fn: str, *, methods=None, torch_fn=None, functional=False):
-    def op(input, *args, **kwargs):
+    def op(input, *args, inplace: bool = False, **kwargs):
+        if inplace:
+            raise OpError(f"dtorch.{name}(inplace=True): dtorch tensors are not written in place; "
+                          f"use the returned tensor (inplace=False)")
         return pointwise(name, fn, input, *args, **kwargs)
 
     op.__name__ = name
@@ -281,6 +299,12 @@ Tensor.where = _tensor_where
 
 @register(methods=("masked_fill",), torch_fns=(torch.masked_fill,))
 def masked_fill(input, mask, value):
+    if isinstance(value, torch.Tensor) and value.ndim == 0:
+        value = value.item()
+    if isinstance(value, Tensor):  # a 0-d dtorch value: select instead (masked_fill wants a scalar)
+        if value.ndim != 0:
+            raise OpError(f"dtorch.masked_fill: value must be a number or a 0-d tensor, got shape {list(value.shape)}")
+        return where(mask, to_dtype(value, input.dtype), input)
     return pointwise("masked_fill", "torch.masked_fill", input, mask, value)
 
 
@@ -371,6 +395,16 @@ for _dunder, _name, _fn in (
 for _dunder, _name, _fn in (("eq", "eq", "torch.eq"), ("ne", "ne", "torch.ne"), ("lt", "lt", "torch.lt"),
                             ("le", "le", "torch.le"), ("gt", "gt", "torch.gt"), ("ge", "ge", "torch.ge")):
     setattr(Tensor, f"__{_dunder}__", _binop(_name, _fn))
+
+# ``torch_tensor + dtensor``: torch calls its own method, which hands itself to __torch_function__
+for _name, _fn in _BINARY + [("div", "torch.div")]:
+    for _owner in (torch._C.TensorBase, torch.Tensor):
+        _method = getattr(_owner, _name, None)
+        if _method is not None:
+            TORCH_FUNCTIONS.setdefault(_method, globals()[_name])
+for _dunder, _name in (("__pow__", "pow"), ("__floordiv__", "floor_divide"), ("__mod__", "remainder"),
+                       ("__truediv__", "div"), ("__sub__", "sub")):
+    TORCH_FUNCTIONS.setdefault(getattr(torch.Tensor, _dunder), globals()[_name])
 
 Tensor.__neg__ = lambda self: pointwise("neg", "torch.neg", self)
 Tensor.__pos__ = lambda self: self

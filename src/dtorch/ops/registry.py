@@ -86,7 +86,7 @@ def make_plan(name, rule, specs, static) -> OpPlan:
     for s in specs[1:]:
         if s.mesh != mesh:
             raise OpError(
-                f"dtorch.{name}: inputs live on different meshes ({mesh} and {s.mesh}); "
+                f"dtorch.{name}: inputs live on different meshes ({mesh!r} and {s.mesh!r}); "
                 "redistribute one onto the other's mesh first, e.g. x.redistribute(device_mesh=y.device_mesh)"
             )
     try:
