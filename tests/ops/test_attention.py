@@ -230,3 +230,14 @@ def test_bad_inputs_raise_typed_errors():
     q4, k4, v4 = _qkv(h=4, hk=4, l=6)
     with pytest.raises(OpError, match="divisible by ulysess_cp"):
         dtorch.scaled_dot_product_attention(*(distribute(x, uly4, [Shard(2)]) for x in (q4, k4, v4)))
+
+
+def test_three_dim_inputs_like_torch():
+    g = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(4, n, 8, generator=g) for n in (6, 5, 5))
+    mask = torch.rand(4, 6, 5, generator=g) > 0.3
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    d = lambda t, p: distribute(t, MESH_DT, p)  # noqa: E731
+    out = F.scaled_dot_product_attention(d(q, [Shard(0), Replicate()]), d(k, [Shard(0), Replicate()]),
+                                         d(v, [Shard(0), Shard(2)]), attn_mask=d(mask, [Shard(0), Replicate()]))
+    check(out, ref, rtol=1e-4, atol=1e-5)

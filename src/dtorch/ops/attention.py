@@ -554,6 +554,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     q, k, v, mask = to_dtensors(_NAME, [query, key, value, attn_mask])
     if not all(isinstance(x, Tensor) for x in (q, k, v)):
         raise OpError(f"dtorch.{_NAME}: query, key and value must be tensors")
+    if q.ndim == 3 and k.ndim == 3 and v.ndim == 3:  # torch also takes [N, L, E]: one head
+        mask = mask.unsqueeze(-3) if isinstance(mask, Tensor) and mask.ndim == 3 else mask
+        out = scaled_dot_product_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), mask, dropout_p,
+                                           is_causal, scale, enable_gqa)
+        return out.squeeze(1)
     if not 0.0 <= dropout_p <= 1.0:
         raise OpError(f"dtorch.{_NAME}: dropout_p must be in [0, 1], got {dropout_p}")
     e = q.shape[-1] if q.ndim else 1
