@@ -68,16 +68,18 @@ def read_sharded(model, path: Path, progress=None) -> None:
 
 
 def _fill(param: Tensor, sl) -> None:
+    """Each device takes exactly its block, read once per distinct block (replicas share the tensor)."""
     spec = param.spec
-    full = torch.empty(spec.shape, dtype=spec.dtype)
-    done = set()
+    read: dict = {}
+    blocks = []
     for coord in spec.mesh.coordinates():
         box = spec.local_box(coord)
-        if box in done or any(n == 0 for _, n in box):
-            continue
-        done.add(box)
-        region = tuple(slice(o, o + n) for o, n in box)
-        full[region] = sl[region].to(spec.dtype)
-    value = Tensor(full, device_mesh=spec.mesh, placements=spec.placements)
+        if box not in read:
+            if any(n == 0 for _, n in box):  # an empty shard (uneven split)
+                read[box] = torch.empty(tuple(n for _, n in box), dtype=spec.dtype)
+            else:
+                read[box] = sl[tuple(slice(o, o + n) for o, n in box)].to(spec.dtype)
+        blocks.append(read[box])
+    value = Tensor.from_blocks(blocks, device_mesh=spec.mesh, placements=spec.placements, shape=spec.shape)
     if isinstance(param, Parameter):
         param._set(value)
