@@ -255,10 +255,22 @@ def _map_plan(spec: DTensorSpec, dmap, kern, **kwargs) -> OpPlan:
 # kernels: ``lead`` grid dims in front, local output shapes derived from the local input
 
 
+_LOCAL_OUT: dict = {}  # (id(dim_map), local input shape) -> (dim_map, local output shape)
+
+
+def _local_out_shape(dim_map, local) -> tuple:
+    """The block's output shape under ``dim_map``; memoised: the per-call walk of the map costs more
+    than the reshape itself (dim maps live in cached plans; the stored map guards against id reuse)."""
+    key = (id(dim_map), tuple(local))
+    hit = _LOCAL_OUT.get(key)
+    if hit is None or hit[0] is not dim_map:
+        hit = _LOCAL_OUT[key] = (dim_map, tuple(ds.size(local) for ds in dim_map))
+    return hit[1]
+
+
 @kernel("view.reshape")
 def _reshape_kernel(x, *, dim_map, lead=0):
-    local = x.shape[lead:]
-    return x.reshape(tuple(x.shape[:lead]) + tuple(ds.size(local) for ds in dim_map))
+    return x.reshape(tuple(x.shape[:lead]) + _local_out_shape(dim_map, x.shape[lead:]))
 
 
 @kernel("view.permute")
@@ -270,7 +282,7 @@ def _permute_kernel(x, *, perm, lead=0):
 def _expand_kernel(x, *, dim_map, new, lead=0):
     local = x.shape[lead:]
     x = x.reshape(tuple(x.shape[:lead]) + (1,) * new + tuple(local))
-    return x.expand(tuple(x.shape[:lead]) + tuple(ds.size(local) for ds in dim_map))
+    return x.expand(tuple(x.shape[:lead]) + _local_out_shape(dim_map, local))
 
 
 @kernel("view.repeat")
