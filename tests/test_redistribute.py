@@ -386,3 +386,20 @@ def test_reducing_distinct_partial_terms(op, mesh_shape):
         for block, coord in zip(y.local_blocks(), mesh.coordinates()):  # blocks, not to_torch: no second reduction
             box = y.spec.local_box(coord)
             torch.testing.assert_close(block, full[tuple(slice(o, o + n) for o, n in box)], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [4, 5], ids=["grid", "blocks"])  # 5 rows over S(0) x 2: uneven -> per-device blocks
+def test_mixed_partial_ops_reduce_in_mesh_dim_order(rows):
+    # [P(max), P(sum), S(0)]: the value is sum over mesh dim 1 of (max over mesh dim 0), whatever the storage
+    mesh = dtorch.init_device_mesh("cpu", (2, 2, 2))
+    g = torch.Generator().manual_seed(5)
+    terms = torch.randn(2, 2, rows, 3, generator=g)  # [mesh dim 0, mesh dim 1, rows, cols]
+    spec_pl = [Partial("max"), Partial("sum"), Shard(0)]
+    blocks = []
+    for a, b, c in mesh.coordinates():
+        cut = torch.tensor_split(terms[a, b], [-(-rows // 2)])[c]
+        blocks.append(cut.clone())
+    x = dtorch.Tensor.from_blocks(blocks, device_mesh=mesh, placements=spec_pl, shape=(rows, 3))
+    expected = terms.amax(0).sum(0)
+    torch.testing.assert_close(x.to_torch(), expected)
+    torch.testing.assert_close(x.redistribute(mesh, [Replicate()] * 3).to_torch(), expected)

@@ -23,6 +23,7 @@ import torch
 from .. import commlog
 from ..errors import RuntimeBackendError
 from ..placement import Partial, Replicate, Shard
+from ..redistribute.planner import Step
 from ..spec import DTensorSpec, shard_range
 from .devices import DeviceConfig, read_device_config, torch_devices
 from .interface import Runtime
@@ -248,48 +249,19 @@ class InProcessRuntime(Runtime):
     def to_global(self, h: Shards, spec: DTensorSpec) -> torch.Tensor:
         if h.grid is not None:
             return grid_to_global(h.grid, spec)
-        mesh = spec.mesh
-        partial = spec.partial_dims()
-        out_dev = self.devices(mesh)[0]
+        # Partial terms reduce in mesh-dim order, exactly as the planner's all_reduce steps (and the
+        # grid form) do: with mixed reduce ops the order is part of the meaning.
+        blocks = h.blocks
+        for i in spec.partial_dims():
+            after = spec.with_placements(spec.placements[:i] + (Replicate(),) + spec.placements[i + 1:])
+            blocks = self._blocks_step(Step("all_reduce", i, spec.placements[i], Replicate()), blocks, spec, after)
+            spec = after
+        out_dev = self.devices(spec.mesh)[0]
         out = torch.empty(spec.shape, dtype=spec.dtype, device=out_dev)
-        coords = mesh.coordinates()
-        flat = {c: n for n, c in enumerate(coords)}
-        for coord in coords:
-            if any(coord[i] != 0 for i, p in enumerate(spec.placements) if not isinstance(p, Shard)):
-                continue
-            box = spec.local_box(coord)
-            block = h.blocks[flat[coord]].to(out_dev)
-            if partial:
-                # reduce one partial mesh dim at a time (they may use different ops)
-                group = {coord: block}
-                for i in partial:
-                    op = spec.placements[i].reduce_op
-                    new = {}
-                    for c in group:
-                        terms = []
-                        for j in range(mesh.shape[i]):
-                            cc = list(c)
-                            cc[i] = j
-                            cc = tuple(cc)
-                            terms.append(group[cc] if cc in group else self._partial_term(h, spec, cc, partial[partial.index(i) + 1:], flat, out_dev))
-                        new[c] = _reduce_list(op, terms)
-                    group = new
-                block = group[coord]
-            out[tuple(slice(o, o + s) for o, s in box)] = block
+        for block, coord in zip(blocks, spec.mesh.coordinates()):
+            if all(c == 0 or isinstance(p, Shard) for c, p in zip(coord, spec.placements)):  # one replica each
+                out[tuple(slice(o, o + n) for o, n in spec.local_box(coord))] = block.to(out_dev)
         return out
-
-    def _partial_term(self, h, spec, coord, later_partials, flat, dev):
-        """The block at ``coord`` with the partial mesh dims after this one already reduced."""
-        block = h.blocks[flat[coord]].to(dev)
-        if not later_partials:
-            return block
-        i = later_partials[0]
-        terms = []
-        for j in range(spec.mesh.shape[i]):
-            cc = list(coord)
-            cc[i] = j
-            terms.append(self._partial_term(h, spec, tuple(cc), later_partials[1:], flat, dev))
-        return _reduce_list(spec.placements[i].reduce_op, terms)
 
     # -- local kernels ---------------------------------------------------------------------------
     def run_local(self, kernel: Kernel, inputs, in_specs, out_specs, kwargs, device_args=None):
@@ -418,11 +390,12 @@ class _ExecPlan:
     """How to run one kernel on one combination of input/output specs (cached)."""
 
     __slots__ = ("kernel", "grid", "nd", "in_reshape", "out_fix", "mesh", "coords", "wants_lead", "grid_dev",
-                 "in_specs", "out_specs", "exact")
+                 "in_specs", "out_specs", "exact", "grid_args")
 
     def __init__(self, rt: InProcessRuntime, kernel: Kernel, in_specs, out_specs):
         self.kernel = kernel
         self.exact = None  # outputs needed no reshaping on every run so far (grid mode)
+        self.grid_args = (None, None)  # (the plan's device_args, as grid-shaped tensors)
         self.in_specs = tuple(in_specs)
         self.out_specs = tuple(out_specs)
         mesh = out_specs[0].mesh if out_specs else in_specs[0].mesh
@@ -441,7 +414,7 @@ class _ExecPlan:
             ]
             if all(r is None for r in self.in_reshape):
                 self.in_reshape = None
-        # how to bring each output to its spec's grid shape: (expand_to, narrow_dims, expected_local)
+        # each output's expected (grid shape, local shape)
         self.out_fix = [(s.grid_shape(), s.even_local_shape()) for s in out_specs] if self.grid else None
 
     def run(self, rt: InProcessRuntime, inputs, kwargs, device_args):
@@ -451,7 +424,10 @@ class _ExecPlan:
             if self.in_reshape is not None:
                 xs = [x if shp is None else x.reshape(shp) for x, shp in zip(xs, self.in_reshape)]
             if device_args:
-                kwargs = dict(kwargs, **{k: torch.as_tensor(v, device=self.grid_dev).reshape(self.mesh.shape) for k, v in device_args.items()})
+                if self.grid_args[0] is not device_args:  # plans keep their device_args: convert once
+                    self.grid_args = (device_args, {k: torch.as_tensor(v, device=self.grid_dev).reshape(self.mesh.shape)
+                                                    for k, v in device_args.items()})
+                kwargs = dict(kwargs, **self.grid_args[1])
             if self.wants_lead:
                 kwargs = dict(kwargs, lead=self.nd)
             out = kernel.fn(*xs, **kwargs)

@@ -38,7 +38,7 @@ import torch
 from .. import commlog
 from ..errors import DeviceUnavailableError, RuntimeBackendError
 from ..mesh import DeviceMesh
-from ..placement import Partial
+from ..placement import Partial, Replicate
 from ..spec import DTensorSpec
 from . import process_plan as pp
 from .devices import mesh_problems, read_device_config, simulation_device
@@ -409,7 +409,9 @@ class ProcessRuntime(Runtime):
             spec = DTensorSpec(DeviceMesh("cpu", mesh.mesh, mesh_dim_names=mesh.dim_names), spec.placements,
                                spec.shape, spec.dtype)
         got = dict(zip(coords, blocks))
-        flat = [got.get(c) for c in spec.mesh.coordinates()]
+        # replicas were not fetched: every device takes the block of its index-0 replica
+        flat = [got[tuple(0 if isinstance(p, Replicate) else x for x, p in zip(c, spec.placements))]
+                for c in spec.mesh.coordinates()]
         rt = self._assembler
         return rt.to_global(rt._make(spec, blocks=flat), spec)
 
