@@ -13,7 +13,7 @@ import torch
 from .errors import MeshError, PlacementError
 from .graph import Graph
 from .mesh import DeviceMesh
-from .placement import Partial, Placement, Replicate, Shard, fmt_placements, normalize_placements
+from .placement import Placement, Replicate, Shard, fmt_placements, normalize_placements
 from .spec import DTensorSpec
 
 _REPLICATE = Replicate()

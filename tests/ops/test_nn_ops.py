@@ -194,3 +194,8 @@ def test_torch_spellings_of_nn_ops():
     check(torch.embedding(dw, distribute(ids, MESH_TP, [Shard(0), Replicate()])), F.embedding(ids, w))
     check(torch.layer_norm(dx, [4]), F.layer_norm(x, [4]), rtol=1e-5, atol=1e-5)
     check(torch.rms_norm(dx, [4]), F.rms_norm(x, [4]), rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_takes_torch_tensors_like_other_ops():
+    y = dtorch.dropout(torch.ones(3, 4), 0.0)
+    assert isinstance(y, dtorch.Tensor) and torch.equal(y.to_torch(), torch.ones(3, 4))

@@ -240,3 +240,17 @@ def test_bad_input_raises_typed_errors():
         x.norm("nuc")
     with pytest.raises(OpError, match="either unbiased or correction"):
         x.var(0, unbiased=True, correction=1)
+
+
+def test_low_precision_mean_over_a_sharded_dim_accumulates_like_torch():
+    mesh = dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["a"])
+    ones = torch.ones(200_001, dtype=torch.float16)  # a float16 running sum overflows to inf
+    x = dtorch.Tensor(ones, device_mesh=mesh, placements=[Shard(0)])
+    got = x.mean()
+    assert got.dtype == torch.float16 and torch.equal(got.to_torch(), ones.mean())
+
+
+def test_scan_needs_one_dim():
+    x = dtorch.Tensor(torch.ones(3, 2))
+    with pytest.raises(dtorch.OpError, match="dim must be an int, got None"):
+        dtorch.cumsum(x, None)

@@ -49,7 +49,10 @@ def on_mesh(x, mesh: DeviceMesh):
 
 def with_placement(x, dim_name: str, placement: Placement | None):
     """``x`` with ``placement`` on mesh dim ``dim_name`` (no-op when None or when the mesh lacks the dim)."""
-    if placement is None or not isinstance(x, Tensor) or x.device_mesh.dim_name_index(dim_name) is None:
+    if placement is None or not isinstance(x, Tensor):
+        return x
+    idx = x.device_mesh.dim_name_index(dim_name)
+    if idx is None or x.check_placement(idx, placement):
         return x
     return x.redistribute_by_dict(placements_dict={dim_name: placement})
 

@@ -210,6 +210,9 @@ def dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False)
     into its inputs)."""
     if not 0.0 <= p <= 1.0:
         raise OpError(f"dtorch.dropout: probability has to be between 0 and 1, but got {p}")
+    (input,) = to_dtensors("dropout", [input])
+    if not isinstance(input, Tensor):
+        raise OpError(f"dtorch.dropout expects a tensor, got {type(input).__name__}")
     if not training or p == 0.0:
         return input
     from .pointwise import mul

@@ -12,8 +12,6 @@ Rule, per mesh dim (expanded to N-D by looping over mesh dims):
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
 from ..errors import OpError

@@ -132,7 +132,9 @@ def _run(op, x, dims, keepdim, nd, kw, count=None):
         x, dims, keepdim = x.unsqueeze(-1), (-1,), False
     kw = dict(kw)
     if count is not None:  # mean over a sharded dim: local sums over the global count add up to the mean
-        return torch.sum(x, dims, keepdim=keepdim, dtype=kw.get("dtype")) / count
+        acc = kw.get("dtype") or (torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else None)
+        out = torch.sum(x, dims, keepdim=keepdim, dtype=acc) / count  # low precision: sum in float32, like torch
+        return out.to(kw.get("dtype") or x.dtype)
     return _IMPL[op](x, dims, keepdim, **kw)
 
 
@@ -171,7 +173,7 @@ def _reduce_rule(specs, op, dims, keepdim, kw) -> OpPlan:
 
 def _dims(name, dim, ndim, single=False) -> tuple:
     """Normalized, sorted reduced dims (all dims for None or an empty list, like torch)."""
-    if dim is None:
+    if dim is None and not single:
         return tuple(range(ndim))
     ds = (dim,) if isinstance(dim, int) else tuple(dim) if isinstance(dim, (list, tuple, torch.Size)) else None
     if ds is None or not builtins.all(isinstance(d, int) and not isinstance(d, bool) for d in ds) or (single and len(ds) != 1):

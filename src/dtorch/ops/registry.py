@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from ..errors import DTorchError, OpError
-from ..placement import Replicate, fmt_placements
+from ..placement import Replicate
 from ..redistribute import redistribute_spec
 from ..runtime.kernels import Kernel
 from ..spec import DTensorSpec

@@ -28,7 +28,7 @@ import torch
 from ..errors import OpError
 from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel, per_device
-from ..spec import DTensorSpec, chunk_size
+from ..spec import DTensorSpec, chunk_size, shard_range
 from ..tensor import Tensor
 from .registry import OpPlan, dispatch, meta_call, register, spec_like, to_dtensors
 
@@ -218,7 +218,7 @@ def _levels_kept(n_in: int, rin: int, rout: int, mesh_sizes: tuple) -> int:
             c = chunk_size(e // rin, m) * rin
             if c != chunk_size(e // rout, m) * rout:
                 return t
-            nxt.update(min(c, e - min(k * c, e)) for k in range(m))
+            nxt.update(shard_range(e // rin, m, k)[1] * rin for k in range(m))
         pieces = nxt
     return len(mesh_sizes)
 
@@ -264,6 +264,8 @@ def _local_out_shape(dim_map, local) -> tuple:
     key = (id(dim_map), tuple(local))
     hit = _LOCAL_OUT.get(key)
     if hit is None or hit[0] is not dim_map:
+        if len(_LOCAL_OUT) > 65536:  # shapes that keep changing: start over rather than grow without bound
+            _LOCAL_OUT.clear()
         hit = _LOCAL_OUT[key] = (dim_map, tuple(ds.size(local) for ds in dim_map))
     return hit[1]
 

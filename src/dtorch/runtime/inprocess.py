@@ -109,7 +109,6 @@ def _shard_factors(spec: DTensorSpec):
 
 def global_to_grid(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
     M = spec.mesh.shape
-    nd = len(M)
     factors, local = _shard_factors(spec)
     split_shape, factor_pos, local_pos = [], {}, []
     for k in range(len(spec.shape)):
@@ -130,7 +129,6 @@ def global_to_grid(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
 
 def grid_to_global(x: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
     M = spec.mesh.shape
-    nd = len(M)
     for i, p in enumerate(spec.placements):
         if isinstance(p, Partial):
             x = _REDUCE[p.reduce_op](x, i)
@@ -334,12 +332,12 @@ class InProcessRuntime(Runtime):
                 new = [whole] * m
             elif kind == "reduce_scatter":
                 whole = _reduce_list(step.src.reduce_op, group)
-                new = [_cut(whole, step.dst.dim, m, j) for j in range(m)]
+                new = [cut_shard(whole, step.dst.dim, m, j) for j in range(m)]
             elif kind == "all_to_all":
                 whole = torch.cat(group, dim=step.src.dim)
-                new = [_cut(whole, step.dst.dim, m, j) for j in range(m)]
+                new = [cut_shard(whole, step.dst.dim, m, j) for j in range(m)]
             elif kind == "slice":
-                new = [_cut(group[j], step.dst.dim, m, j) for j in range(m)]
+                new = [cut_shard(group[j], step.dst.dim, m, j) for j in range(m)]
             elif kind == "to_partial":
                 zero_rest = step.dst.reduce_op == "sum"
                 new = [group[j] if (j == 0 or not zero_rest) else torch.zeros_like(group[j]) for j in range(m)]
@@ -375,7 +373,8 @@ class InProcessRuntime(Runtime):
         return self.from_global(self.to_global(h, before), after)
 
 
-def _cut(x: torch.Tensor, dim: int, m: int, j: int) -> torch.Tensor:
+def cut_shard(x: torch.Tensor, dim: int, m: int, j: int) -> torch.Tensor:
+    """Shard ``j`` of ``m`` of ``x`` along ``dim`` (torch.chunk sizes; may be empty)."""
     off, n = shard_range(x.shape[dim], m, j)
     return x.narrow(dim, off, n)
 

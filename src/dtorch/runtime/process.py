@@ -173,7 +173,7 @@ class ProcessRuntime(Runtime):
         return self.force_cuda or (torch.cuda.is_available() and not self.config.same_device)
 
     def _start(self, world: int, cuda: bool) -> None:
-        pool = Pool(self.listen, self.spawn, self.timeout, max(60.0, 15.0 * world), self.min_workers)
+        pool = Pool(self.listen, self.spawn, self.timeout, max(60.0, 15.0 * world))
         pool.describe = self._describe
         self._pool = pool
         try:

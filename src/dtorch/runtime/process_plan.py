@@ -10,7 +10,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from ..placement import Replicate, Shard
+from ..placement import Replicate
 from ..spec import DTensorSpec, shard_range
 
 CHUNK = 4 << 20  # bytes per TCPStore value: the libuv store refuses payloads over 8 MiB
@@ -143,11 +143,6 @@ def move_transfers(before: DTensorSpec, after: DTensorSpec, same_layout: bool) -
 # -- collectives on one mesh dim ---------------------------------------------------------------------
 
 
-def cut(x: torch.Tensor, dim: int, m: int, j: int) -> torch.Tensor:
-    off, n = shard_range(x.shape[dim], m, j)
-    return x.narrow(dim, off, n)
-
-
 def cut_shape(shape, dim: int, m: int, j: int) -> tuple:
     out = list(shape)
     out[dim] = shard_range(shape[dim], m, j)[1]
@@ -163,6 +158,3 @@ def member_shapes(spec: DTensorSpec, coord, dim: int) -> tuple:
         out.append(spec.local_shape(tuple(c)))
     return tuple(out)
 
-
-def shard_dim(p) -> int | None:
-    return p.dim if isinstance(p, Shard) else None

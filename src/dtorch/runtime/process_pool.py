@@ -34,14 +34,13 @@ class WorkerError(RuntimeBackendError):
 
 
 class Pool:
-    def __init__(self, listen: str, spawn: bool, timeout: float, start_timeout: float, expected: int | None):
+    def __init__(self, listen: str, spawn: bool, timeout: float, start_timeout: float):
         host, _, port = listen.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"DTORCH_PROCESS_LISTEN={listen!r} must be HOST:PORT, e.g. 127.0.0.1:0 (0: a free port)")
         self.timeout = timeout
         self.start_timeout = start_timeout
         self.spawn = spawn
-        self.expected = expected
         self.store = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=timeout))
         connect_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
@@ -50,7 +49,6 @@ class Pool:
         self.procs: dict[int, subprocess.Popen] = {}
         self.world = 0
         self.gen = -1
-        self.backend = None
         self.logdir = tempfile.mkdtemp(prefix="dtorch-workers-") if spawn else None
         self._logs: dict = {}
         self._beats: dict = {}
@@ -93,7 +91,7 @@ class Pool:
                 print(f"dtorch: waiting for {world} workers to join at {self.listen}; on each node run "
                       f"`dtorch worker --controller {self.listen} --ranks FIRST-LAST`", file=sys.stderr, flush=True)
             wait_s = self.timeout
-        self.world, self.backend = world, backend
+        self.world = world
         keys = [f"ready/{gen}/{r}" for r in range(world)]
         self.wait(lambda: self.store.check(keys), f"{world} workers to join (generation {gen})", wait_s)
         self.gen = gen
@@ -137,6 +135,8 @@ class Pool:
         out = []
         for r in range(self.world):
             beat = int(self.client.add(f"hb/{r}", 0))
+            if beat == 0:  # not started yet (launched elsewhere): joining has its own timeout
+                continue
             last = self._beats.get(r)
             if last is None or last[0] != beat:
                 self._beats[r] = (beat, now)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import process_plan as pp
-from .inprocess import _reduce_list
+from .inprocess import _reduce_list, cut_shard
 from .kernels import get_kernel
 
 _NATIVE_REDUCE = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
@@ -225,7 +225,7 @@ class Worker:
         m, j = len(ranks), coord[i]
         kind = step.kind
         if kind == "slice":
-            return pp.cut(x, step.dst.dim, m, j)
+            return cut_shard(x, step.dst.dim, m, j)
         if kind == "to_partial":
             return x if j == 0 or step.dst.reduce_op != "sum" else torch.zeros_like(x)
         if kind == "all_gather":
@@ -233,14 +233,14 @@ class Worker:
         if kind == "all_to_all":
             d = step.dst.dim
             shapes = [pp.cut_shape(s, d, m, j) for s in pp.member_shapes(before, coord, i)]
-            got = self.all_to_all([pp.cut(x, d, m, jj) for jj in range(m)], shapes, ranks)
+            got = self.all_to_all([cut_shard(x, d, m, jj) for jj in range(m)], shapes, ranks)
             return torch.cat(got, dim=step.src.dim)
         op = step.src.reduce_op
         if kind == "reduce_scatter":
             # the in-process backend reduces whole blocks, then cuts; reducing the cut pieces in the same
             # (mesh) order gives the same bits and moves 1/m of the data
             d = step.dst.dim
-            got = self.all_to_all([pp.cut(x, d, m, jj) for jj in range(m)], [pp.cut_shape(x.shape, d, m, j)] * m, ranks)
+            got = self.all_to_all([cut_shard(x, d, m, jj) for jj in range(m)], [pp.cut_shape(x.shape, d, m, j)] * m, ranks)
             return _reduce_list(op, got)
         if kind == "all_reduce":
             if m == 1:
