@@ -107,6 +107,18 @@ def _is_even(mesh_shape, placements, shape):
     return True
 
 
+def block_offsets(spec: DTensorSpec, dim: int, coord_map=None):
+    """Per device (an array of the mesh's shape): the global offset of its block along tensor dim ``dim``.
+
+    ``coord_map`` reads another device's block (ring attention: the K/V block a device holds now)."""
+    import numpy as np
+
+    out = np.zeros(spec.mesh.shape, dtype=np.int64)
+    for c in spec.mesh.coordinates():
+        out[c] = spec.local_box(coord_map(c) if coord_map else c)[dim][0]
+    return out
+
+
 def local_nbytes(spec: DTensorSpec, coord) -> int:
     n = 1
     for s in spec.local_shape(coord):

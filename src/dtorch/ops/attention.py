@@ -30,7 +30,7 @@ from ..errors import DTorchError, OpError
 from ..placement import Partial, Replicate, Shard
 from ..redistribute import redistribute_spec
 from ..runtime.kernels import Kernel, kernel
-from ..spec import DTensorSpec
+from ..spec import DTensorSpec, block_offsets
 from ..tensor import Tensor
 from .registry import OpPlan, describe, dispatch, register, spec_like, to_dtensors
 
@@ -287,20 +287,12 @@ def _plain_rule(specs, has_mask, has_noise, causal, scale, gqa):
     out = DTensorSpec(mesh, tuple(op), (n, hq, l, ev), q.dtype)
     device_args = {}
     if causal and seq_dims:
-        device_args["q_off"] = _offsets(q_in, 2)
+        device_args["q_off"] = block_offsets(q_in, 2)
     if heads[0] == "offset":
-        device_args["q_head_off"] = _offsets(q_in, 1)
+        device_args["q_head_off"] = block_offsets(q_in, 1)
     kwargs = {"scale": scale, "causal": causal, "mask_rank": mask.ndim if has_mask else None,
               "has_noise": has_noise, "heads": heads}
     return OpPlan(tuple(in_specs), (out,), _sdpa_kernel, kwargs, device_args or None)
-
-
-def _offsets(spec: DTensorSpec, dim: int, coord_map=None) -> np.ndarray:
-    """Per device (mesh-shaped array): the global offset of its block along tensor dim ``dim``."""
-    out = np.zeros(spec.mesh.shape, dtype=np.int64)
-    for c in spec.mesh.coordinates():
-        out[c] = spec.local_box(coord_map(c) if coord_map else c)[dim][0]
-    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -447,7 +439,7 @@ def _cp_plan(q, k, v, mask, noise, causal, scale, gqa, u, r) -> _CPPlan:
     o_acc = DTensorSpec(mesh, q_cur.placements, q_cur.shape[:-1] + (ev,), torch.float32)
     lse = DTensorSpec(mesh, q_cur.placements, q_cur.shape[:-1], torch.float32)
     o_out = spec_like(o_acc, dtype=q.dtype)
-    q_off = _offsets(q_cur, sd)
+    q_off = block_offsets(q_cur, sd)
     steps = []
     for st in range(nr):
         def src(c, st=st):
@@ -462,7 +454,7 @@ def _cp_plan(q, k, v, mask, noise, causal, scale, gqa, u, r) -> _CPPlan:
                   "out_dtype": q.dtype if last else torch.float32}
         steps.append(_RingStep((q_cur, k_cur, v_cur) + extra + ((o_acc, lse) if st else ()),
                                (o_out if last else o_acc, lse), kwargs,
-                               {"q_off": q_off, "k_off": _offsets(k_cur, sd, src)}))
+                               {"q_off": q_off, "k_off": block_offsets(k_cur, sd, src)}))
     return _CPPlan(q_in, k_in, v_in, expand, k_exp, v_exp, ulysses, r, tuple(steps), mask_r, noise_r, k_cur, v_cur,
                    o_back, o_final)
 

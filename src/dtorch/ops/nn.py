@@ -18,14 +18,13 @@ input, and applied by an element-wise multiply (linear, so Partial inputs stay P
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..errors import OpError
 from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel, per_device
-from ..spec import DTensorSpec
+from ..spec import DTensorSpec, block_offsets
 from ..tensor import Tensor
 from .registry import TORCH_FUNCTIONS, OpPlan, dispatch, meta_call, register, replicated, spec_like, static_value, to_dtensors
 
@@ -88,10 +87,7 @@ def _embedding_rule(specs, padding_idx):
     masked = any(isinstance(p, Shard) and p.dim == 0 for p in w_pl)
     device_args = None
     if masked:
-        offs = np.zeros(mesh.shape, dtype=np.int64)
-        for c in mesh.coordinates():
-            offs[c] = w_in.local_box(c)[0][0]
-        device_args = {"vocab_off": offs}
+        device_args = {"vocab_off": block_offsets(w_in, 0)}
     return OpPlan((spec_like(ids, placements=ids_pl), w_in), (out,), _embedding_kernel, {"masked": masked}, device_args)
 
 

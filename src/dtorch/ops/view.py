@@ -28,7 +28,7 @@ import torch
 from ..errors import OpError
 from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel, per_device
-from ..spec import DTensorSpec, chunk_size, shard_range
+from ..spec import DTensorSpec, block_offsets, chunk_size, shard_range
 from ..tensor import Tensor
 from .registry import OpPlan, dispatch, meta_call, register, spec_like, to_dtensors
 
@@ -439,12 +439,8 @@ def _tri_rule(specs, upper, diagonal):
     if not (spec.shard_mesh_dims(r) or spec.shard_mesh_dims(c)):
         return OpPlan((spec,), (spec,), _tri_kernel, kw)
     # shards stay: each block masks with its global row/column offsets
-    roff = np.zeros(spec.mesh.shape, dtype=np.int64)
-    coff = np.zeros(spec.mesh.shape, dtype=np.int64)
-    for co in spec.mesh.coordinates():
-        box = spec.local_box(co)
-        roff[co], coff[co] = box[r][0], box[c][0]
-    return OpPlan((spec,), (spec,), _tri_kernel, kw, device_args={"roff": roff, "coff": coff})
+    return OpPlan((spec,), (spec,), _tri_kernel, kw,
+                  device_args={"roff": block_offsets(spec, r), "coff": block_offsets(spec, c)})
 
 
 # ------------------------------------------------------------------------------------------------
