@@ -323,6 +323,21 @@ def test_from_pretrained_tied_embeddings(tmp_path):
         torch.testing.assert_close(model(ids), hf(ids).logits, rtol=RTOL, atol=ATOL)
 
 
+def test_checkpoint_with_a_mismatched_shape_leaves_the_model_unchanged(tmp_path):
+    from dtorch.models._checkpoint import read_sharded
+
+    base = make_config()
+    torch.manual_seed(1)  # only the MLP width differs: the attention weights before it would load fine
+    transformers.LlamaForCausalLM(make_config(intermediate_size=base.intermediate_size + 8)).save_pretrained(tmp_path)
+    model = LlamaForCausalLM(base, dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["tp"]))
+    model.load_state_dict(hf_model().state_dict())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(StateDictError, match=r"size mismatch for model\.layers\.0\.mlp\.gate_proj\.weight"):
+        read_sharded(model, tmp_path)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 # -- bad input --------------------------------------------------------------------------------------
 
 def test_unsupported_mesh_dims_are_named():

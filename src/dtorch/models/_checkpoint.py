@@ -37,29 +37,37 @@ def _weight_files(path: Path) -> dict:
 
 
 def read_sharded(model, path: Path, progress=None) -> None:
-    """Fill every parameter of ``model`` from the checkpoint: each distinct device block is read with
-    ``get_slice`` (replicas share one read), so no device's data passes through a full-tensor read."""
+    """Fill every parameter and persistent buffer of ``model`` from the checkpoint: each distinct device
+    block is read with ``get_slice`` (replicas share one read), so no full tensor is ever assembled.
+    Every key and shape is checked before anything is loaded: on error the model is unchanged."""
     from safetensors import safe_open
 
     where = _weight_files(path)
     tied = getattr(model.config, "tie_word_embeddings", False)
-    entries = [(k, t) for k, t in model.state_dict(keep_vars=True).items()]
-    missing = [k for k, _ in entries if k not in where and not (tied and k == "lm_head.weight")]
+    entries = list(model._state_entries())
+    missing = [k for k, *_ in entries if k not in where and not (tied and k == "lm_head.weight")]
     if missing:
         raise StateDictError(f"checkpoint {path} lacks parameters {missing}; is it a Llama checkpoint of this config?")
     handles = {}
     try:
-        for n, (key, param) in enumerate(entries):
+        slices = []
+        for key, mod, name, t in entries:
             src = "model.embed_tokens.weight" if key not in where else key
             f = where[src]
             if f not in handles:
                 handles[f] = safe_open(str(f), framework="pt").__enter__()
             sl = handles[f].get_slice(src)
             shape = tuple(sl.get_shape())
-            if shape != tuple(param.shape):
+            if shape != tuple(t.shape):
                 raise StateDictError(f"size mismatch for {key}: the checkpoint has shape {list(shape)}, the model "
-                                     f"expects {list(param.shape)}")
-            _fill(param, sl)
+                                     f"expects {list(t.shape)}")
+            slices.append(sl)
+        for n, ((key, mod, name, t), sl) in enumerate(zip(entries, slices)):
+            value = _read_blocks(t.spec, sl)
+            if isinstance(t, Parameter):
+                t._set(value)
+            else:
+                mod._buffers[name] = value
             if progress:
                 progress(n + 1, len(entries), key)
     finally:
@@ -67,9 +75,8 @@ def read_sharded(model, path: Path, progress=None) -> None:
             h.__exit__(None, None, None)
 
 
-def _fill(param: Tensor, sl) -> None:
+def _read_blocks(spec, sl) -> Tensor:
     """Each device takes exactly its block, read once per distinct block (replicas share the tensor)."""
-    spec = param.spec
     read: dict = {}
     blocks = []
     for coord in spec.mesh.coordinates():
@@ -80,6 +87,4 @@ def _fill(param: Tensor, sl) -> None:
             else:
                 read[box] = sl[tuple(slice(o, o + n) for o, n in box)].to(spec.dtype)
         blocks.append(read[box])
-    value = Tensor.from_blocks(blocks, device_mesh=spec.mesh, placements=spec.placements, shape=spec.shape)
-    if isinstance(param, Parameter):
-        param._set(value)
+    return Tensor.from_blocks(blocks, device_mesh=spec.mesh, placements=spec.placements, shape=spec.shape)
