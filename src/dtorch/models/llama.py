@@ -115,9 +115,11 @@ class LlamaRotaryEmbedding(nn.Module):
         # each stage builds its own copy rather than receiving one over "pp"
         if self.inv_freq.device_mesh == mesh:
             return self.inv_freq
-        if mesh not in self._per_mesh:
-            self._per_mesh[mesh] = Tensor(self.inv_freq.to_torch(), device_mesh=mesh)
-        return self._per_mesh[mesh]
+        source, copy = self._per_mesh.get(mesh, (None, None))
+        if source is not self.inv_freq:  # first use, or the buffer was replaced (.to(dtype), loading)
+            copy = Tensor(self.inv_freq.to_torch(), device_mesh=mesh)
+            self._per_mesh[mesh] = (self.inv_freq, copy)
+        return copy
 
     def forward(self, positions: Tensor, dtype: torch.dtype = torch.float32):
         freqs = positions.float().unsqueeze(-1) * self._inv_freq_on(positions.device_mesh)  # [S, 1] * [d/2] -> [S, d/2]
