@@ -525,6 +525,8 @@ class ProcessRuntime(Runtime):
         out = self._new(ranks)
         seq = self._note(("ring_shift", mesh_dim, spec))
         self._emit(ranks, ("r", seq, pid, hid, out.id, self._tags(1)))
+        if self.sync_every_op:
+            self.sync()
         return out
 
     # -- waiting, errors, lifetime -----------------------------------------------------------------
