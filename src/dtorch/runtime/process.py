@@ -300,7 +300,7 @@ class ProcessRuntime(Runtime):
                     raise RuntimeBackendError(msg) from exc
                 if len(blob) > BATCH_LIMIT:
                     name = f"b/{next(self._ids)}"
-                    pp.store_put(pool.store, name, blob)
+                    pp.store_put(pool.client, name, blob)
                     blob = pickle.dumps([("batch", name, len(blob))])
                 pool.push(r, blob)
                 self.stats["bytes_pushed"] += len(blob)
@@ -338,7 +338,7 @@ class ProcessRuntime(Runtime):
         ranks = tuple(mesh.device_ids)
         h = self._new(ranks)
         seq = self._note(("put", spec))
-        store = self._pool.store
+        store = self._pool.client
         data: dict = {}
         readers: dict = {}
         plan = []
@@ -542,11 +542,11 @@ class ProcessRuntime(Runtime):
             self.flush()
             key = f"s/{tok}"
             try:
-                pool.wait(lambda: int(pool.store.add(key, 0)) >= self._world, "the workers to finish their queued work")
+                pool.wait(lambda: int(pool.client.add(key, 0)) >= self._world, "the workers to finish their queued work")
             except WorkerError as exc:
                 self._teardown(str(exc))
                 raise
-            pool.store.delete_key(key)
+            pool.client.delete_key(key)
 
     def empty_cache(self) -> None:
         with self._lock:
@@ -568,14 +568,14 @@ class ProcessRuntime(Runtime):
             self.flush()
             key = f"st/{req}"
             try:
-                pool.wait(lambda: int(pool.store.add(key, 0)) >= self._world, "worker statistics")
+                pool.wait(lambda: int(pool.client.add(key, 0)) >= self._world, "worker statistics")
             except WorkerError as exc:
                 self._teardown(str(exc))
                 raise
-            out = {r: pickle.loads(pool.store.get(f"{key}/{r}")) for r in range(self._world)}
+            out = {r: pickle.loads(pool.client.get(f"{key}/{r}")) for r in range(self._world)}
             for r in range(self._world):
-                pool.store.delete_key(f"{key}/{r}")
-            pool.store.delete_key(key)
+                pool.client.delete_key(f"{key}/{r}")
+            pool.client.delete_key(key)
             return out
 
     def release(self, handle) -> None:
@@ -624,7 +624,7 @@ class ProcessRuntime(Runtime):
             if pool is None:
                 return
             try:
-                pool.store.set("stop", "1")  # queued work can no longer be observed: workers skip it
+                pool.client.set("stop", "1")  # queued work can no longer be observed: workers skip it
                 for r in range(self._world):
                     self._buf[r].append(("exit",))
                 self.flush()

@@ -97,7 +97,7 @@ class Pool:
         self.gen = gen
 
     def push(self, rank: int, blob: bytes) -> None:
-        self.store.queue_push(f"q/{rank}", blob)
+        self.client.queue_push(f"q/{rank}", blob)
 
     # -- waiting and health ------------------------------------------------------------------------
     def wait(self, done, what: str, timeout: float | None = None) -> None:
