@@ -74,6 +74,7 @@ def main(argv=None):
     x, w = torch.randn(1024, 1024), torch.randn(1024, 1024)
     cases = {
         "tiny add [64, 8] S(0)+S(0)": (lambda: a + b, lambda dist: _add_case(dist, a, b)),
+        "view [64, 8] -> [64, 2, 4] S(0)": (lambda: a.view(64, 2, 4), lambda dist: _view_case(dist, a)),
         "matmul [1024,1024] S(0)@R": (lambda: x @ w, lambda dist: _mm_case(dist, x, w)),
     }
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
@@ -103,6 +104,11 @@ def main(argv=None):
 def _add_case(dist, a, b):
     da, db = dist(a, "S0"), dist(b, "S0")
     return lambda: da + db
+
+
+def _view_case(dist, a):
+    da = dist(a, "S0")
+    return lambda: da.view(64, 2, 4)
 
 
 def _mm_case(dist, x, w):
