@@ -2,18 +2,20 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 
 import numpy as np
 import torch
 
-from .errors import MeshError
+from .errors import MeshError, OpError
 from .mesh import DeviceMesh
 from .runtime.devices import mesh_problems
 
 BACKEND_VAR = "DTORCH_BACKEND"
 _BACKENDS = ("inprocess", "process")
+_NUMBERS = itertools.count(1)
 
 
 def make_runtime(backend: str):
@@ -29,6 +31,13 @@ def make_runtime(backend: str):
 
 
 class Graph:
+    """The controller: default mesh and dtype, the runtime (backend), sync and memory statistics.
+
+    Tensors are created in the current thread's default Graph. A new Graph becomes the default
+    inside ``with graph:`` (restored after), or from now on with ``Graph.set_default_graph(graph)``;
+    tensors keep their Graph for life.
+    """
+
     _local = threading.local()
 
     def __init__(self, backend: str | None = None, *, track_memory: bool = False):
@@ -36,6 +45,8 @@ class Graph:
         if backend not in _BACKENDS:
             raise ValueError(f"unknown dtorch backend {backend!r}; choose one of {_BACKENDS} (env {BACKEND_VAR})")
         self.backend = backend
+        # for error messages that must tell two graphs apart
+        self.name = f"Graph #{next(_NUMBERS)} (backend {backend!r}, made in thread {threading.current_thread().name!r})"
         self.runtime = make_runtime(backend)
         self._mesh_stack: list[DeviceMesh] = []
         self._dtype_stack: list[torch.dtype] = []
@@ -59,6 +70,21 @@ class Graph:
     @classmethod
     def set_default_graph(cls, graph: "Graph") -> None:
         cls._local.graph = graph
+
+    def __enter__(self) -> "Graph":
+        """``with dtorch.Graph(backend="process") as g:``: tensors created inside (this thread) live in ``g``."""
+        stack = getattr(self._local, "entered", None)
+        if stack is None:
+            stack = self._local.entered = []
+        stack.append(getattr(self._local, "graph", None))
+        self._local.graph = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._local.graph = self._local.entered.pop()  # None: the next default_graph() makes a fresh one
+
+    def __repr__(self) -> str:
+        return f"<dtorch.{self.name}>"
 
     # -- guards ---------------------------------------------------------------------------------
     @property
@@ -204,3 +230,26 @@ def _device_bytes(spec):
 
 def default_graph() -> Graph:
     return Graph.default_graph()
+
+
+def check_one_graph(op: str, tensors) -> None:
+    """Raise OpError when ``tensors`` (inputs of one op) belong to Graphs that cannot share blocks.
+
+    Each Graph owns its devices' blocks (a process Graph: its own worker processes), so an op over
+    tensors of two Graphs would read one Graph's handles in the other. In-process Graphs are the
+    exception: their blocks are torch tensors of this process, readable by any in-process runtime
+    (e.g. a model built in one thread and used from another, each with its thread's default Graph).
+    Callers test ``t._graph is graph`` first and call this only on a mismatch (it costs nothing then).
+    """
+    first = tensors[0]._graph
+    for n, t in enumerate(tensors):
+        g = t._graph
+        if g is first or (first.runtime.handles_in_process and g.runtime.handles_in_process):
+            continue
+        raise OpError(
+            f"dtorch.{op}: input #0 belongs to {first.name} but input #{n} to {g.name}. Each Graph owns "
+            "its devices' data (a process Graph its own worker processes), so tensors of two Graphs cannot "
+            "meet in one op. Create all tensors under one Graph (`with g:` or `dtorch.Graph.set_default_graph(g)`; "
+            "in a thread, set the Graph the other tensors use), or copy one tensor over with the other Graph as "
+            "the default: `y = dtorch.Tensor(y.to_torch(), device_mesh=y.device_mesh, placements=y.placements)`"
+        )

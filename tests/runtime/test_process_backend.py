@@ -391,3 +391,77 @@ def test_operator_suites_on_the_process_backend():
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files], cwd=repo,
                          env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+def test_tensors_of_two_graphs_never_meet(proc, ref):
+    """Each process Graph has its own workers and handle ids: an op over tensors of two Graphs raises
+    (it used to read one Graph's handle ids on the other's workers: x + y gave 2x). Torch operands join
+    the Graph of the op's dtorch operands; two in-process Graphs share storage and may mix."""
+    one = DeviceMesh("cpu", [0])
+    xs, ys = torch.arange(4.0), torch.ones(4)
+    other = process_graph(workers=1)
+    try:
+        with using(proc):
+            x = dtorch.Tensor(xs, device_mesh=one)
+        with using(other):
+            y = dtorch.Tensor(ys, device_mesh=one)
+        mixed = (r"dtorch\.{op}: input #0 belongs to Graph #\d+ \(backend '{a}'.*\) but input #1 to Graph #\d+ "
+                 r"\(backend '{b}'.*with g:.*set_default_graph\(g\).*dtorch\.Tensor\(y\.to_torch\(\)")
+        for fn, op in ((lambda: x + y, "add"), (lambda: y + x, "add"), (lambda: x * y, "mul")):
+            with pytest.raises(dtorch.OpError, match=mixed.format(op=op, a="process", b="process")):
+                fn()
+        with using(ref):
+            z = dtorch.Tensor(ys, device_mesh=one)
+            with pytest.raises(dtorch.OpError, match=mixed.format(op="add", a="process", b="inprocess")):
+                x + z
+            with pytest.raises(dtorch.OpError, match=mixed.format(op="add", a="inprocess", b="process")):
+                z + x
+            torch.testing.assert_close((x + ys).to_torch(), xs + ys)  # in x's Graph, not this thread's default
+        with using(proc):  # the copy the message suggests
+            y2 = dtorch.Tensor(y.to_torch(), device_mesh=y.device_mesh, placements=y.placements)
+            torch.testing.assert_close((x * y2).to_torch(), xs * ys)
+        # context-parallel attention runs its ring outside the generic dispatch: checked too
+        cp = DeviceMesh("cpu", [0, 1], mesh_dim_names=["ring_cp"])
+        q = value((1, 1, 4, 2))
+        with using(proc):
+            qp = dtorch.Tensor(q, device_mesh=cp, placements=[Shard(2)])
+        with using(ref):
+            qr = dtorch.Tensor(q, device_mesh=cp, placements=[Shard(2)])
+        with pytest.raises(dtorch.OpError, match=mixed.format(op="scaled_dot_product_attention", a="process",
+                                                               b="inprocess")):
+            F.scaled_dot_product_attention(qp, qr, qr)
+    finally:
+        other.runtime.shutdown()
+    mesh = DeviceMesh("cpu", [0, 1])
+    with using(ref):
+        a = dtorch.Tensor(xs, device_mesh=mesh, placements=[Shard(0)])
+    with using(dtorch.Graph(backend="inprocess")):
+        b = dtorch.Tensor(ys, device_mesh=mesh, placements=[Shard(0)])
+    torch.testing.assert_close((a + b).to_torch(), xs + ys)
+    torch.testing.assert_close((b * a).to_torch(), ys * xs)
+
+
+def test_graph_as_context_manager_doc_snippet(ref):
+    """The snippet in docs/process-backend.md runs as written; ``with graph:`` restores the default."""
+    import os
+    import re
+
+    doc = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "process-backend.md")
+    with open(doc) as f:
+        snippets = [s for s in re.findall(r"```python\n(.*?)```", f.read(), re.S) if "with dtorch.Graph(" in s]
+    assert len(snippets) == 1
+    with using(ref):
+        ns: dict = {}
+        try:
+            exec(compile(snippets[0], "docs/process-backend.md", "exec"), ns)
+            assert ns["graph"].backend == "process" and ns["y"].graph is ns["graph"]
+            assert dtorch.Graph.default_graph() is ref
+            with ns["graph"] as g:  # nested: the inner one wins, each exit restores the previous
+                assert g is ns["graph"] and dtorch.Graph.default_graph() is g
+                with ref:
+                    assert dtorch.Graph.default_graph() is ref
+                assert dtorch.Graph.default_graph() is g
+            assert dtorch.Graph.default_graph() is ref
+        finally:
+            if "graph" in ns:
+                ns["graph"].runtime.shutdown()

@@ -78,7 +78,7 @@ def test_killed_worker_raises_quickly_and_stops_the_others():
             time.sleep(0.3)
             os.kill(pids[1], signal.SIGKILL)
             t0 = time.monotonic()
-            with pytest.raises(WorkerError, match=r"worker 1 \(pid \d+\) died: killed by signal SIGKILL") as err:
+            with pytest.raises(WorkerError, match=rf"worker 1 \(device id 1, pid {pids[1]}\) died: killed by signal SIGKILL") as err:
                 y.to_torch()
             assert time.monotonic() - t0 < 15
             assert "workers were stopped" in str(err.value)
@@ -91,6 +91,38 @@ def test_killed_worker_raises_quickly_and_stops_the_others():
             assert set(worker_pids(g)).isdisjoint(pids)
     finally:
         g.runtime.shutdown()
+
+
+def test_stopped_worker_is_named_within_the_heartbeat_timeout(monkeypatch):
+    """A worker that stops answering (SIGSTOP) is named after the heartbeat timeout, not after the
+    300 s wait timeout; the others are stopped too. Busy and idle workers are not mistaken for hung."""
+    g = process_graph(workers=2, heartbeat_timeout_s=1.5)
+    pids: list = []
+    try:
+        with using(g):
+            x = dtorch.Tensor(torch.arange(8.0), device_mesh=PAIR, placements=[Shard(0)])
+            pids = worker_pids(g)
+            # worker 1 sleeps in a kernel for twice the timeout while worker 0 idles in its queue wait
+            one = DeviceMesh("cpu", [1])
+            slow = queue_sleeps(g, dtorch.Tensor(torch.arange(3.0), device_mesh=one), 1, 3.0)
+            assert torch.equal(slow.to_torch(), torch.arange(3.0))
+            y = x.redistribute(PAIR, [Replicate()])  # the gather needs worker 1
+            os.kill(pids[1], signal.SIGSTOP)
+            t0 = time.monotonic()
+            hung = rf"worker 1 \(device id 1, pid {pids[1]}\) stopped answering: no heartbeat for 1.5 s"
+            with pytest.raises(WorkerError, match=hung) as err:
+                y.to_torch()
+            assert time.monotonic() - t0 < 10
+            assert "DTORCH_PROCESS_HEARTBEAT_TIMEOUT" in str(err.value) and "workers were stopped" in str(err.value)
+            assert g.runtime._pool is None and wait_gone(pids, 5) == []
+    finally:
+        for pid in pids:  # the stopped worker, should the test fail before the backend killed it
+            if alive(pid):
+                os.kill(pid, signal.SIGCONT)
+        g.runtime.shutdown()
+    monkeypatch.setenv("DTORCH_PROCESS_HEARTBEAT_TIMEOUT", "0.2")
+    with pytest.raises(ValueError, match=r"DTORCH_PROCESS_HEARTBEAT_TIMEOUT='0.2' must be .* >= 1"):
+        dtorch.Graph(backend="process")
 
 
 def test_exception_in_a_worker_names_the_op():
@@ -289,7 +321,7 @@ def test_launcher_reports_a_dead_worker(tmp_path):
         pids = external_pids(address, 2)
         os.kill(pids[1], signal.SIGKILL)
         elapsed, message = json.loads(ctl.stdout.readline())
-        assert elapsed < 15 and "worker 1 died: exit code -9" in message, message
+        assert elapsed < 15 and f"worker 1 (device id 1, pid {pids[1]}) died: exit code -9" in message, message
         ctl.wait(timeout=30)
         node.wait(timeout=30)
         assert wait_gone(pids, 5) == []

@@ -178,6 +178,7 @@ def _grid_slice(x: torch.Tensor, i: int, k: int, nd: int, m: int) -> torch.Tenso
 
 class InProcessRuntime(Runtime):
     name = "inprocess"
+    handles_in_process = True
 
     def __init__(self, device_config: DeviceConfig | None = None):
         self.config = device_config or read_device_config()

@@ -19,6 +19,9 @@ class Runtime(ABC):
     # True when the runtime must hear about every dead tensor (release()): the Graph then installs
     # a finalizer on dtorch.Tensor (it costs ~1 us per op, so the in-process backend does without).
     needs_release: bool = False
+    # True when handles are plain torch tensors of this process that any runtime which also sets this
+    # can read: tensors of two such Graphs may meet in one op (graph.check_one_graph).
+    handles_in_process: bool = False
 
     @abstractmethod
     def from_global(self, full: torch.Tensor, spec: DTensorSpec) -> Any:

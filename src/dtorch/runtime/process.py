@@ -20,6 +20,8 @@ Configuration (environment):
                           how many will join
   DTORCH_PROCESS_TIMEOUT  seconds one wait may take (default 300); DTORCH_PROCESS_SYNC=1 waits after
                           every op, so a failing op raises where it was issued (debugging)
+  DTORCH_PROCESS_HEARTBEAT_TIMEOUT  seconds a worker's heartbeat may stand still before it counts as
+                          hung and the workers are stopped (default 15)
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ from . import process_plan as pp
 from .devices import mesh_problems, read_device_config, simulation_device
 from .inprocess import InProcessRuntime, spec_total_bytes
 from .interface import Runtime
-from .process_pool import Pool, WorkerError
+from .process_pool import Pool, WorkerError, heartbeat_timeout
 
 __all__ = ["ProcessRuntime", "WorkerError"]
 
@@ -95,13 +97,15 @@ class ProcessRuntime(Runtime):
     name = "process"
 
     def __init__(self, *, workers: int | None = None, listen: str | None = None, spawn: bool | None = None,
-                 timeout: float | None = None, max_workers: int | None = None):
+                 timeout: float | None = None, max_workers: int | None = None,
+                 heartbeat_timeout_s: float | None = None):
         self.config = read_device_config()
         self.min_workers = workers if workers is not None else _env_int("DTORCH_PROCESS_WORKERS", None)
         self.listen = listen or os.environ.get("DTORCH_PROCESS_LISTEN") or "127.0.0.1:0"
         self.spawn = spawn if spawn is not None else os.environ.get("DTORCH_PROCESS_SPAWN", "1") not in ("0", "false")
         self.timeout = float(timeout if timeout is not None else _env_int("DTORCH_PROCESS_TIMEOUT", 300))
         self.max_workers = max_workers or _env_int("DTORCH_PROCESS_MAX_WORKERS", 64)
+        self.heartbeat_timeout = heartbeat_timeout(heartbeat_timeout_s)
         self.sync_every_op = os.environ.get("DTORCH_PROCESS_SYNC", "0") in ("1", "true")
         # the workers' GPUs, when this controller's machine has none (several nodes)
         self.force_cuda = os.environ.get("DTORCH_PROCESS_CUDA", "0") in ("1", "true")
@@ -173,7 +177,7 @@ class ProcessRuntime(Runtime):
         return self.force_cuda or (torch.cuda.is_available() and not self.config.same_device)
 
     def _start(self, world: int, cuda: bool) -> None:
-        pool = Pool(self.listen, self.spawn, self.timeout, max(60.0, 15.0 * world))
+        pool = Pool(self.listen, self.spawn, self.timeout, max(60.0, 15.0 * world), self.heartbeat_timeout)
         pool.describe = self._describe
         self._pool = pool
         try:

@@ -5,8 +5,9 @@ process-group configuration under ``cfg``; workers join ``init_process_group`` w
 ``ready/<gen>/<rank>``. Growing the pool publishes a new generation: running workers re-join (their
 blocks stay), new ones are started. Faults reach the controller three ways: a worker's exception
 (``err/<rank>``), a launcher reporting a dead worker (``dead/<rank>``), both counted in ``nfault``;
-and, for workers this controller started, their exit status. Workers started elsewhere also tick
-``hb/<rank>`` so a vanished node is noticed.
+and, for workers this controller started, their exit status. Every worker ticks ``hb/<rank>`` from a
+watchdog thread twice a second, so a worker that stops answering (a stopped process, a vanished node)
+is noticed after ``DTORCH_PROCESS_HEARTBEAT_TIMEOUT`` seconds.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -26,7 +28,25 @@ import torch.distributed as dist
 from ..errors import RuntimeBackendError
 from .worker import worker_command, worker_env
 
-HEARTBEAT_STALE_S = 15.0
+# A worker whose heartbeat (ticked every 0.5 s by its watchdog thread) has not moved for this long is
+# declared unresponsive: stopped (SIGSTOP), frozen, or its node is gone. The tick runs beside the
+# worker's work, so long kernels and collectives do not look silent. Override with this variable.
+HEARTBEAT_TIMEOUT_VAR = "DTORCH_PROCESS_HEARTBEAT_TIMEOUT"
+HEARTBEAT_TIMEOUT_S = 15.0
+HEARTBEAT_MIN_S = 1.0  # two missed ticks: anything shorter would flag healthy workers
+
+
+def heartbeat_timeout(value: float | None = None) -> float:
+    """The heartbeat timeout: ``value``, else DTORCH_PROCESS_HEARTBEAT_TIMEOUT, else 15 s."""
+    raw = value if value is not None else os.environ.get(HEARTBEAT_TIMEOUT_VAR) or HEARTBEAT_TIMEOUT_S
+    try:
+        out = float(raw)
+    except ValueError:
+        out = float("nan")
+    if not out >= HEARTBEAT_MIN_S:
+        raise ValueError(f"{HEARTBEAT_TIMEOUT_VAR}={raw!r} must be a number of seconds >= {HEARTBEAT_MIN_S} "
+                         f"(default {HEARTBEAT_TIMEOUT_S:.0f}): workers tick their heartbeat every 0.5 s")
+    return out
 
 
 class WorkerError(RuntimeBackendError):
@@ -34,12 +54,14 @@ class WorkerError(RuntimeBackendError):
 
 
 class Pool:
-    def __init__(self, listen: str, spawn: bool, timeout: float, start_timeout: float):
+    def __init__(self, listen: str, spawn: bool, timeout: float, start_timeout: float,
+                 heartbeat: float = HEARTBEAT_TIMEOUT_S):
         host, _, port = listen.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"DTORCH_PROCESS_LISTEN={listen!r} must be HOST:PORT, e.g. 127.0.0.1:0 (0: a free port)")
         self.timeout = timeout
         self.start_timeout = start_timeout
+        self.heartbeat = heartbeat
         self.spawn = spawn
         self.store = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=timeout))
@@ -52,6 +74,7 @@ class Pool:
         self.logdir = tempfile.mkdtemp(prefix="dtorch-workers-") if spawn else None
         self._logs: dict = {}
         self._beats: dict = {}
+        self._info: dict = {}  # rank -> what the worker said about itself (pid, host, device)
         self._next_check = 0.0
         self._next_beat = 0.0
         self.describe = lambda seq, kind: f"{kind} #{seq}"
@@ -116,14 +139,14 @@ class Pool:
             delay = min(0.002 if now - start < 0.2 else 0.01, delay * 2 + 2e-5)
 
     def check(self, now: float | None = None, force: bool = False) -> None:
-        """Raise WorkerError if a worker died, raised, or (when started elsewhere) fell silent."""
+        """Raise WorkerError if a worker died, raised, or stopped answering (its heartbeat stood still)."""
         now = time.perf_counter() if now is None else now
         if not force and now < self._next_check:
             return
         self._next_check = now + 0.05
         dead = [r for r, p in self.procs.items() if p.poll() is not None]
         faults = int(self.client.add("nfault", 0))
-        silent = self._silent(now) if not self.spawn else []
+        silent = self._silent(now)
         if dead or faults or silent:
             time.sleep(0.3)  # let a dying worker's peers and launchers report too: name the root cause
             raise WorkerError(self._fault_report(silent))
@@ -131,18 +154,38 @@ class Pool:
     def _silent(self, now: float) -> list:
         if now < self._next_beat:
             return []
-        self._next_beat = now + 1.0
+        self._next_beat = now + min(1.0, self.heartbeat / 4)
         out = []
         for r in range(self.world):
             beat = int(self.client.add(f"hb/{r}", 0))
-            if beat == 0:  # not started yet (launched elsewhere): joining has its own timeout
+            if beat == 0:  # not started yet: starting and joining have their own timeouts
                 continue
             last = self._beats.get(r)
             if last is None or last[0] != beat:
                 self._beats[r] = (beat, now)
-            elif now - last[1] > HEARTBEAT_STALE_S:
+            elif now - last[1] > self.heartbeat:
                 out.append(r)
         return out
+
+    def who(self, r: int) -> str:
+        """'worker 1 (device id 1, pid 4242, host node2, cuda:1)': everything known that finds the process."""
+        info = self._info.get(r)
+        if info is None:
+            try:
+                if self.client.check([f"info/{r}"]):
+                    info = self._info[r] = pickle.loads(self.client.get(f"info/{r}"))
+            except Exception:  # noqa: BLE001  (a message must not fail for want of details)
+                pass
+        info = info or {}
+        parts = [f"device id {r}"]
+        pid = self.procs[r].pid if r in self.procs else info.get("pid")
+        if pid is not None:
+            parts.append(f"pid {pid}")
+        if info.get("host") not in (None, socket.gethostname()):
+            parts.append(f"host {info['host']}")
+        if info.get("device", "cpu") != "cpu":
+            parts.append(info["device"])
+        return f"worker {r} ({', '.join(parts)})"
 
     def _fault_report(self, silent) -> str:
         store = self.client
@@ -151,12 +194,13 @@ class Pool:
             rc = p.poll()
             if rc is not None:
                 how = f"killed by signal {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
-                lines.append(f"worker {r} (pid {p.pid}) died: {how}{self._log_tail(r)}")
+                lines.append(f"{self.who(r)} died: {how}{self._log_tail(r)}")
         for r in range(self.world):
             if store.check([f"dead/{r}"]):
-                lines.append(f"worker {r} died: {store.get(f'dead/{r}').decode()}")
+                lines.append(f"{self.who(r)} died: {store.get(f'dead/{r}').decode()}")
         for r in silent:
-            lines.append(f"worker {r} sent no heartbeat for {HEARTBEAT_STALE_S:.0f} s (its node or process is gone)")
+            lines.append(f"{self.who(r)} stopped answering: no heartbeat for {self.heartbeat:g} s (the process is "
+                         f"stopped or frozen, or its node is gone; {HEARTBEAT_TIMEOUT_VAR} sets this limit)")
         errors = []
         for r in range(self.world):
             if store.check([f"err/{r}"]):

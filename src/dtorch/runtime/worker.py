@@ -19,6 +19,7 @@ import inspect
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -69,6 +70,10 @@ class Worker:
         self.groups.clear()
         if cfg["cuda"]:
             torch.cuda.set_device(self.device_index)  # NCCL works on the current device
+        # who this worker is, for the controller's fault messages (a hung worker is named by these)
+        where = f"cuda:{self.device_index}" if cfg["cuda"] else "cpu"
+        self.store.set(f"info/{self.rank}", pickle.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                                          "device": where}))
         # the process groups get their own store connection: sharing ours with gloo's rendezvous
         # corrupted it (crashes in gloo's address parsing when groups were made under load)
         pg_store = dist.PrefixStore(f"g{cfg['gen']}/", self.store.clone())
