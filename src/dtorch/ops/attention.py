@@ -31,7 +31,7 @@ from ..graph import check_one_graph
 from ..placement import Partial, Replicate, Shard
 from ..redistribute import redistribute_spec
 from ..runtime.kernels import Kernel, kernel
-from ..spec import DTensorSpec, block_offsets, chunk_size
+from ..spec import DTensorSpec, block_offsets
 from ..tensor import Tensor
 from .registry import OpPlan, describe, dispatch, register, spec_like, to_dtensors
 
@@ -44,28 +44,15 @@ _RING = ("ring_cp",)
 # math on local blocks (leading grid dims allowed everywhere)
 
 
-def _positions(off, n: int, chunk: int, stride: int, device, real: int | None = None):
+def _positions(off, n: int, chunk: int, stride: int, device):
     """Global sequence positions of a local block of ``n`` rows: ``off + l`` for a contiguous block; a
-    chunked block (Ulysses outside Ring) holds chunks of ``chunk`` rows that start ``stride`` apart.
-
-    ``real``: the block was padded (ring attention on an uneven split, see ``_cp_plan``) and only
-    offsets below ``real`` within a chunk are real rows. Returns ``(pos, valid)``; padded rows get the
-    position of the last real row (any in-range index works: their scores are masked or dropped) and
-    ``valid`` is None when nothing is padded."""
+    chunked block (Ulysses outside Ring) holds chunks of ``chunk`` rows that start ``stride`` apart."""
     l = torch.arange(n, device=device)
-    first = 0
     if chunk:
-        first = torch.div(l, chunk, rounding_mode="floor") * stride
-        l = l % chunk
+        l = torch.div(l, chunk, rounding_mode="floor") * stride + l % chunk
     if isinstance(off, torch.Tensor):
-        l = off.reshape(off.shape + (1,)).to(device) + l  # [*grid, n]
-    else:
-        l = l + off
-    valid = None
-    if real is not None:
-        valid = l < real
-        l = l.clamp(max=max(real - 1, 0))
-    return first + l, valid
+        return off.reshape(off.shape + (1,)).to(device) + l  # [*grid, n]
+    return l + off
 
 
 def _take(x: torch.Tensor, idx: torch.Tensor, dim: int, lead: int) -> torch.Tensor:
@@ -105,43 +92,29 @@ def _match_heads(q, k, v, lead, heads, q_head_off):
     return _take(k, idx, -3, lead), _take(v, idx, -3, lead)
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Attention accumulates in float32, or in the input's dtype when that is wider (float64, like torch)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _attend(q, k, v, *, scale, pos_q=None, pos_k=None, causal=False, mask=None, noise=None, key_valid=None):
-    """Attention of q against one K/V block -> (out, lse), both in ``_acc_dtype``.
+def _attend(q, k, v, *, scale, pos_q=None, pos_k=None, causal=False, mask=None, noise=None):
+    """Attention of q against one K/V block -> (out, lse), both float32.
 
     ``out`` is normalized over this block only and ``lse`` is log sum_j exp(score_j); rows with no
-    visible key (also an empty key block) give out = 0 and lse = -inf (never NaN), like torch's fully
-    masked rows. ``key_valid`` ([.., S] bool) drops padded keys.
+    visible key give out = 0 and lse = -inf (never NaN), like torch's fully masked rows.
     """
-    acc = _acc_dtype(q.dtype)
-    qf, kf, vf = q.to(acc), k.to(acc), v.to(acc)
+    qf, kf, vf = q.float(), k.float(), v.float()
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [.., N, H, L, E] @ [.., N, H, E, S] -> [.., N, H, L, S]
-    neg_inf = torch.tensor(float("-inf"), device=s.device, dtype=acc)
+    neg_inf = torch.tensor(float("-inf"), device=s.device)
     if mask is not None:
-        s = torch.where(mask, s, neg_inf) if mask.dtype == torch.bool else s + mask.to(acc)
-    allowed = None
+        s = torch.where(mask, s, neg_inf) if mask.dtype == torch.bool else s + mask.float()
     if causal:
         allowed = pos_k.unsqueeze(-2) <= pos_q.unsqueeze(-1)  # [.., L, S]
-    if key_valid is not None:
-        allowed = key_valid.unsqueeze(-2) if allowed is None else allowed & key_valid.unsqueeze(-2)
-    if allowed is not None:
         if allowed.ndim > 2:  # per-device positions: [*grid, L, S] -> [*grid, 1, 1, L, S]
             allowed = allowed.unsqueeze(-3).unsqueeze(-3)
         s = torch.where(allowed, s, neg_inf)
-    if s.shape[-1]:
-        m = s.amax(-1, keepdim=True)
-        m = torch.where(torch.isfinite(m), m, torch.zeros((), device=s.device, dtype=acc))
-    else:  # no keys at all (amax cannot reduce an empty dim): sum of nothing, out 0 and lse -inf below
-        m = s.new_zeros(s.shape[:-1] + (1,))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros((), device=s.device))
     p = torch.exp(s - m)
     denom = p.sum(-1, keepdim=True)
     lse = (m + torch.log(denom)).squeeze(-1)
     if noise is not None:
-        p = p * noise.to(acc)
+        p = p * noise.float()
     out = torch.matmul(p, vf) / torch.where(denom > 0, denom, torch.ones((), device=s.device))
     return out, lse
 
@@ -166,7 +139,7 @@ def _sdpa_kernel(q, k, v, *extra, lead, scale, causal, mask_rank, has_noise, hea
     k, v = _match_heads(q, k, v, lead, heads, q_head_off)
     pos_q = pos_k = None
     if causal:
-        pos_q, _ = _positions(q_off, q.shape[-2], 0, 0, q.device)
+        pos_q = _positions(q_off, q.shape[-2], 0, 0, q.device)
         pos_k = torch.arange(k.shape[-2], device=q.device)
     out, _ = _attend(q, k, v, scale=scale, pos_q=pos_q, pos_k=pos_k, causal=causal, mask=mask, noise=noise)
     return out.to(q.dtype)
@@ -174,11 +147,9 @@ def _sdpa_kernel(q, k, v, *extra, lead, scale, causal, mask_rank, has_noise, hea
 
 @kernel("sdpa_ring_step")
 def _ring_step_kernel(q, k, v, *extra, lead, scale, causal, mask_rank, has_noise, has_acc, kv_rep, q_stride,
-                      k_stride, out_dtype, q_off, k_off, q_len=None, k_len=None):
+                      k_stride, out_dtype, q_off, k_off):
     """One ring step: local Q against the K/V block now held (source block offset ``k_off``), merged
-    into the running (out, lse). Mask and noise are whole along L and S; rows/cols are picked by position.
-    ``q_len`` / ``k_len``: the blocks were padded to equal sizes and the sequence (per chunk) really has
-    this many rows; padded keys are masked out, padded query rows are computed and dropped later."""
+    into the running (out, lse). Mask and noise are whole along L and S; rows/cols are picked by position."""
     extra = list(extra)
     mask = extra.pop(0) if mask_rank is not None else None
     noise = extra.pop(0) if has_noise else None
@@ -188,8 +159,8 @@ def _ring_step_kernel(q, k, v, *extra, lead, scale, causal, mask_rank, has_noise
         qc, kc = q.shape[-2], k.shape[-2]
         q, k, v = q.flatten(-3, -2), k.flatten(-3, -2), v.flatten(-3, -2)
         extra = [extra[0].flatten(-3, -2), extra[1].flatten(-2, -1)] if has_acc else []
-    pos_q, _ = _positions(q_off, q.shape[-2], qc, q_stride, q.device, q_len)
-    pos_k, key_valid = _positions(k_off, k.shape[-2], kc, k_stride, q.device, k_len)
+    pos_q = _positions(q_off, q.shape[-2], qc, q_stride, q.device)
+    pos_k = _positions(k_off, k.shape[-2], kc, k_stride, q.device)
     if mask is not None:
         mask = _rank4(mask, lead, mask_rank)
         mask = _take(mask, pos_q, -2, lead) if mask.shape[-2] > 1 else mask
@@ -198,8 +169,7 @@ def _ring_step_kernel(q, k, v, *extra, lead, scale, causal, mask_rank, has_noise
         noise = _take(_take(noise, pos_q, -2, lead), pos_k, -1, lead)
     if kv_rep > 1:
         k, v = k.repeat_interleave(kv_rep, dim=-3), v.repeat_interleave(kv_rep, dim=-3)
-    out, lse = _attend(q, k, v, scale=scale, pos_q=pos_q, pos_k=pos_k, causal=causal, mask=mask, noise=noise,
-                       key_valid=key_valid)
+    out, lse = _attend(q, k, v, scale=scale, pos_q=pos_q, pos_k=pos_k, causal=causal, mask=mask, noise=noise)
     if has_acc:
         out, lse = _merge(extra[0], extra[1], out, lse)
     if q_stride:
@@ -222,21 +192,6 @@ def _split_seq_kernel(x):
 @kernel("sdpa_merge_seq")
 def _merge_seq_kernel(x):
     return x.squeeze(-3)
-
-
-@kernel("sdpa_pad_seq")
-def _pad_seq_kernel(x, *, size: int):
-    """Zero rows appended to the sequence dim (-2) up to ``size`` (ring blocks of one size)."""
-    missing = size - x.shape[-2]
-    if missing == 0:
-        return x
-    return torch.cat([x, x.new_zeros(x.shape[:-2] + (missing, x.shape[-1]))], dim=-2)
-
-
-@kernel("sdpa_unpad_seq")
-def _unpad_seq_kernel(x, *, length):
-    """The first ``length`` (per device) rows of the sequence dim (-2): the padding dropped again."""
-    return x.narrow(-2, 0, int(length))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -366,10 +321,8 @@ class _CPPlan:
     ring_steps: tuple  # of _RingStep
     mask_r: DTensorSpec | None
     noise_r: DTensorSpec | None
-    k_r: DTensorSpec | None  # K/V as they travel the ring (padded if the split is uneven)
+    k_r: DTensorSpec | None
     v_r: DTensorSpec | None
-    ring_pad: tuple  # (padded spec or None) for q, k, v: an uneven ring split runs on equal blocks
-    o_unpad: tuple | None  # (the real output spec, per-device row counts) when q was padded
     o_back: DTensorSpec | None  # output after the all_to_all back (Ulysses)
     o_final: DTensorSpec
 
@@ -465,8 +418,7 @@ def _cp_plan(q, k, v, mask, noise, causal, scale, gqa, u, r) -> _CPPlan:
         if view:
             o_back = spec_like(ulysses[0][0], shape=ulysses[0][0].shape[:-1] + (ev,))
     if nr == 1:
-        return _CPPlan(q_in, k_in, v_in, expand, k_exp, v_exp, ulysses, None, (), None, None, None, None, (), None,
-                       o_back, o_final)
+        return _CPPlan(q_in, k_in, v_in, expand, k_exp, v_exp, ulysses, None, (), None, None, None, None, o_back, o_final)
 
     # Ring: local Q against each K/V block in turn; device j holds block (j - step) mod nr
     sd = 3 if view else 2
@@ -485,30 +437,10 @@ def _cp_plan(q, k, v, mask, noise, causal, scale, gqa, u, r) -> _CPPlan:
 
     mask_r, noise_r = whole_seq(mask), whole_seq(noise)
     extra = tuple(x for x in (mask_r, noise_r) if x is not None)
-
-    # An uneven split (torch.chunk blocks: c, .., c, rest, 0, ..) is padded with zero rows at the end
-    # of every block up to c rows: device j's real rows keep their place (its block starts at j * c
-    # either way), every device and ring step works on blocks of one shape (one stacked kernel per
-    # step instead of a loop over devices, and no empty blocks), and the kernels mask padded keys
-    # (``k_len``) and compute padded query rows that are cut off at the end.
-    def padded(x):
-        size = x.shape[sd]
-        if size % nr == 0:
-            return None
-        return spec_like(x, shape=x.shape[:sd] + (nr * chunk_size(size, nr),) + x.shape[sd + 1:])
-
-    ring_pad = (padded(q_cur), padded(k_cur), padded(v_cur))
-    q_run, k_run, v_run = (p if p is not None else x for p, x in zip(ring_pad, (q_cur, k_cur, v_cur)))
-    acc = _acc_dtype(q.dtype)
-    o_acc = DTensorSpec(mesh, q_run.placements, q_run.shape[:-1] + (ev,), acc)
-    lse = DTensorSpec(mesh, q_run.placements, q_run.shape[:-1], acc)
+    o_acc = DTensorSpec(mesh, q_cur.placements, q_cur.shape[:-1] + (ev,), torch.float32)
+    lse = DTensorSpec(mesh, q_cur.placements, q_cur.shape[:-1], torch.float32)
     o_out = spec_like(o_acc, dtype=q.dtype)
-    o_unpad = None
-    if ring_pad[0] is not None:
-        o_real = spec_like(o_out, shape=q_cur.shape[:-1] + (ev,))
-        rows = np.minimum(chunk_size(q_cur.shape[sd], nr), q_cur.shape[sd] - block_offsets(o_real, sd))
-        o_unpad = (o_real, {"length": rows})
-    q_off = block_offsets(q_run, sd)
+    q_off = block_offsets(q_cur, sd)
     steps = []
     for st in range(nr):
         def src(c, st=st):
@@ -520,14 +452,12 @@ def _cp_plan(q, k, v, mask, noise, causal, scale, gqa, u, r) -> _CPPlan:
         kwargs = {"scale": scale, "causal": causal, "mask_rank": mask.ndim if mask is not None else None,
                   "has_noise": noise is not None, "has_acc": st > 0, "kv_rep": hq // k_cur.shape[1],
                   "q_stride": l // U if view else 0, "k_stride": s // U if view else 0,
-                  "out_dtype": q.dtype if last else acc,
-                  "q_len": q_cur.shape[sd] if ring_pad[0] is not None else None,
-                  "k_len": k_cur.shape[sd] if ring_pad[1] is not None else None}
-        steps.append(_RingStep((q_run, k_run, v_run) + extra + ((o_acc, lse) if st else ()),
+                  "out_dtype": q.dtype if last else torch.float32}
+        steps.append(_RingStep((q_cur, k_cur, v_cur) + extra + ((o_acc, lse) if st else ()),
                                (o_out if last else o_acc, lse), kwargs,
-                               {"q_off": q_off, "k_off": block_offsets(k_run, sd, src)}))
-    return _CPPlan(q_in, k_in, v_in, expand, k_exp, v_exp, ulysses, r, tuple(steps), mask_r, noise_r, k_run, v_run,
-                   ring_pad, o_unpad, o_back, o_final)
+                               {"q_off": q_off, "k_off": block_offsets(k_cur, sd, src)}))
+    return _CPPlan(q_in, k_in, v_in, expand, k_exp, v_exp, ulysses, r, tuple(steps), mask_r, noise_r, k_cur, v_cur,
+                   o_back, o_final)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -588,8 +518,6 @@ def _ring(cp: _CPPlan, q, k, v, mask, noise) -> Tensor:
     graph = q._graph
     rt = graph.runtime
     extra = [redistribute_spec(x, s) for x, s in ((mask, cp.mask_r), (noise, cp.noise_r)) if x is not None]
-    q, k, v = (x if p is None else _run(_pad_seq_kernel, x, p, size=p.even_local_shape()[-2])
-               for x, p in zip((q, k, v), cp.ring_pad))
     kh, vh = k._h, v._h
     acc: list = []
     for st, step in enumerate(cp.ring_steps):
@@ -604,12 +532,7 @@ def _ring(cp: _CPPlan, q, k, v, mask, noise) -> Tensor:
         if st + 1 < len(cp.ring_steps):  # pass K/V on: device j now holds block j - st - 1
             kh = rt.ring_shift(kh, cp.k_r, cp.ring_dim, 1)
             vh = rt.ring_shift(vh, cp.v_r, cp.ring_dim, 1)
-    out = Tensor._make(cp.ring_steps[-1].out_specs[0], acc[0], graph)
-    if cp.o_unpad is not None:
-        real, rows = cp.o_unpad
-        h = rt.run_local(_unpad_seq_kernel, [out._h], [out._spec], [real], {}, rows)
-        out = Tensor._make(real, h[0], graph)
-    return out
+    return Tensor._make(cp.ring_steps[-1].out_specs[0], acc[0], graph)
 
 
 # ------------------------------------------------------------------------------------------------
