@@ -254,3 +254,37 @@ def test_scan_needs_one_dim():
     x = dtorch.Tensor(torch.ones(3, 2))
     with pytest.raises(dtorch.OpError, match="dim must be an int, got None"):
         dtorch.cumsum(x, None)
+
+
+def _mixed_partial(terms, placements, mesh=MESH_2D):
+    """A [rows, cols] tensor whose device (a, b) holds terms[a, b] (per-device terms, nothing replicated)."""
+    return dtorch.Tensor.from_blocks([terms[c].clone() for c in mesh.coordinates()], device_mesh=mesh,
+                                     placements=placements, shape=terms.shape[2:])
+
+
+@pytest.mark.parametrize("ops", [("sum", "max"), ("max", "sum"), ("sum", "min"), ("avg", "max"), ("min", "max")], ids=str)
+def test_mixed_partial_inputs_reduce_outer_mesh_dim_first(ops):
+    # the value of [P(a), P(b)] is reduce_b(reduce_a(terms)): every op must see that value, also the ones
+    # that keep one of the partials (sum keeps P(sum), amax keeps P(max), cumsum keeps P(sum))
+    red = {"sum": lambda t: t.sum(0), "avg": lambda t: t.mean(0), "max": lambda t: t.amax(0), "min": lambda t: t.amin(0)}
+    terms = torch.randn(2, 2, 5, 3, generator=torch.Generator().manual_seed(1))
+    want = red[ops[1]](red[ops[0]](terms))
+    x = _mixed_partial(terms, [Partial(ops[0]), Partial(ops[1])])
+    torch.testing.assert_close(x.to_torch(), want)
+    check(x.sum(), want.sum())
+    check(x.sum(0), want.sum(0))
+    check(x.amax(), want.amax())
+    check(x.mean(1), want.mean(1))
+    check(dtorch.cumsum(x, 0), want.cumsum(0))
+    check(torch.softmax(x, -1), want.softmax(-1))
+
+
+def test_integer_avg_partials_are_reduced_before_sum_and_cumsum():
+    # integer avg terms reduce to a floored mean, which is not linear: sum(floor(mean)) != floor(mean(sum))
+    terms = torch.tensor([[1, 1], [1, 0], [0, 1]]).reshape(3, 1, 2)  # 3 devices, each a [1, 2] term
+    mesh = dtorch.init_device_mesh("cpu", (3,))
+    x = dtorch.Tensor.from_blocks(list(terms), device_mesh=mesh, placements=[Partial("avg")], shape=(1, 2))
+    want = terms.sum(0).div(3, rounding_mode="floor")
+    assert torch.equal(x.to_torch(), want)
+    assert torch.equal(x.sum().to_torch(), want.sum())
+    assert torch.equal(dtorch.cumsum(x, 1).to_torch(), want.cumsum(1))

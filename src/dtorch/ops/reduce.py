@@ -127,6 +127,16 @@ _PARTIAL = {
 }
 
 
+def _keeps(p, keeps, dtype) -> bool:
+    """May an op that commutes with the reductions ``keeps`` leave partial ``p`` unreduced?
+
+    Integer avg terms reduce to a floored mean, which is not linear: sum/cumsum must reduce them first.
+    """
+    if not isinstance(p, Partial) or p.reduce_op not in keeps:
+        return False
+    return p.reduce_op != "avg" or dtype.is_floating_point or dtype.is_complex
+
+
 def _run(op, x, dims, keepdim, nd, kw, count=None):
     if nd == 0:  # a 0-d tensor reduces over a dim of one element
         x, dims, keepdim = x.unsqueeze(-1), (-1,), False
@@ -158,7 +168,7 @@ def _reduce_rule(specs, op, dims, keepdim, kw) -> OpPlan:
                 q, split = Partial(shard_op), True
         elif isinstance(p, Shard):
             q = Shard(p.dim if keepdim else p.dim - builtins.sum(d < p.dim for d in dims))
-        elif isinstance(p, Partial) and p.reduce_op in keeps:
+        elif _keeps(p, keeps, s.dtype):
             q = p
         else:
             p = q = Replicate()
@@ -384,7 +394,7 @@ def _scan_rule(specs, op, dim, dtype) -> OpPlan:
     (s,) = specs
     meta = _run_scan(op, torch.empty(s.shape, dtype=s.dtype, device="meta"), dim - s.ndim, s.ndim, dtype)
     keeps = _SCAN_KEEPS.get(op, ())
-    pl = [Replicate() if (isinstance(p, Shard) and p.dim == dim) or (isinstance(p, Partial) and p.reduce_op not in keeps)
+    pl = [Replicate() if (isinstance(p, Shard) and p.dim == dim) or (isinstance(p, Partial) and not _keeps(p, keeps, s.dtype))
           else p for p in s.placements]
     out = DTensorSpec(s.mesh, tuple(pl), tuple(meta.shape), meta.dtype)
     return OpPlan((spec_like(s, placements=pl),), (out,), _scan_kernel,

@@ -12,6 +12,12 @@ Each step changes the placement of one mesh dim and is valid on its own:
 When several mesh dims shard one tensor dim, the outer (lower) mesh dim splits first. Shards that
 sit in the right nesting order are kept; the others are gathered innermost first, partial sums are
 reduced while the data is still small, and slices are cut outer first.
+
+Several Partial mesh dims mean: reduce the terms over mesh dim 0 first, then mesh dim 1, ... With
+mixed ops the order changes the value (sum then max != max then sum), so a mesh dim is only reduced
+while an outer mesh dim is still partial if the two reductions commute (``reductions_commute``);
+otherwise the outer one is all-reduced first (and made partial again at the end if the target wants
+it). Reducing the outermost partial dim, and making new partials, is always valid.
 """
 from __future__ import annotations
 
@@ -75,7 +81,8 @@ def plan_redistribute(src: DTensorSpec, dst: DTensorSpec) -> Plan:
 @lru_cache(maxsize=16384)
 def _plan(src: DTensorSpec, dst: DTensorSpec) -> Plan:
     if src.mesh == dst.mesh:
-        steps = plan_same_mesh(src.placements, dst.placements, src.mesh.ndim)
+        steps = plan_same_mesh(src.placements, dst.placements, src.mesh.ndim, mesh_shape=src.mesh.shape,
+                               linear_avg=src.dtype.is_floating_point or src.dtype.is_complex)
         specs, cur = [], src
         for st in steps:
             cur = cur.with_placements(_replace(cur.placements, st.mesh_dim, st.dst))
@@ -115,14 +122,45 @@ def _sharders(placements, k) -> list[int]:
     return [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == k]
 
 
-def plan_same_mesh(src, dst, ndim) -> list[Step]:
+def reductions_commute(a: str, b: str, linear_avg: bool = True) -> bool:
+    """Do reductions ``a`` and ``b`` over two mesh dims give the same value in either order?
+
+    Equal ops do (sum, max, min), and sum/avg are both linear. Integer avg is a floored mean, which is
+    not linear, so it is taken to commute with nothing (``linear_avg=False``).
+    """
+    if "avg" in (a, b) and not linear_avg:
+        return False
+    return a == b or {a, b} <= {"sum", "avg"}
+
+
+def plan_same_mesh(src, dst, ndim, *, mesh_shape=None, linear_avg: bool = True) -> list[Step]:
+    """Steps from placements ``src`` to ``dst``; ``mesh_shape`` (optional) lets size-1 partial mesh
+    dims (one term: nothing to reduce, so any order) skip the reduction-order rule."""
     cur = list(src)
     dst = list(dst)
     steps: list[Step] = []
+    deferred: list[int] = []
 
     def apply(kind, i, new):
         steps.append(Step(kind, i, cur[i], new))
         cur[i] = new
+
+    def must_precede(j, i) -> bool:
+        """Must outer mesh dim j be reduced before partial mesh dim i may be?"""
+        p = cur[j]
+        if not isinstance(p, Partial) or (mesh_shape is not None and 1 in (mesh_shape[i], mesh_shape[j])):
+            return False  # a size-1 mesh dim holds one term: nothing to reduce, any order is right
+        return not reductions_commute(p.reduce_op, cur[i].reduce_op, linear_avg)
+
+    def reduce(kind, i, new):
+        """all_reduce / reduce_scatter mesh dim i, after the outer partial dims it must not overtake."""
+        for j in range(i):
+            if must_precede(j, i):
+                keep[j] = False  # a partial the target keeps is made again by step 3
+                if j in deferred:
+                    deferred.remove(j)
+                reduce("all_reduce", j, Replicate())
+        apply(kind, i, new)
 
     # Which current shards are already where the target wants them: for each tensor dim, the
     # common prefix (in mesh order) of the current and target mesh dims sharding it.
@@ -145,17 +183,16 @@ def plan_same_mesh(src, dst, ndim) -> list[Step]:
         return before_cur == before_dst and all(keep[m] for m in before_cur)
 
     # 1. Partial sums: reduce while the data is still sharded (smallest).
-    deferred = []
     for i in range(ndim):
         if isinstance(cur[i], Partial) and not keep[i]:
             if isinstance(dst[i], Shard):
                 if can_become_shard(i, dst[i].dim):
-                    apply("reduce_scatter", i, dst[i])
+                    reduce("reduce_scatter", i, dst[i])
                     keep[i] = True
                 else:
                     deferred.append(i)
             else:
-                apply("all_reduce", i, Replicate())
+                reduce("all_reduce", i, Replicate())
 
     # 2. Shards in the wrong place: innermost first, all_to_all when the target shard can be cut
     #    in place, else gather.
@@ -168,12 +205,13 @@ def plan_same_mesh(src, dst, ndim) -> list[Step]:
             else:
                 apply("all_gather", i, Replicate())
 
-    for i in deferred:
+    while deferred:
+        i = deferred.pop(0)  # reduce() may take later entries out of the list
         if can_become_shard(i, dst[i].dim):
-            apply("reduce_scatter", i, dst[i])
+            reduce("reduce_scatter", i, dst[i])
             keep[i] = True
         else:
-            apply("all_reduce", i, Replicate())
+            reduce("all_reduce", i, Replicate())
 
     # 3. Local cuts, outer first so nested shards split in the right order; then new partials.
     for i in range(ndim):
