@@ -422,3 +422,69 @@ def test_factories_take_size_keyword_and_torch_like_spellings():
     assert like.placements == [Shard(1)] and torch.equal(like.to_torch(), torch.ones(5, 7))
     with pytest.raises(TypeError, match="both positionally and as size="):
         dtorch.zeros(3, size=(5,))
+
+
+def test_clone_and_detach_are_new_objects_with_the_same_value():
+    full = torch.randn(5, 4)
+    x = dtorch.Tensor(full, device_mesh=MESH, placements=[Shard(0), Partial()])
+    for y in (x.clone(), x.detach(), torch.clone(x), torch.detach(x), dtorch.clone(x),
+              x.clone(memory_format=torch.contiguous_format)):
+        assert isinstance(y, dtorch.Tensor) and y is not x
+        assert y.placements == x.placements and y.device_mesh == x.device_mesh
+        torch.testing.assert_close(y.to_torch(), full)
+    y = x.clone()
+    z = y + 1  # ops make new values: neither y nor the x it shares blocks with changes
+    torch.testing.assert_close(z.to_torch(), full + 1)
+    torch.testing.assert_close(x.to_torch(), full)
+    torch.testing.assert_close(y.to_torch(), full)
+
+
+def test_missing_tensor_attributes_say_what_exists():
+    x = dtorch.Tensor(torch.randn(4, 3), device_mesh=MESH, placements=[Shard(0), Replicate()])
+    with pytest.raises(AttributeError, match=r"^'Tensor' object has no attribute 'no_such_thing'$"):
+        x.no_such_thing
+    assert getattr(x, "_no_such_slot", None) is None  # private lookups still fail plainly
+    missing = sorted(n for n in dir(torch.Tensor) if not n.startswith("_") and not hasattr(dtorch.Tensor, n))
+    assert "roll" in missing and "topk" in missing
+    for name in missing:
+        with pytest.raises(AttributeError) as info:
+            getattr(x, name)
+        msg = str(info.value)
+        assert f"torch.Tensor.{name} is not supported on dtorch tensors" in msg
+        assert "same name" not in msg
+        if hasattr(dtorch, name):  # suggest a dtorch operator only where one exists
+            assert f"dtorch.{name}(" in msg, msg
+        else:
+            assert f"dtorch.{name}(" not in msg and ".to_torch()" in msg, msg
+
+
+@pytest.mark.parametrize("call,spelling", [
+    (lambda x: torch.roll(x, 1), "torch.roll"),
+    (lambda x: torch.topk(x, 2), "torch.topk"),
+    (lambda x: torch.sort(x), "torch.sort"),
+    (lambda x: torch.gather(x, 0, torch.zeros(1, 3, dtype=torch.long)), "torch.gather"),
+    (lambda x: torch.nn.functional.conv1d(x.unsqueeze(0), torch.randn(2, 4, 1)), "torch.nn.functional.conv1d"),
+    (lambda x: torch.nn.functional.pad(x, (1, 1)), "torch.nn.functional.pad"),
+    (lambda x: torch.nn.functional.max_pool1d(x.unsqueeze(0), 2), "torch.nn.functional.max_pool1d"),
+    (lambda x: torch.Tensor.unique(x), "torch.Tensor.unique"),
+])
+def test_unsupported_torch_functions_are_named_by_their_public_name(call, spelling):
+    x = dtorch.Tensor(torch.randn(4, 3), device_mesh=MESH, placements=[Shard(0), Replicate()])
+    with pytest.raises(NotImplementedError) as info:
+        call(x)
+    msg = str(info.value)
+    assert msg.startswith(f"{spelling} is not supported on dtorch tensors yet")
+    assert "same name" not in msg and "<locals>" not in msg and "_VariableFunctions" not in msg
+    assert f"apply {spelling} to the torch tensor" in msg and ".to_torch()" in msg
+    assert isinstance(info.value, dtorch.OpError)
+
+
+def test_torch_spellings_that_dtorch_has_route_or_name_the_dtorch_operator():
+    full = torch.randn(4, 6)
+    x = dtorch.Tensor(full, device_mesh=MESH, placements=[Shard(0), Shard(1)])
+    pieces = torch.Tensor.split(x, 3)  # torch.Tensor.<method>(x): dtorch's own method
+    assert [tuple(p.shape) for p in pieces] == [(3, 6), (1, 6)]
+    torch.testing.assert_close(torch.cat([p.to_torch() for p in pieces]), full)
+    torch.testing.assert_close(torch.selu(x).to_torch(), torch.selu(full))
+    with pytest.raises(NotImplementedError, match=r"torch\.Tensor\.masked_fill .*call dtorch\.masked_fill\(\.\.\.\)"):
+        full.masked_fill(x > 0, 1.0)  # a torch tensor as self

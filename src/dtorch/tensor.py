@@ -306,10 +306,13 @@ class Tensor:
         return out
 
     def detach(self) -> "Tensor":
-        return self
+        """A new Tensor object with the same value, like torch (no autograd history to cut here)."""
+        return type(self)._make(self._spec, self._h, self._graph)
 
-    def clone(self) -> "Tensor":
-        return self
+    def clone(self, *, memory_format=None) -> "Tensor":
+        """A new Tensor object with the same value. It shares the blocks: dtorch never writes into a block
+        (kernels return new tensors, out= is refused, __setitem__ raises), so sharing cannot leak a change."""
+        return type(self)._make(self._spec, self._h, self._graph)
 
     def __hash__(self):
         return id(self)

@@ -77,6 +77,32 @@ def test_embedding_bad_input_raises():
         dtorch.embedding(ids, distribute(torch.randn(5, 3, 2), MESH_TP, [Replicate()] * 2))
 
 
+
+@pytest.mark.parametrize("bad", [32, 40, -1])
+def test_embedding_token_id_out_of_range_is_named(bad):
+    # torch refuses ids outside [0, V); dtorch used to fail deep inside a kernel (replicated weight) or
+    # give zero rows (vocab-sharded weight)
+    weight = torch.randn(32, 6, generator=_gen(4))
+    ids = torch.tensor([[1, 2, bad], [3, 4, 5]])
+    with pytest.raises(IndexError):
+        F.embedding(ids, weight)
+    message = f"token id {bad} out of range for an embedding of 32 rows"
+    cases = [(w_pl, i_pl) for w_pl in ([Replicate(), Replicate()], [Replicate(), Shard(0)], [Shard(0), Shard(1)],
+                                       [Partial(), Shard(1)])
+             for i_pl in ([Replicate(), Replicate()], [Shard(1), Shard(0)])]
+    for w_pl, i_pl in cases:
+        w = distribute(weight, MESH_TP, w_pl)
+        with pytest.raises(IndexError, match=message):  # dtorch ids: the kernel checks them
+            dtorch.embedding(distribute(ids, MESH_TP, i_pl), w).to_torch()
+        with pytest.raises(IndexError, match=message):  # torch ids: checked on the controller
+            F.embedding(ids, w)
+        check(F.embedding(ids.clamp(0, 31), w), F.embedding(ids.clamp(0, 31), weight))  # in range: still fine
+    with dtorch.Graph.default_graph().device_mesh_guard(MESH_TP):
+        layer = dtorch.nn.Embedding(32, 6, vocab_parallel=True)
+    with pytest.raises(IndexError, match=message):
+        layer(ids)
+
+
 # -- norms -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("normalized", [(6,), (5, 6)])

@@ -1,4 +1,6 @@
 """Element-wise ops: every placement of every operand on 1-D/2-D/3-D meshes equals torch."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -181,3 +183,67 @@ def test_torch_tensor_on_the_left_tensor_keywords_and_torch_spellings():
     check(F.relu(x, inplace=False), F.relu(A))
     with pytest.raises(dtorch.OpError, match="not written in place"):
         F.relu(x, inplace=True)
+
+
+# -- out= and comparisons with non-tensors -------------------------------------------------------
+
+def test_out_is_refused_on_every_route_and_nothing_is_written():
+    # dtorch tensors are values: out= would write into blocks other tensors share (x.clone() shares x's)
+    x = distribute(A, MESH_2D, [Shard(0), Shard(2)])
+    w = distribute(torch.randn(7, 3), MESH_2D, [Replicate(), Replicate()])
+    o = distribute(torch.zeros(5, 6, 7), MESH_2D, [Shard(0), Shard(2)])
+    shared = o.clone()
+    wrong = [distribute(torch.zeros(5, 6, 7), MESH_2D, [Partial(), Replicate()]),  # a Partial out
+             distribute(torch.zeros(2, 3), MESH_2D, [Replicate(), Replicate()])]   # a wrong-shape out
+    t = torch.zeros(5, 6, 7)
+    calls = [
+        ("torch.add", lambda out: torch.add(x, 1, out=out)),
+        ("torch.exp", lambda out: torch.exp(x, out=out)),
+        ("torch.sum", lambda out: torch.sum(x, 0, out=out)),
+        ("torch.matmul", lambda out: torch.matmul(x, w, out=out)),
+        ("torch.cat", lambda out: torch.cat([x, x], out=out)),
+        ("torch.where", lambda out: torch.where(x > 0, x, x, out=out)),
+        ("dtorch.add", lambda out: dtorch.add(x, 1, out=out)),
+        ("dtorch.add", lambda out: x.add(1, out=out)),
+        ("dtorch.exp", lambda out: x.exp(out=out)),
+        ("dtorch.where", lambda out: dtorch.where(x > 0, x, 0.0, out=out)),
+        ("dtorch.sum", lambda out: dtorch.sum(x, 0, out=out)),
+        ("dtorch.matmul", lambda out: dtorch.matmul(x, w, out=out)),
+        ("dtorch.cat", lambda out: dtorch.cat([x, x], out=out)),
+        ("dtorch.zeros", lambda out: dtorch.zeros(2, out=out)),
+    ]
+    for spelling, call in calls:
+        for out in [t, o] + wrong:
+            with pytest.raises(dtorch.OpError, match=re.escape(f"write `y = {spelling}(...)`")):
+                call(out)
+    assert torch.equal(t, torch.zeros(5, 6, 7))
+    for out in (o, shared, *wrong):
+        assert torch.equal(out.to_torch(), torch.zeros(out.shape))
+    check(x, A)
+    # out=None is torch's default and changes nothing
+    check(torch.add(x, 1, out=None), A + 1)
+    check(x.add(1, out=None), A + 1)
+    check(dtorch.sum(x, 0, out=None), A.sum(0))
+
+
+def test_out_refused_with_only_the_out_argument_distributed():
+    o = distribute(torch.zeros(3), MESH_2D, [Shard(0), Replicate()])
+    with pytest.raises(NotImplementedError, match=r"write `y = torch\.add\(\.\.\.\)`"):
+        torch.add(torch.ones(3), 1, out=o)
+    assert torch.equal(o.to_torch(), torch.zeros(3))
+
+
+def test_comparison_with_none_and_other_objects_like_torch():
+    x = distribute(A, MESH_2D, [Shard(0), Partial()])
+    for other in (None, "a", object(), [1.0, 2.0]):
+        assert (x == other) is (A == other) and (A == other) is False
+        assert (x != other) is (A != other) and (A != other) is True
+        assert (other == x) is (other == A)
+        for op in (lambda a, b: a < b, lambda a, b: a + b, lambda a, b: b * a):
+            with pytest.raises(TypeError):
+                op(A, other)
+            with pytest.raises(TypeError):
+                op(x, other)
+    y = distribute(A, MESH_2D, [Shard(0), Shard(2)])  # exact values (partial terms round): == is exact
+    check(y == A[0], A == A[0])  # tensors and numbers still compare element-wise
+    check(y != A[0, 0, 0].item(), A != A[0, 0, 0].item())

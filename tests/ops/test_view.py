@@ -312,9 +312,54 @@ def test_bad_arguments():
 
 def test_every_spelling_is_registered():
     for name in ("reshape", "flatten", "unflatten", "transpose", "permute", "unsqueeze", "squeeze", "repeat_interleave",
-                 "narrow", "chunk", "split", "unbind", "cat", "concat", "stack", "tril", "triu", "t", "movedim"):
+                 "narrow", "chunk", "split", "tensor_split", "unbind", "cat", "concat", "stack", "tril", "triu", "t",
+                 "movedim"):
         assert callable(getattr(dtorch, name)), name
     for meth in ("view", "reshape", "flatten", "unflatten", "transpose", "t", "permute", "contiguous", "unsqueeze",
                  "squeeze", "expand", "expand_as", "repeat", "repeat_interleave", "narrow", "chunk", "split",
-                 "unbind", "tril", "triu", "view_as", "reshape_as", "swapaxes", "movedim"):
+                 "tensor_split", "unbind", "tril", "triu", "view_as", "reshape_as", "swapaxes", "movedim"):
         assert callable(getattr(dtorch.Tensor, meth)), meth
+
+
+# -- chunk / split / tensor_split / unbind: every piece count and size, every layout -----------------
+
+MESH_4 = dtorch.init_device_mesh("cpu", (4,), mesh_dim_names=["a"])
+MESH_23 = dtorch.init_device_mesh("cpu", (2, 3), mesh_dim_names=["a", "b"])
+
+
+def _cuts(n):
+    """Every piece count / size torch takes for a dim of size ``n`` (one piece, more pieces than elements,
+    uneven pieces, empty pieces, indices out of order and out of range)."""
+    out = []
+    for k in range(1, n + 2):
+        out += [lambda t, d, k=k: t.chunk(k, d), lambda t, d, k=k: t.split(k, d),
+                lambda t, d, k=k: torch.tensor_split(t, k, d)]
+    for sizes in ([n], [1, n - 1] if n else [0, 0], [0, n], [n // 2, 0, n - n // 2]):
+        out.append(lambda t, d, s=sizes: torch.split(t, s, d))
+    for idx in ([1, 3], [3, 1], [-2], [n + 2], [], [0, n]):
+        out.append(lambda t, d, i=idx: t.tensor_split(i, d))
+    out.append(lambda t, d: torch.tensor_split(t, torch.tensor([1, 2]), d))
+    out += [lambda t, d: torch.chunk(t, 1, d), lambda t, d: torch.unbind(t, d)]
+    return out
+
+
+@pytest.mark.parametrize("shape", [(8,), (2,), (7,), (5, 3), (0, 2)], ids=str)
+def test_chunk_split_tensor_split_unbind_every_piece_count_and_layout(shape):
+    # a single piece along a sharded dim used to fail ("split_with_sizes expects ...")
+    full = torch.randn(shape)
+    layouts = [(MESH_4, [Replicate()]), (MESH_4, [Partial()]), (MESH_4, [Partial("max")]),
+               (MESH_2D, [Shard(0), Shard(0)]), (MESH_23, [Partial(), Shard(0)])]
+    layouts += [(MESH_4, [Shard(d)]) for d in range(len(shape))]
+    layouts += [(MESH_23, [Shard(len(shape) - 1), Partial("avg")]), (MESH_23, [Shard(0), Shard(len(shape) - 1)])]
+    n = 0
+    for mesh, pl in layouts:
+        x = distribute(full, mesh, pl)
+        for d in range(len(shape)):
+            for cut in _cuts(shape[d]):
+                try:
+                    check(cut(x, d), cut(full, d))
+                except AssertionError as exc:
+                    raise AssertionError(f"{mesh} {pl} dim {d}: {exc}") from None
+                n += 1
+        check(x, full)  # the input is untouched
+    assert n > 100

@@ -27,16 +27,39 @@ from ..runtime.kernels import kernel, per_device
 from ..spec import DTensorSpec, block_offsets
 from ..tensor import Tensor
 from .registry import TORCH_FUNCTIONS, OpPlan, dispatch, meta_call, register, replicated, spec_like, static_value, to_dtensors
+from .view import IndexOutOfRangeError
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 # -- embedding -------------------------------------------------------------------------------------
 
+def _check_ids(ids: torch.Tensor, vocab: int) -> None:
+    """Token ids must lie in [0, vocab), as torch requires (a vocab-sharded lookup would give zero rows).
+
+    Where ids live on the CPU this is a plain check with a clear error. On an accelerator it is an
+    asynchronous device assert (no host sync per call): a bad id fails the device like torch's own
+    embedding does there, with this message.
+    """
+    if ids.numel() == 0:
+        return
+    if ids.device.type != "cpu":
+        torch._assert_async(((ids >= 0) & (ids < vocab)).all(),
+                            f"dtorch.embedding: a token id is out of range for an embedding of {vocab} rows")
+        return
+    lo, hi = torch.aminmax(ids)
+    if lo < 0 or hi >= vocab:
+        bad = int(ids[(ids < 0) | (ids >= vocab)].flatten()[0])  # the first offender, in order
+        raise IndexOutOfRangeError(
+            f"dtorch.embedding: token id {bad} out of range for an embedding of {vocab} rows; ids must lie in "
+            f"[0, {vocab}) (check the tokenizer's vocabulary against num_embeddings)")
+
+
 @kernel("embedding")
-def _embedding_kernel(ids, weight, *, lead, masked: bool, vocab_off=0):
+def _embedding_kernel(ids, weight, *, lead, masked: bool, vocab: int, vocab_off=0):
     vl, d = weight.shape[-2], weight.shape[-1]
     idx = ids.long()
+    _check_ids(idx, vocab)
     if masked:
         idx = idx - per_device(vocab_off, idx, lead)
         valid = (idx >= 0) & (idx < vl)
@@ -88,7 +111,8 @@ def _embedding_rule(specs, padding_idx):
     device_args = None
     if masked:
         device_args = {"vocab_off": block_offsets(w_in, 0)}
-    return OpPlan((spec_like(ids, placements=ids_pl), w_in), (out,), _embedding_kernel, {"masked": masked}, device_args)
+    return OpPlan((spec_like(ids, placements=ids_pl), w_in), (out,), _embedding_kernel,
+                  {"masked": masked, "vocab": w.shape[0]}, device_args)
 
 
 @register(torch_fns=(F.embedding,), functional=True)
@@ -96,9 +120,12 @@ def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, sca
     """``F.embedding``: rows of ``weight`` [V, D] for the ids in ``input``.
 
     ``padding_idx``, ``scale_grad_by_freq`` and ``sparse`` only change gradients in torch, so the
-    forward value ignores them. Ids outside [0, V) raise in torch; with a vocab-sharded weight they
-    give zero rows here (no device owns them).
+    forward value ignores them. Ids outside [0, V) raise, like torch, whatever the weight's layout:
+    torch ids on the CPU are checked here, before anything runs; others by the kernel (``_check_ids``).
     """
+    if isinstance(input, torch.Tensor) and input.device.type == "cpu" and isinstance(weight, (Tensor, torch.Tensor)) \
+            and weight.ndim == 2 and not (input.is_floating_point() or input.is_complex()):
+        _check_ids(input, weight.shape[0])  # the ids are on the controller already: no device is waited for
     if max_norm is not None:
         raise OpError("dtorch.embedding: max_norm renormalizes the weight in place, which dtorch never does; "
                       "renormalize the weight explicitly and call embedding without max_norm")

@@ -12,6 +12,8 @@ Rule, per mesh dim (expanded to N-D by looping over mesh dims):
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ..errors import OpError
@@ -19,7 +21,8 @@ from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
-from .registry import _PLANS, TORCH_FUNCTIONS, OpPlan, dispatch, register, resolve_torch, static_value, to_dtensors
+from .registry import (_PLANS, TORCH_FUNCTIONS, OpPlan, dispatch, register, reject_out, resolve_torch, static_value,
+                       to_dtensors)
 
 # op name -> how it treats partial inputs: "add" (linear in every operand), "scale" (linear in its
 # first operand when the others are replicated or scalars)
@@ -222,10 +225,11 @@ def _numel(shape) -> int:
 # the op set
 
 def _elementwise_op(name: str, fn: str, *, methods=None, torch_fn=None, functional=False):
-    def op(input, *args, inplace: bool = False, **kwargs):
+    def op(input, *args, inplace: bool = False, out=None, **kwargs):
         if inplace:
             raise OpError(f"dtorch.{name}(inplace=True): dtorch tensors are not written in place; "
                           f"use the returned tensor (inplace=False)")
+        reject_out(f"dtorch.{name}", out)  # else the kernel would write into out's shared blocks
         return pointwise(name, fn, input, *args, **kwargs)
 
     op.__name__ = name
@@ -259,10 +263,10 @@ _UNARY = [
 for _name, _fn, _functional in _UNARY:
     _tf = getattr(torch, _name, None) if _fn.startswith("torch.") else getattr(torch.nn.functional, _name)
     globals()[_name] = _elementwise_op(_name, _fn, torch_fn=_tf, functional=_functional)
-    if _functional and _fn.startswith("torch.") and hasattr(torch.nn.functional, _name):
-        from .registry import TORCH_FUNCTIONS as _TF
-
-        _TF[getattr(torch.nn.functional, _name)] = globals()[_name]
+    if _functional:  # the other spelling too: F.tanh next to torch.tanh, torch.selu next to F.selu
+        for _other in (getattr(torch.nn.functional, _name, None), getattr(torch, _name, None)):
+            if _other is not None:
+                TORCH_FUNCTIONS.setdefault(_other, globals()[_name])
 
 _BINARY = [
     ("add", "torch.add"), ("sub", "torch.sub"), ("mul", "torch.mul"), ("div", "torch.div"),
@@ -281,8 +285,9 @@ for _name, _fn in _BINARY:
 
 
 @register(methods=("where",), torch_fns=(torch.where,))
-def where(condition, input=None, other=None):
+def where(condition, input=None, other=None, *, out=None):
     """``torch.where(condition, input, other)``; inputs may be dtorch tensors or scalars."""
+    reject_out("dtorch.where", out)
     if input is None and other is None:
         raise NotImplementedError("dtorch.where(condition) (the nonzero form) is not supported; pass input and other")
     return pointwise("where", "torch.where", condition, input, other)
@@ -307,8 +312,20 @@ def masked_fill(input, mask, value):
 
 
 @register(methods=("addcmul",), torch_fns=(torch.addcmul,))
-def addcmul(input, tensor1, tensor2, *, value=1):
+def addcmul(input, tensor1, tensor2, *, value=1, out=None):
+    reject_out("dtorch.addcmul", out)
     return pointwise("addcmul", "torch.addcmul", input, tensor1, tensor2, value=value)
+
+
+@register(torch_fns=(torch.clone,))
+def clone(input, *, memory_format=None):
+    """``torch.clone``: a new Tensor object with the same value (``Tensor.clone``)."""
+    if not isinstance(input, Tensor):
+        raise OpError(f"dtorch.clone expects a dtorch.Tensor, got {type(input).__name__}")
+    return input.clone()
+
+
+TORCH_FUNCTIONS[torch.detach] = Tensor.detach
 
 
 # -- dtype casts ------------------------------------------------------------------------------------
@@ -347,6 +364,11 @@ Tensor.type = _type
 
 # -- Python operators -------------------------------------------------------------------------------
 
+# what Python operators take besides dtorch tensors; anything else (None, str, list) gets NotImplemented, as
+# torch's operators do, so Python falls back: ``x == None`` is False, ``x != None`` True, ``x + None`` a TypeError
+_OPERANDS = (Tensor, torch.Tensor, numbers.Number)
+
+
 def _binop(name, fn, reflected=False):
     # Python operators are the hottest path: look the fast path up without going through pointwise()
     scalars = (int, float, bool)
@@ -361,6 +383,8 @@ def _binop(name, fn, reflected=False):
                     out = fast(other, self)
                     if out is not None:
                         return out
+            if not isinstance(other, _OPERANDS):
+                return NotImplemented
             return pointwise(name, fn, other, self)
     else:
         def op(self, other):
@@ -375,6 +399,8 @@ def _binop(name, fn, reflected=False):
                 out = fast(self, other)
                 if out is not None:
                     return out
+            if not isinstance(other, _OPERANDS):
+                return NotImplemented
             return pointwise(name, fn, self, other)
     op.__name__ = f"__{name}__"
     return op

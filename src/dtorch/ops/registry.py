@@ -6,6 +6,8 @@ plan's kernel on every device -> wrap the outputs. Rules see specs only, never d
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -45,7 +47,7 @@ def register(name: str | None = None, *, methods=(), torch_fns=(), functional: b
     def deco(fn):
         n = name or fn.__name__
         if public:
-            PUBLIC[n] = fn
+            PUBLIC[n] = _refusing_out(n, fn)
         if functional:
             FUNCTIONAL[n] = fn
         for m in methods:
@@ -162,15 +164,110 @@ def static_value(v):
     return v
 
 
+class UnsupportedError(OpError, NotImplementedError):
+    """A torch feature dtorch does not implement (yet): an operator, a Tensor method, ``out=``."""
+
+
+def reject_out(spelling: str, out) -> None:
+    """Refuse ``out=`` (``None`` is torch's default and fine): dtorch tensors are values, never written in
+    place (in-place support is a separate, later design), so there is nothing to write into."""
+    if out is not None:
+        raise UnsupportedError(
+            f"{spelling}(..., out=...) is not supported: dtorch tensors are values that are never written in "
+            f"place. Drop out= and use the returned tensor: write `y = {spelling}(...)` instead of "
+            f"`{spelling}(..., out=y)`")
+
+
+def _refusing_out(n: str, fn: Callable) -> Callable:
+    """``dtorch.<n>``: ``fn`` behind an ``out=`` check, unless ``fn`` takes ``out`` itself (then it checks).
+    Only the ``dtorch.<n>`` entry is wrapped: Tensor methods and torch.nn.functional spellings take no
+    ``out`` in torch either, and ``torch.<fn>(..., out=)`` is refused in torch_function_dispatch."""
+    try:
+        if "out" in inspect.signature(fn).parameters:
+            return fn
+    except (TypeError, ValueError):  # no signature to read: leave it as it is
+        return fn
+
+    @functools.wraps(fn)
+    def entry(*args, **kwargs):
+        if "out" in kwargs:
+            reject_out(f"dtorch.{n}", kwargs.pop("out"))
+        return fn(*args, **kwargs)
+
+    return entry
+
+
+_TORCH_NAMES: dict = {}  # torch callable -> its public spelling, built on the first error that needs one
+
+
+def torch_public_name(func) -> str:
+    """torch's public spelling of ``func``: ``torch.roll`` (not ``torch._VariableFunctionsClass.roll``),
+    ``torch.nn.functional.max_pool1d`` (not ``boolean_dispatch.<locals>.fn``), ``torch.Tensor.roll``."""
+    if not _TORCH_NAMES:
+        tensor_attrs = {**vars(torch._C.TensorBase), **vars(torch.Tensor)}
+        # first spelling wins: torch.nn.functional before torch (F.conv1d is torch.conv1d; nn code says F)
+        for prefix, attrs in (("torch.nn.functional", vars(torch.nn.functional)), ("torch", vars(torch)),
+                              ("torch.Tensor", tensor_attrs), ("torch.linalg", vars(torch.linalg)),
+                              ("torch.special", vars(torch.special)), ("torch.fft", vars(torch.fft))):
+            for attr, obj in attrs.items():
+                if attr.startswith("_") and not (prefix == "torch.Tensor" and attr.startswith("__")):
+                    continue
+                try:
+                    _TORCH_NAMES.setdefault(obj, f"{prefix}.{attr}")
+                except TypeError:  # unhashable: never a function torch hands to __torch_function__
+                    pass
+    try:
+        known = _TORCH_NAMES.get(func)
+    except TypeError:
+        known = None
+    if known:
+        return known
+    module = getattr(func, "__module__", None) or "torch"
+    return f"{module}.{getattr(func, '__name__', None) or repr(func)}"
+
+
+def unsupported_message(spelling: str, what: str = "") -> str:
+    """Why ``spelling`` (a torch function or ``torch.Tensor.<attr>``) cannot run on dtorch tensors, and what to
+    do instead: the dtorch operator of that name where one exists, else the round trip through torch."""
+    short = spelling.rpartition(".")[2]
+    what = what or f"{spelling} is not supported on dtorch tensors"
+    if short in PUBLIC:
+        return f"{what}; call dtorch.{short}(...) instead (it takes dtorch and torch tensors)"
+    if short in FUNCTIONAL:
+        return f"{what}; call dtorch.nn.functional.{short}(...) instead (it takes dtorch and torch tensors)"
+    if spelling.startswith("torch.Tensor.") and hasattr(Tensor, short):
+        return (f"{what} with a torch tensor as self; make it a dtorch tensor first "
+                f"(dtorch.Tensor(t, device_mesh=...)) and call .{short}(...) on that")
+    return (f"{what} yet: dtorch has no {short} operator. To run it anyway, take the whole value with x.to_torch(), "
+            f"apply {spelling} to the torch tensor, and distribute the result again with "
+            "dtorch.Tensor(result, device_mesh=..., placements=[...])")
+
+
 def torch_function_dispatch(func, args, kwargs):
+    if "out" in kwargs:  # torch.add(x, 1, out=t): nothing is written in place (kwargs is torch's: copy it)
+        kwargs = dict(kwargs)
+        reject_out(torch_public_name(func), kwargs.pop("out"))
     target = TORCH_FUNCTIONS.get(func)
     if target is None:
-        name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
-        raise NotImplementedError(
-            f"{getattr(func, '__module__', 'torch')}.{name} is not supported on dtorch tensors; "
-            "use the dtorch operator of the same name, or convert with .to_torch()"
-        )
+        spelling = torch_public_name(func)
+        method = spelling[len("torch.Tensor."):] if spelling.startswith("torch.Tensor.") else None
+        if method and args and isinstance(args[0], Tensor) and callable(getattr(Tensor, method, None)):
+            return getattr(args[0], method)(*args[1:], **kwargs)  # torch.Tensor.sum(x): dtorch's own method
+        raise UnsupportedError(unsupported_message(spelling))
     return target(*args, **kwargs)
+
+
+def _missing_attribute(self, attr: str):
+    """``Tensor.__getattr__`` (reached only when normal lookup fails): say whether torch has ``attr`` and what
+    dtorch offers instead, rather than a bare "no attribute"."""
+    if attr.startswith("_") or not hasattr(torch.Tensor, attr):
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{attr}'", name=attr, obj=self)
+    raise AttributeError(unsupported_message(f"torch.Tensor.{attr}",
+                                             f"dtorch.Tensor has no attribute '{attr}': torch.Tensor.{attr} is "
+                                             "not supported on dtorch tensors"), name=attr, obj=self)
+
+
+Tensor.__getattr__ = _missing_attribute
 
 
 def resolve_torch(path: str) -> Callable:

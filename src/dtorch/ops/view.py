@@ -307,6 +307,8 @@ def _index_kernel(x, *, items, lead=0):
 def _split_kernel(x, *, dim, sizes, squeeze, lead=0):
     if squeeze:
         return tuple(x.unbind(lead + dim))
+    if len(sizes) == 1:  # one piece is the whole dim, which may stay sharded: the block itself (global sizes)
+        return (x,)
     return tuple(torch.split(x, list(sizes), dim=lead + dim))
 
 
@@ -709,12 +711,28 @@ def _split(name, x, dim, sizes, squeeze=False):
     return dispatch(name, _split_rule, [x], (dim, tuple(sizes), squeeze))
 
 
+def _cut(name, x, d, cut):
+    """The pieces torch's ``cut`` (chunk / split / tensor_split of a 1-D tensor) makes of dim ``d`` of ``x``.
+
+    torch decides the pieces on a meta tensor of the dim's length (its messages, its edge cases); each
+    piece's start is its storage offset there. Pieces that tile the dim in order are one split op; others
+    (tensor_split with indices out of order) are narrowed one by one.
+    """
+    try:
+        pieces = [(p.storage_offset(), p.shape[0]) for p in cut(torch.empty(x.shape[d], device="meta"))]
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise OpError(f"dtorch.{name} on dim {d} of shape {list(x.shape)}: {exc}") from None
+    sizes = [n for _, n in pieces]
+    if sum(sizes) == x.shape[d] and all(start == sum(sizes[:k]) for k, (start, _) in enumerate(pieces)):
+        return _split(name, x, d, sizes)
+    return tuple(narrow(x, d, start, n) for start, n in pieces)
+
+
 @register(methods=("chunk",), torch_fns=(torch.chunk,))
 def chunk(input, chunks, dim=0):
     x = _tensor("chunk", input)
     d = _dim(dim, x.ndim, "chunk")
-    sizes = [p.shape[d] for p in meta_call(lambda m: torch.chunk(m, chunks, d), [x.spec])]
-    return _split("chunk", x, d, sizes)
+    return _cut("chunk", x, d, lambda m: torch.chunk(m, chunks))
 
 
 @register(methods=("split",), torch_fns=(torch.split,))
@@ -723,11 +741,21 @@ def split(tensor, split_size_or_sections, dim=0):
     d = _dim(dim, x.ndim, "split")
     arg = split_size_or_sections
     arg = list(_sizes((arg,), "split")) if isinstance(arg, (tuple, list, torch.Size)) else operator.index(arg)
-    try:
-        sizes = [p.shape[d] for p in meta_call(lambda m: torch.split(m, arg, d), [x.spec])]
-    except RuntimeError as exc:
-        raise OpError(f"dtorch.split on shape {list(x.shape)}: {exc}") from None
-    return _split("split", x, d, sizes)
+    return _cut("split", x, d, lambda m: torch.split(m, arg))
+
+
+@register(methods=("tensor_split",), torch_fns=(torch.tensor_split,))
+def tensor_split(input, indices_or_sections, dim=0):
+    x = _tensor("tensor_split", input)
+    d = _dim(dim, x.ndim, "tensor_split")
+    arg = indices_or_sections
+    if isinstance(arg, (Tensor, torch.Tensor)):  # like torch: a 0-d tensor counts sections, a 1-d one holds indices
+        if arg.dtype != torch.int64 or arg.ndim > 1:
+            raise OpError(f"dtorch.tensor_split: a tensor indices_or_sections must be a 0-d or 1-d int64 tensor, got "
+                          f"a {arg.ndim}-d {arg.dtype} tensor")
+        arg = arg.tolist()
+    arg = list(_sizes((arg,), "tensor_split")) if isinstance(arg, (tuple, list)) else operator.index(arg)
+    return _cut("tensor_split", x, d, lambda m: torch.tensor_split(m, arg))
 
 
 @register(methods=("unbind",), torch_fns=(torch.unbind,))
