@@ -23,3 +23,8 @@ class RuntimeBackendError(DTorchError, RuntimeError):
 
 class DeviceUnavailableError(DTorchError, RuntimeError):
     """A mesh names devices this machine does not have."""
+
+
+class AttentionInputError(OpError, RuntimeError):
+    """scaled_dot_product_attention got arguments torch itself rejects; torch raises RuntimeError for
+    them, so this is one too (code written against torch's ``except RuntimeError`` keeps working)."""

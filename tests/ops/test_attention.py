@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 import dtorch
 from dtorch import OpError, Partial, Replicate, Shard
+from dtorch.ops import attention
 from sweep import MESHES, check, distribute, run_sweep
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -216,7 +217,7 @@ def test_bad_inputs_raise_typed_errors():
     qd, kd, vd = (distribute(x, MESH_DT, rep) for x in (q, k, v))
     with pytest.raises(OpError, match="enable_gqa=True"):
         dtorch.scaled_dot_product_attention(qd, kd, vd)
-    with pytest.raises(OpError, match="not both"):
+    with pytest.raises(OpError, match="should not be set when is_causal=True"):
         dtorch.scaled_dot_product_attention(qd, kd, vd, attn_mask=torch.ones(8, 8, dtype=torch.bool),
                                             is_causal=True, enable_gqa=True)
     with pytest.raises(OpError, match=r"\[N, H, L, E\]"):
@@ -241,3 +242,148 @@ def test_three_dim_inputs_like_torch():
     out = F.scaled_dot_product_attention(d(q, [Shard(0), Replicate()]), d(k, [Shard(0), Replicate()]),
                                          d(v, [Shard(0), Shard(2)]), attn_mask=d(mask, [Shard(0), Replicate()]))
     check(out, ref, rtol=1e-4, atol=1e-5)
+
+
+# -- uneven ring splits with empty blocks (torch.chunk sizes) ----------------------------------------
+
+TIGHT = dict(rtol=1e-5, atol=1e-5)
+RING_3 = dtorch.init_device_mesh("cpu", (3,), mesh_dim_names=["ring_cp"])
+UR_24 = dtorch.init_device_mesh("cpu", (2, 4), mesh_dim_names=["ulysess_cp", "ring_cp"])
+RU_42 = dtorch.init_device_mesh("cpu", (4, 2), mesh_dim_names=["ring_cp", "ulysses_cp"])
+DP_TP_RING4 = dtorch.init_device_mesh("cpu", (2, 2, 4), mesh_dim_names=["dp", "tp", "ring_cp"])
+
+# (name, mesh, placements, batch, L, S): every case leaves some ring device with no rows at all
+EMPTY_BLOCKS = [
+    ("ring4_L6", RING_4, [Shard(2)], 2, 6, 6),             # blocks 2, 2, 2, 0
+    ("ring4_L3", RING_4, [Shard(2)], 2, 3, 3),             # 1, 1, 1, 0
+    ("ring3_L4", RING_3, [Shard(2)], 2, 4, 4),             # 2, 2, 0
+    ("ring2_L1", RING_2, [Shard(2)], 2, 1, 1),             # 1, 0
+    ("ring4_L3_S6", RING_4, [Shard(2)], 2, 3, 6),          # cross attention, both sides uneven
+    ("ring4_L6_S1", RING_4, [Shard(2)], 2, 6, 1),          # key blocks 1, 0, 0, 0
+    ("uly2_ring4_L12", UR_24, [Shard(2)] * 2, 2, 12, 12),  # ring splits each Ulysses chunk of 6: 2, 2, 2, 0
+    ("ring4_uly2_L6", RU_42, [Shard(2)] * 2, 2, 6, 6),     # ring blocks 2, 2, 2, 0, then Ulysses
+    ("dp_tp_ring4_L6", DP_TP_RING4, [Shard(0), Shard(1), Shard(2)], 2, 6, 6),
+    ("dp_tp_ring4_L6_N3", DP_TP_RING4, [Shard(0), Shard(1), Shard(2)], 3, 6, 6),  # uneven batch too
+]
+
+
+@pytest.mark.parametrize("name, mesh, pl, n, l, s", EMPTY_BLOCKS, ids=[c[0] for c in EMPTY_BLOCKS])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["gqa8/2", "mha4"])
+def test_ring_empty_blocks_match_torch(name, mesh, pl, n, l, s, causal, heads):
+    h, hk = heads
+    q, k, v = _qkv(n=n, h=h, hk=hk, l=l, s=s, e=4, ev=6, seed=5)
+    out = F.scaled_dot_product_attention(*(distribute(x, mesh, pl) for x in (q, k, v)), is_causal=causal,
+                                         enable_gqa=hk != h)
+    assert out.placements == pl
+    assert not torch.isnan(out.to_torch()).any()
+    check(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hk != h), **TIGHT)
+
+
+@pytest.mark.parametrize("mesh, l", [(RING_4, 6), (UR_24, 12), (RU_42, 6)], ids=["ring4", "uly2_ring4", "ring4_uly2"])
+def test_ring_empty_blocks_with_masks_and_dropout(mesh, l):
+    q, k, v = _qkv(h=4, hk=2, l=l, seed=6)
+    g = torch.Generator().manual_seed(7)
+    bool_mask = torch.rand(l, l, generator=g) > 0.5
+    bool_mask[l - 1] = False  # a row that sees no key (the last, padded-next-to row): zeros like torch
+    masks = (torch.randn(2, 1, l, l, generator=g), bool_mask)
+    ins = [distribute(x, mesh, [Shard(2)] * mesh.ndim) for x in (q, k, v)]
+    for mask in masks:
+        out = F.scaled_dot_product_attention(*ins, attn_mask=mask, enable_gqa=True)
+        check(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), **TIGHT)
+    torch.manual_seed(8)
+    expected = F.scaled_dot_product_attention(q, k, v, dropout_p=0.4, is_causal=True, enable_gqa=True)
+    torch.manual_seed(8)
+    check(F.scaled_dot_product_attention(*ins, dropout_p=0.4, is_causal=True, enable_gqa=True), expected, **TIGHT)
+
+
+def test_uneven_ring_runs_one_stacked_kernel_per_step():
+    # Performance of uneven splits (bench/ring_attention.py): the blocks are padded to one size, so the
+    # in-process backend runs each ring step once on all devices' stacked blocks ("grid"), not in a loop
+    # over devices (that loop made ring_cp=3 at seq 10 take 3x seq 12).
+    mesh = dtorch.init_device_mesh("cpu", (1, 3), mesh_dim_names=["dp", "ring_cp"])  # used by this test only
+    q, k, v = _qkv(h=4, hk=2, l=10)
+    out = F.scaled_dot_product_attention(*(distribute(x, mesh, [Replicate(), Shard(2)]) for x in (q, k, v)),
+                                         is_causal=True, enable_gqa=True)
+    check(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), **TIGHT)
+    rt = out._graph.runtime
+    steps = [ex for key, ex in rt._exec_cache.items()
+             if key[0] == "sdpa_ring_step" and key[1][0].mesh.shape == (1, 3)]
+    assert len(steps) == 2  # the first step (no accumulator yet) and the later ones
+    assert all(ex.grid for ex in steps)
+
+
+def test_float64_accumulates_in_float64():
+    q, k, v = _qkv(h=4, hk=2, l=10, dtype=torch.float64, seed=9)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    for mesh, pl in ((MESH_DT, [Shard(0), Shard(1)]), (RING_3, [Shard(2)]), (UR_22, [Shard(2)] * 2)):
+        out = F.scaled_dot_product_attention(*(distribute(x, mesh, pl) for x in (q, k, v)), is_causal=True,
+                                             enable_gqa=True)
+        check(out, expected, rtol=1e-12, atol=1e-12)
+
+
+# -- torch's argument rules: attn_mask with is_causal, mask dtypes, scale, broadcast masks ---------------
+
+def _torch_or_error(fn):
+    try:
+        return fn(), None
+    except Exception as exc:  # noqa: BLE001 - whatever torch raises, dtorch must raise alike
+        return None, exc
+
+
+@pytest.mark.parametrize("mesh", [MESH_DT, ULY_2, RING_4, UR_22], ids=str)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_attn_mask_with_is_causal_like_torch(mesh, kind):
+    q, k, v = _qkv(h=4, hk=2, l=8)
+    g = torch.Generator().manual_seed(10)
+    mask = torch.rand(8, 8, generator=g) > 0.3 if kind == "bool" else torch.randn(8, 8, generator=g)
+    expected, err = _torch_or_error(
+        lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True, enable_gqa=True))
+    ins = [distribute(x, mesh, [Shard(2)] * mesh.ndim) for x in (q, k, v)]
+    call = lambda: F.scaled_dot_product_attention(*ins, attn_mask=mask, is_causal=True, enable_gqa=True)  # noqa: E731
+    if err is None:
+        check(call(), expected, **TIGHT)
+        return
+    with pytest.raises(type(err)) as info:  # torch 2.13: RuntimeError "Explicit attn_mask should not be set ..."
+        call()
+    assert isinstance(info.value, OpError)
+    assert "attn_mask should not be set when is_causal=True" in str(err)
+    assert "attn_mask should not be set when is_causal=True" in str(info.value)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_attn_mask_dtypes_like_torch(q_dtype):
+    q, k, v = _qkv(h=4, hk=4, l=7, dtype=q_dtype)
+    base = torch.randn(7, 7, generator=torch.Generator().manual_seed(11))
+    tol = dict(rtol=2e-2, atol=2e-2) if q_dtype == torch.bfloat16 else TIGHT
+    for m_dtype in (torch.float32, torch.bfloat16, torch.float64, torch.float16, torch.int64, torch.bool):
+        mask = base > 0 if m_dtype == torch.bool else base.to(m_dtype)
+        expected, err = _torch_or_error(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+        for mesh in (RING_2, MESH_DT):
+            ins = [distribute(x, mesh, [Shard(2)] * mesh.ndim) for x in (q, k, v)]
+            if err is None:
+                check(F.scaled_dot_product_attention(*ins, attn_mask=mask), expected, **tol)
+            else:
+                with pytest.raises(type(err), match="attn_mask dtype"):
+                    F.scaled_dot_product_attention(*ins, attn_mask=mask)
+
+
+@pytest.mark.parametrize("mesh", [ULY_2, RING_4, UR_22, RU_22, UR_24], ids=str)
+def test_context_parallel_broadcast_masks_and_scale(mesh):
+    # L = 6: uneven (and on ring_cp=4 empty) ring blocks; masks broadcast over batch, heads or rows
+    n, h, hk, l = 2, 4, 2, 6
+    q, k, v = _qkv(n=n, h=h, hk=hk, l=l, seed=12)
+    g = torch.Generator().manual_seed(13)
+    minus_inf_row = torch.randn(l, l, generator=g)
+    minus_inf_row[2] = float("-inf")
+    masks = [torch.randn(n, 1, l, l, generator=g), torch.rand(1, h, l, l, generator=g) > 0.4,
+             torch.randn(h, l, l, generator=g), torch.rand(n, h, 1, l, generator=g) > 0.3, minus_inf_row]
+    ins = [distribute(x, mesh, [Shard(2)] * mesh.ndim) for x in (q, k, v)]
+    for mask in masks:
+        for scale in (None, 0.37):
+            out = F.scaled_dot_product_attention(*ins, attn_mask=mask, scale=scale, enable_gqa=True)
+            check(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True),
+                  **TIGHT)
+    for causal in (False, True):
+        out = F.scaled_dot_product_attention(*ins, is_causal=causal, scale=2.5, enable_gqa=True)
+        check(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=2.5, enable_gqa=True), **TIGHT)

@@ -14,7 +14,8 @@ Plain rule, per mesh dim (K/V are [N, Hk, S, E] / [N, Hk, S, Ev]):
 Context parallel (mesh dims "ulysess_cp"/"ulysses_cp" and "ring_cp", see docs/context-parallel.md):
 Q/K/V arrive Shard(2) on those dims and leave the same way. Ulysses is a Shard(2) -> Shard(1)
 redistribution (all_to_all) on its dim; Ring rotates K/V blocks with ``runtime.ring_shift`` and merges
-per-block results by their log-sum-exp.
+per-block results by their log-sum-exp. An uneven Ring split (torch.chunk blocks, some maybe empty) is
+padded to equal blocks for the ring and cut back afterwards.
 """
 from __future__ import annotations
 
@@ -26,12 +27,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..errors import DTorchError, OpError
+from ..errors import AttentionInputError, DTorchError, OpError
 from ..graph import check_one_graph
 from ..placement import Partial, Replicate, Shard
 from ..redistribute import redistribute_spec
 from ..runtime.kernels import Kernel, kernel
-from ..spec import DTensorSpec, block_offsets
+from ..spec import DTensorSpec, block_offsets, chunk_size
 from ..tensor import Tensor
 from .registry import OpPlan, describe, dispatch, register, spec_like, to_dtensors
 
@@ -44,15 +45,28 @@ _RING = ("ring_cp",)
 # math on local blocks (leading grid dims allowed everywhere)
 
 
-def _positions(off, n: int, chunk: int, stride: int, device):
+def _positions(off, n: int, chunk: int, stride: int, device, real: int | None = None):
     """Global sequence positions of a local block of ``n`` rows: ``off + l`` for a contiguous block; a
-    chunked block (Ulysses outside Ring) holds chunks of ``chunk`` rows that start ``stride`` apart."""
+    chunked block (Ulysses outside Ring) holds chunks of ``chunk`` rows that start ``stride`` apart.
+
+    ``real``: the block was padded (ring attention on an uneven split, see ``_cp_plan``) and only
+    offsets below ``real`` within a chunk are real rows. Returns ``(pos, valid)``; padded rows get the
+    position of the last real row (any in-range index works: their scores are masked or dropped) and
+    ``valid`` is None when nothing is padded."""
     l = torch.arange(n, device=device)
+    first = 0
     if chunk:
-        l = torch.div(l, chunk, rounding_mode="floor") * stride + l % chunk
+        first = torch.div(l, chunk, rounding_mode="floor") * stride
+        l = l % chunk
     if isinstance(off, torch.Tensor):
-        return off.reshape(off.shape + (1,)).to(device) + l  # [*grid, n]
-    return l + off
+        l = off.reshape(off.shape + (1,)).to(device) + l  # [*grid, n]
+    else:
+        l = l + off
+    valid = None
+    if real is not None:
+        valid = l < real
+        l = l.clamp(max=max(real - 1, 0))
+    return first + l, valid
 
 
 def _take(x: torch.Tensor, idx: torch.Tensor, dim: int, lead: int) -> torch.Tensor:
@@ -92,29 +106,43 @@ def _match_heads(q, k, v, lead, heads, q_head_off):
     return _take(k, idx, -3, lead), _take(v, idx, -3, lead)
 
 
-def _attend(q, k, v, *, scale, pos_q=None, pos_k=None, causal=False, mask=None, noise=None):
-    """Attention of q against one K/V block -> (out, lse), both float32.
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Attention accumulates in float32, or in the input's dtype when that is wider (float64, like torch)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _attend(q, k, v, *, scale, pos_q=None, pos_k=None, causal=False, mask=None, noise=None, key_valid=None):
+    """Attention of q against one K/V block -> (out, lse), both in ``_acc_dtype``.
 
     ``out`` is normalized over this block only and ``lse`` is log sum_j exp(score_j); rows with no
-    visible key give out = 0 and lse = -inf (never NaN), like torch's fully masked rows.
+    visible key (also an empty key block) give out = 0 and lse = -inf (never NaN), like torch's fully
+    masked rows. ``key_valid`` ([.., S] bool) drops padded keys.
     """
-    qf, kf, vf = q.float(), k.float(), v.float()
+    acc = _acc_dtype(q.dtype)
+    qf, kf, vf = q.to(acc), k.to(acc), v.to(acc)
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [.., N, H, L, E] @ [.., N, H, E, S] -> [.., N, H, L, S]
-    neg_inf = torch.tensor(float("-inf"), device=s.device)
+    neg_inf = torch.tensor(float("-inf"), device=s.device, dtype=acc)
     if mask is not None:
-        s = torch.where(mask, s, neg_inf) if mask.dtype == torch.bool else s + mask.float()
+        s = torch.where(mask, s, neg_inf) if mask.dtype == torch.bool else s + mask.to(acc)
+    allowed = None
     if causal:
         allowed = pos_k.unsqueeze(-2) <= pos_q.unsqueeze(-1)  # [.., L, S]
+    if key_valid is not None:
+        allowed = key_valid.unsqueeze(-2) if allowed is None else allowed & key_valid.unsqueeze(-2)
+    if allowed is not None:
         if allowed.ndim > 2:  # per-device positions: [*grid, L, S] -> [*grid, 1, 1, L, S]
             allowed = allowed.unsqueeze(-3).unsqueeze(-3)
         s = torch.where(allowed, s, neg_inf)
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros((), device=s.device))
+    if s.shape[-1]:
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros((), device=s.device, dtype=acc))
+    else:  # no keys at all (amax cannot reduce an empty dim): sum of nothing, out 0 and lse -inf below
+        m = s.new_zeros(s.shape[:-1] + (1,))
     p = torch.exp(s - m)
     denom = p.sum(-1, keepdim=True)
     lse = (m + torch.log(denom)).squeeze(-1)
     if noise is not None:
-        p = p * noise.float()
+        p = p * noise.to(acc)
     out = torch.matmul(p, vf) / torch.where(denom > 0, denom, torch.ones((), device=s.device))
     return out, lse
 
@@ -139,7 +167,7 @@ def _sdpa_kernel(q, k, v, *extra, lead, scale, causal, mask_rank, has_noise, hea
     k, v = _match_heads(q, k, v, lead, heads, q_head_off)
     pos_q = pos_k = None
     if causal:
-        pos_q = _positions(q_off, q.shape[-2], 0, 0, q.device)
+        pos_q, _ = _positions(q_off, q.shape[-2], 0, 0, q.device)
         pos_k = torch.arange(k.shape[-2], device=q.device)
     out, _ = _attend(q, k, v, scale=scale, pos_q=pos_q, pos_k=pos_k, causal=causal, mask=mask, noise=noise)
     return out.to(q.dtype)
@@ -147,9 +175,11 @@ def _sdpa_kernel(q, k, v, *extra, lead, scale, causal, mask_rank, has_noise, hea
 
 @kernel("sdpa_ring_step")
 def _ring_step_kernel(q, k, v, *extra, lead, scale, causal, mask_rank, has_noise, has_acc, kv_rep, q_stride,
-                      k_stride, out_dtype, q_off, k_off):
+                      k_stride, out_dtype, q_off, k_off, q_len=None, k_len=None):
     """One ring step: local Q against the K/V block now held (source block offset ``k_off``), merged
-    into the running (out, lse). Mask and noise are whole along L and S; rows/cols are picked by position."""
+    into the running (out, lse). Mask and noise are whole along L and S; rows/cols are picked by position.
+    ``q_len`` / ``k_len``: the blocks were padded to equal sizes and the sequence (per chunk) really has
+    this many rows; padded keys are masked out, padded query rows are computed and dropped later."""
     extra = list(extra)
     mask = extra.pop(0) if mask_rank is not None else None
     noise = extra.pop(0) if has_noise else None
@@ -159,8 +189,8 @@ def _ring_step_kernel(q, k, v, *extra, lead, scale, causal, mask_rank, has_noise
         qc, kc = q.shape[-2], k.shape[-2]
         q, k, v = q.flatten(-3, -2), k.flatten(-3, -2), v.flatten(-3, -2)
         extra = [extra[0].flatten(-3, -2), extra[1].flatten(-2, -1)] if has_acc else []
-    pos_q = _positions(q_off, q.shape[-2], qc, q_stride, q.device)
-    pos_k = _positions(k_off, k.shape[-2], kc, k_stride, q.device)
+    pos_q, _ = _positions(q_off, q.shape[-2], qc, q_stride, q.device, q_len)
+    pos_k, key_valid = _positions(k_off, k.shape[-2], kc, k_stride, q.device, k_len)
     if mask is not None:
         mask = _rank4(mask, lead, mask_rank)
         mask = _take(mask, pos_q, -2, lead) if mask.shape[-2] > 1 else mask
@@ -169,7 +199,8 @@ def _ring_step_kernel(q, k, v, *extra, lead, scale, causal, mask_rank, has_noise
         noise = _take(_take(noise, pos_q, -2, lead), pos_k, -1, lead)
     if kv_rep > 1:
         k, v = k.repeat_interleave(kv_rep, dim=-3), v.repeat_interleave(kv_rep, dim=-3)
-    out, lse = _attend(q, k, v, scale=scale, pos_q=pos_q, pos_k=pos_k, causal=causal, mask=mask, noise=noise)
+    out, lse = _attend(q, k, v, scale=scale, pos_q=pos_q, pos_k=pos_k, causal=causal, mask=mask, noise=noise,
+                       key_valid=key_valid)
     if has_acc:
         out, lse = _merge(extra[0], extra[1], out, lse)
     if q_stride:
@@ -192,6 +223,21 @@ def _split_seq_kernel(x):
 @kernel("sdpa_merge_seq")
 def _merge_seq_kernel(x):
     return x.squeeze(-3)
+
+
+@kernel("sdpa_pad_seq")
+def _pad_seq_kernel(x, *, size: int):
+    """Zero rows appended to the sequence dim (-2) up to ``size`` (ring blocks of one size)."""
+    missing = size - x.shape[-2]
+    if missing == 0:
+        return x
+    return torch.cat([x, x.new_zeros(x.shape[:-2] + (missing, x.shape[-1]))], dim=-2)
+
+
+@kernel("sdpa_unpad_seq")
+def _unpad_seq_kernel(x, *, length):
+    """The first ``length`` (per device) rows of the sequence dim (-2): the padding dropped again."""
+    return x.narrow(-2, 0, int(length))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -219,15 +265,17 @@ def _check(specs, has_mask: bool, causal: bool, gqa: bool):
         problems.append(f"dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
     if has_mask:
         m = specs[3]
-        if causal:
-            problems.append("pass either attn_mask or is_causal=True, not both (like torch)")
-        if m.dtype != torch.bool and not m.dtype.is_floating_point:
-            problems.append(f"attn_mask must be bool or floating point, got {m.dtype}")
+        if causal:  # torch 2.13 raises (it does not combine them): same for us
+            problems.append("Explicit attn_mask should not be set when is_causal=True (torch rejects the pair too); "
+                            "fold the causal mask into attn_mask (& torch.ones(L, S, dtype=torch.bool).tril()) "
+                            "or drop one of them")
+        if m.dtype not in (torch.bool, torch.float32, q.dtype):  # torch's rule
+            problems.append(f"attn_mask dtype must be bool, float32 or the query dtype ({q.dtype}), got {m.dtype}")
         full = (n, hq, q.shape[2], s)
         if m.ndim > 4 or any(a not in (1, b) for a, b in zip(m.shape[::-1], full[::-1])):
             problems.append(f"attn_mask of shape {list(m.shape)} does not broadcast to [N, H, L, S] = {list(full)}")
-    if problems:
-        raise OpError(f"dtorch.{_NAME}: {'; '.join(problems)} ({shapes})")
+    if problems:  # all of these are RuntimeErrors in torch too
+        raise AttentionInputError(f"dtorch.{_NAME}: {'; '.join(problems)} ({shapes})")
 
 
 def _mask_dim(spec, od: int, full: tuple):
@@ -321,8 +369,10 @@ class _CPPlan:
     ring_steps: tuple  # of _RingStep
     mask_r: DTensorSpec | None
     noise_r: DTensorSpec | None
-    k_r: DTensorSpec | None
+    k_r: DTensorSpec | None  # K/V as they travel the ring (padded if the split is uneven)
     v_r: DTensorSpec | None
+    ring_pad: tuple  # (padded spec or None) for q, k, v: an uneven ring split runs on equal blocks
+    o_unpad: tuple | None  # (the real output spec, per-device row counts) when q was padded
     o_back: DTensorSpec | None  # output after the all_to_all back (Ulysses)
     o_final: DTensorSpec
 
@@ -418,7 +468,8 @@ def _cp_plan(q, k, v, mask, noise, causal, scale, gqa, u, r) -> _CPPlan:
         if view:
             o_back = spec_like(ulysses[0][0], shape=ulysses[0][0].shape[:-1] + (ev,))
     if nr == 1:
-        return _CPPlan(q_in, k_in, v_in, expand, k_exp, v_exp, ulysses, None, (), None, None, None, None, o_back, o_final)
+        return _CPPlan(q_in, k_in, v_in, expand, k_exp, v_exp, ulysses, None, (), None, None, None, None, (), None,
+                       o_back, o_final)
 
     # Ring: local Q against each K/V block in turn; device j holds block (j - step) mod nr
     sd = 3 if view else 2
@@ -437,10 +488,30 @@ def _cp_plan(q, k, v, mask, noise, causal, scale, gqa, u, r) -> _CPPlan:
 
     mask_r, noise_r = whole_seq(mask), whole_seq(noise)
     extra = tuple(x for x in (mask_r, noise_r) if x is not None)
-    o_acc = DTensorSpec(mesh, q_cur.placements, q_cur.shape[:-1] + (ev,), torch.float32)
-    lse = DTensorSpec(mesh, q_cur.placements, q_cur.shape[:-1], torch.float32)
+
+    # An uneven split (torch.chunk blocks: c, .., c, rest, 0, ..) is padded with zero rows at the end
+    # of every block up to c rows: device j's real rows keep their place (its block starts at j * c
+    # either way), every device and ring step works on blocks of one shape (one stacked kernel per
+    # step instead of a loop over devices, and no empty blocks), and the kernels mask padded keys
+    # (``k_len``) and compute padded query rows that are cut off at the end.
+    def padded(x):
+        size = x.shape[sd]
+        if size % nr == 0:
+            return None
+        return spec_like(x, shape=x.shape[:sd] + (nr * chunk_size(size, nr),) + x.shape[sd + 1:])
+
+    ring_pad = (padded(q_cur), padded(k_cur), padded(v_cur))
+    q_run, k_run, v_run = (p if p is not None else x for p, x in zip(ring_pad, (q_cur, k_cur, v_cur)))
+    acc = _acc_dtype(q.dtype)
+    o_acc = DTensorSpec(mesh, q_run.placements, q_run.shape[:-1] + (ev,), acc)
+    lse = DTensorSpec(mesh, q_run.placements, q_run.shape[:-1], acc)
     o_out = spec_like(o_acc, dtype=q.dtype)
-    q_off = block_offsets(q_cur, sd)
+    o_unpad = None
+    if ring_pad[0] is not None:
+        o_real = spec_like(o_out, shape=q_cur.shape[:-1] + (ev,))
+        rows = np.minimum(chunk_size(q_cur.shape[sd], nr), q_cur.shape[sd] - block_offsets(o_real, sd))
+        o_unpad = (o_real, {"length": rows})
+    q_off = block_offsets(q_run, sd)
     steps = []
     for st in range(nr):
         def src(c, st=st):
@@ -452,20 +523,22 @@ def _cp_plan(q, k, v, mask, noise, causal, scale, gqa, u, r) -> _CPPlan:
         kwargs = {"scale": scale, "causal": causal, "mask_rank": mask.ndim if mask is not None else None,
                   "has_noise": noise is not None, "has_acc": st > 0, "kv_rep": hq // k_cur.shape[1],
                   "q_stride": l // U if view else 0, "k_stride": s // U if view else 0,
-                  "out_dtype": q.dtype if last else torch.float32}
-        steps.append(_RingStep((q_cur, k_cur, v_cur) + extra + ((o_acc, lse) if st else ()),
+                  "out_dtype": q.dtype if last else acc,
+                  "q_len": q_cur.shape[sd] if ring_pad[0] is not None else None,
+                  "k_len": k_cur.shape[sd] if ring_pad[1] is not None else None}
+        steps.append(_RingStep((q_run, k_run, v_run) + extra + ((o_acc, lse) if st else ()),
                                (o_out if last else o_acc, lse), kwargs,
-                               {"q_off": q_off, "k_off": block_offsets(k_cur, sd, src)}))
-    return _CPPlan(q_in, k_in, v_in, expand, k_exp, v_exp, ulysses, r, tuple(steps), mask_r, noise_r, k_cur, v_cur,
-                   o_back, o_final)
+                               {"q_off": q_off, "k_off": block_offsets(k_run, sd, src)}))
+    return _CPPlan(q_in, k_in, v_in, expand, k_exp, v_exp, ulysses, r, tuple(steps), mask_r, noise_r, k_run, v_run,
+                   ring_pad, o_unpad, o_back, o_final)
 
 
 # ------------------------------------------------------------------------------------------------
 # execution
 
 
-def _run(kern: Kernel, x: Tensor, out_spec: DTensorSpec, **kwargs) -> Tensor:
-    h = x._graph.runtime.run_local(kern, [x._h], [x._spec], [out_spec], kwargs, None)
+def _run(kern: Kernel, x: Tensor, out_spec: DTensorSpec, device_args=None, **kwargs) -> Tensor:
+    h = x._graph.runtime.run_local(kern, [x._h], [x._spec], [out_spec], kwargs, device_args)
     return Tensor._make(out_spec, h[0], x._graph)
 
 
@@ -518,6 +591,8 @@ def _ring(cp: _CPPlan, q, k, v, mask, noise) -> Tensor:
     graph = q._graph
     rt = graph.runtime
     extra = [redistribute_spec(x, s) for x, s in ((mask, cp.mask_r), (noise, cp.noise_r)) if x is not None]
+    q, k, v = (x if p is None else _run(_pad_seq_kernel, x, p, size=p.even_local_shape()[-2])
+               for x, p in zip((q, k, v), cp.ring_pad))
     kh, vh = k._h, v._h
     acc: list = []
     for st, step in enumerate(cp.ring_steps):
@@ -532,7 +607,10 @@ def _ring(cp: _CPPlan, q, k, v, mask, noise) -> Tensor:
         if st + 1 < len(cp.ring_steps):  # pass K/V on: device j now holds block j - st - 1
             kh = rt.ring_shift(kh, cp.k_r, cp.ring_dim, 1)
             vh = rt.ring_shift(vh, cp.v_r, cp.ring_dim, 1)
-    return Tensor._make(cp.ring_steps[-1].out_specs[0], acc[0], graph)
+    out = Tensor._make(cp.ring_steps[-1].out_specs[0], acc[0], graph)
+    if cp.o_unpad is not None:  # drop the padded query rows
+        out = _run(_unpad_seq_kernel, out, cp.o_unpad[0], cp.o_unpad[1])
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
