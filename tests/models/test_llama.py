@@ -40,6 +40,9 @@ CONFIGS = {
                          num_key_value_heads=4, vocab_size=160),
     "gqa": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=8,
                 num_key_value_heads=2, vocab_size=128),
+    # one kv head (with biases: they are replicated over tp like the weights)
+    "mqa": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=1, vocab_size=160, attention_bias=True),
 }
 
 
@@ -104,6 +107,11 @@ LAYOUTS = [
     Layout("gqa 8/2 heads, tp2 x ulysses2 x ring2", (("tp", 2), ("ulysess_cp", 2), ("ring_cp", 2)), batch=1, seq=8,
            config="gqa"),
     Layout("3 layers on pp2 (uneven split)", (("pp", 2), ("tp", 2)), batch=3, seq=5, config="three_layers"),
+    # fewer kv heads than tp: each kv head replicated on the tp devices whose query heads use it
+    Layout("gqa 8/2 heads, tp4", (("tp", 4),), batch=3, seq=7, config="gqa"),
+    Layout("gqa 8/2 heads, dp2 x tp4", (("dp", 2), ("tp", 4)), batch=3, seq=5, config="gqa"),
+    Layout("mqa 4/1 heads, tp2 x ulysses2", (("tp", 2), ("ulysess_cp", 2)), batch=2, seq=6, config="mqa"),
+    Layout("mqa 4/1 heads, pp2 x tp4 x ring2", (("pp", 2), ("tp", 4), ("ring_cp", 2)), batch=1, seq=7, config="mqa"),
 ]
 
 
@@ -316,8 +324,9 @@ def test_from_pretrained_tied_embeddings(tmp_path):
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(make_config(tie_word_embeddings=True)).eval()
     hf.save_pretrained(tmp_path)
-    mesh = dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["pp"])
+    mesh = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["pp", "tp"])
     model = LlamaForCausalLM.from_pretrained(tmp_path, device_mesh=mesh)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
     ids = torch.randint(0, 160, (2, 6))
     with torch.no_grad():
         torch.testing.assert_close(model(ids), hf(ids).logits, rtol=RTOL, atol=ATOL)
@@ -348,7 +357,10 @@ def test_unsupported_mesh_dims_are_named():
 
 @pytest.mark.parametrize("dims,config,message", [
     ((("tp", 3),), "base", r"num_attention_heads \(4\) is not divisible by tp \(3\)"),
-    ((("tp", 4),), "gqa", r"num_key_value_heads \(2\) is not divisible by tp \(4\)"),
+    ((("tp", 4),), dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=6),
+     r"num_key_value_heads \(6\) and tp \(4\) do not divide one another"),
+    ((("tp", 4),), dict(hidden_size=96, num_attention_heads=12, num_key_value_heads=3),
+     r"num_key_value_heads \(3\) and tp \(4\) do not divide one another"),
     ((("ulysess_cp", 8),), "base", r"query heads per tp shard .* not divisible by ulysess_cp \(8\)"),
     ((("tp", 2), ("ulysses_cp", 4)), "base", r"query heads per tp shard .* not divisible by ulysess_cp \(4\)"),
     ((("pp", 3),), "base", r"num_hidden_layers \(2\) is smaller than pp \(3\)"),
@@ -357,7 +369,7 @@ def test_head_and_layer_counts_a_layout_cannot_serve(dims, config, message):
     names, sizes = zip(*dims)
     mesh = dtorch.init_device_mesh("cpu", sizes, mesh_dim_names=list(names))
     with pytest.raises(LlamaLayoutError, match=message):
-        LlamaForCausalLM(make_config(config), mesh)
+        LlamaForCausalLM(make_config(config) if isinstance(config, str) else make_config(**config), mesh)
 
 
 def test_ulysses_needs_a_sequence_it_can_split():
@@ -389,6 +401,172 @@ def test_bad_input_ids():
         model(torch.randn(2, 4))
     with pytest.raises(TypeError, match=r"integer tensor \[batch, seq\]"):
         model(torch.zeros(4, dtype=torch.long))
+
+
+# -- rope types ------------------------------------------------------------------------------------
+
+HEAD_DIM = CONFIGS["base"]["hidden_size"] // CONFIGS["base"]["num_attention_heads"]
+ROPE_TYPES = {
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+    "yarn": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16},
+    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 16, "attention_factor": 1.1,
+                 "short_factor": [1.0 + i / 16 for i in range(HEAD_DIM // 2)],
+                 "long_factor": [1.5 + i / 4 for i in range(HEAD_DIM // 2)]},
+}
+
+
+def rope_models(rope: dict, mesh=None):
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(make_config(max_position_embeddings=32, rope_scaling=dict(rope))).eval()
+    model = LlamaForCausalLM(hf.config, mesh)
+    model.load_state_dict(hf.state_dict())
+    return model, hf
+
+
+@pytest.mark.parametrize("rope_type", list(ROPE_TYPES))
+def test_rope_types_match_hugging_face_beyond_max_position_embeddings(rope_type):
+    """max_position_embeddings 32; sequences of 40, 36, 12 and 40 tokens in that order: "dynamic" grows its
+    table at 40, keeps it for 36 (> 32, not longer than before) and resets at 12, like Hugging Face;
+    "longrope" switches between its short and long factors at original_max_position_embeddings."""
+    mesh = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["tp", "ring_cp"])
+    model, hf = rope_models(ROPE_TYPES[rope_type], mesh)
+    torch.manual_seed(1)
+    for seq in (40, 36, 12, 40):
+        ids = torch.randint(0, 160, (1, seq))
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids), hf(ids).logits, rtol=RTOL, atol=ATOL)
+
+
+def test_dynamic_rope_check_can_fail():
+    """Without the recomputation (the table for max_position_embeddings at 40 tokens) the logits are far off."""
+    model, hf = rope_models(ROPE_TYPES["dynamic"])
+    ids = torch.randint(0, 160, (1, 40))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        hf.model.rotary_emb.inv_freq.copy_(hf.model.rotary_emb.original_inv_freq)
+        hf.model.rotary_emb.max_seq_len_cached = 40  # keep it from growing again
+        assert (hf(ids).logits - expected).abs().max() > 100 * ATOL
+
+
+def test_unsupported_rope_settings_are_named():
+    cfg = make_config(rope_scaling=dict(ROPE_TYPES["linear"]))
+    cfg.rope_parameters["rope_type"] = "bogus"
+    with pytest.raises(LlamaLayoutError, match=r"rope_type 'bogus' is not supported.*'dynamic'.*'linear'.*'llama3'.*'yarn'"):
+        LlamaForCausalLM(cfg)
+    cfg = make_config(rope_scaling=dict(ROPE_TYPES["linear"], partial_rotary_factor=0.5))
+    with pytest.raises(LlamaLayoutError, match=r"gives 4 frequencies for head_dim 16; .*\(8 frequencies\): set partial_rotary_factor to 1"):
+        LlamaForCausalLM(cfg)
+
+
+# -- bfloat16 ---------------------------------------------------------------------------------------
+
+def test_bfloat16_keeps_rope_in_float32(tmp_path):
+    """Hugging Face's bf16 model keeps inv_freq float32 and computes cos/sin in float32: at position 2000 a
+    bf16 inv_freq is off by up to ~0.35 in cos. A bf16 checkpoint loads as bf16 by default (dtype "auto")."""
+    cfg = make_config(max_position_embeddings=4096, rope_theta=500000.0, initializer_range=0.3)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path)
+    hf_bf16 = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    hf_fp32 = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert hf_bf16.dtype == torch.bfloat16 and hf_bf16.model.rotary_emb.inv_freq.dtype == torch.float32
+
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path)  # dtype=None: the checkpoint's
+    cast = LlamaForCausalLM(hf_fp32.config)
+    cast.load_state_dict(hf_fp32.state_dict())
+    cast.to(torch.bfloat16)
+    positions = torch.arange(1990, 2010)
+    x = torch.zeros(1, dtype=torch.bfloat16)
+    with torch.no_grad():
+        cos_ref, sin_ref = hf_bf16.model.rotary_emb(x, positions[None])
+    for model in (loaded, cast):
+        assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+        assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+        cos, sin = model.model.rotary_emb(dtorch.Tensor(positions), torch.bfloat16)
+        assert cos.dtype == torch.bfloat16
+        torch.testing.assert_close(cos.to_torch(), cos_ref[0], rtol=0, atol=0)
+        torch.testing.assert_close(sin.to_torch(), sin_ref[0], rtol=0, atol=0)
+
+    # the logits drift from float32 no further than Hugging Face's bf16 model's (a bf16 inv_freq: ~1.8x the
+    # mean drift at 256 tokens)
+    ids = torch.randint(0, 160, (1, 256))
+    with torch.no_grad():
+        ref = hf_fp32(ids).logits
+        hf_drift = (hf_bf16(ids).logits.float() - ref).abs().mean()
+    out = loaded(ids)
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - ref).abs().mean() < 1.2 * hf_drift
+    torch.testing.assert_close(cast(ids), out, rtol=0, atol=0)
+
+
+# -- kv heads replicated over tp ----------------------------------------------------------------------
+
+def test_kv_heads_fewer_than_tp_are_replicated(tmp_path):
+    """tp4 with 2 kv heads: every tp device holds exactly the kv head its query heads use (the state dict
+    and checkpoints keep Hugging Face's shapes)."""
+    hf = hf_model("gqa")  # 8 query heads, 2 kv heads of 16
+    mesh = dtorch.init_device_mesh("cpu", (4,), mesh_dim_names=["tp"])
+    model = LlamaForCausalLM(hf.config, mesh)
+    model.load_state_dict(hf.state_dict())
+    for proj in ("k_proj", "v_proj"):
+        held = getattr(model.model.layers[0].self_attn, proj).weight
+        ref = getattr(hf.model.layers[0].self_attn, proj).weight.detach()
+        assert held.placements == [Shard(0)] and tuple(held.shape) == (4 * 16, 128)
+        for rank, block in enumerate(held.local_blocks()):
+            kv_head = rank // 2  # query heads 2r, 2r+1 use kv head (2r) // 4
+            assert torch.equal(block, ref[kv_head * 16:(kv_head + 1) * 16])
+    sd, ref_sd = model.state_dict(), hf.state_dict()
+    assert list(sd) == list(ref_sd) and all(torch.equal(sd[k], ref_sd[k]) for k in sd)
+
+    hf.save_pretrained(tmp_path)
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path, device_mesh=mesh)
+    ids = torch.randint(0, hf.config.vocab_size, (2, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), hf(ids).logits, rtol=RTOL, atol=ATOL)
+    with pytest.raises(StateDictError, match=r"size mismatch for model.layers.0.self_attn.k_proj.weight: .*"
+                                             r"torch.Size\(\[16, 128\]\) from checkpoint, .* torch.Size\(\[32, 128\]\)"):
+        model.load_state_dict(dict(ref_sd, **{"model.layers.0.self_attn.k_proj.weight": torch.zeros(16, 128)}))
+
+
+def test_replicated_kv_heads_start_equal():
+    """Random initialisation draws each kv head once: its copies agree, so the model equals itself unsharded."""
+    cfg = make_config("mqa")
+    model = LlamaForCausalLM(cfg, dtorch.init_device_mesh("cpu", (4,), mesh_dim_names=["tp"]))
+    single = LlamaForCausalLM(cfg)
+    single.load_state_dict(model.state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (2, 5))
+    torch.testing.assert_close(model(ids), single(ids), rtol=RTOL, atol=ATOL)
+
+
+# -- tied embeddings ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dims", [(("tp", 2),), (("pp", 2), ("tp", 2))], ids=str)
+def test_tied_embeddings_are_one_parameter(dims):
+    names, sizes = zip(*dims)
+    mesh = dtorch.init_device_mesh("cpu", sizes, mesh_dim_names=list(names))
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(make_config(tie_word_embeddings=True)).eval()
+    model = LlamaForCausalLM(hf.config, mesh)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.check_placement("tp", Shard(0))  # vocab over tp
+    # like Hugging Face: both names in the state dict, the parameter listed once
+    assert list(model.state_dict()) == list(hf.state_dict())
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in hf.named_parameters()]
+    sd = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    assert model.load_state_dict(sd) == ([], [])
+    ids = torch.randint(0, 160, (2, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf(ids).logits, rtol=RTOL, atol=ATOL)
+    # new values through either name show in both (the pp copy on the last stage is refreshed)
+    torch.manual_seed(3)
+    other = transformers.LlamaForCausalLM(make_config(tie_word_embeddings=True)).eval()
+    sd = {k: v for k, v in other.state_dict().items() if k != "model.embed_tokens.weight"}
+    model.load_state_dict(sd)
+    torch.testing.assert_close(model.model.embed_tokens.weight.to_torch(), other.model.embed_tokens.weight.detach())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), other(ids).logits, rtol=RTOL, atol=ATOL)
 
 
 # -- the documented script: the same matrix on simulated "cuda" meshes -------------------------------

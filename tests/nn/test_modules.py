@@ -364,3 +364,143 @@ def test_to_mesh_and_buffer_loading():
     assert all(t.device_mesh == DP_TP for t in list(m.parameters()) + list(m.buffers()))
     for k, v in m.state_dict().items():
         torch.testing.assert_close(v, sd[k])
+
+
+# -- torch objects given to dtorch modules ----------------------------------------------------------
+
+def test_torch_modules_are_refused_with_the_dtorch_module_to_use():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+    with pytest.raises(nn.ModuleAssignmentError, match=r"torch.nn.modules.linear.Linear as 'proj' of Net.*"
+                                                        r"build a dtorch.nn.Linear instead"):
+        Net()
+
+    class TorchOnly(torch.nn.Module):
+        pass
+
+    m = nn.Module()
+    with pytest.raises(TypeError, match=r"dtorch.nn has no TorchOnly: write it as a dtorch.nn.Module subclass"):
+        m.block = TorchOnly()
+    with pytest.raises(nn.ModuleAssignmentError, match=r"build a dtorch.nn.ReLU instead"):
+        nn.ModuleList([nn.SiLU()]).append(torch.nn.ReLU())
+    with pytest.raises(nn.ModuleAssignmentError, match=r"build a dtorch.nn.Sequential instead"):
+        m.add_module("seq", torch.nn.Sequential())
+    assert list(m.named_modules()) == [("", m)] and not hasattr(m, "block")
+
+
+def test_torch_parameters_are_registered_like_torch():
+    class Ours(nn.Module):
+        def __init__(self, w, b):
+            super().__init__()
+            self.scale = torch.nn.Parameter(w)
+            self.register_parameter("shift", torch.nn.Parameter(b))
+
+    class Ref(torch.nn.Module):
+        def __init__(self, w, b):
+            super().__init__()
+            self.scale = torch.nn.Parameter(w)
+            self.register_parameter("shift", torch.nn.Parameter(b))
+
+    w, b = torch.randn(3, 5), torch.randn(5)
+    with dtorch.default_graph().device_mesh_guard(DP_TP):
+        ours = Ours(w, b)
+    ref = Ref(w, b)
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    assert all(isinstance(p, nn.Parameter) and p.device_mesh == DP_TP for p in ours.parameters())
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[k], v)
+
+
+# -- dtype casts, shared parameters, parameters held in another layout -------------------------------
+
+def test_to_dtype_keeps_float32_buffers():
+    class Rope(nn.Module):
+        _float32_buffers = ("inv_freq",)
+
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("inv_freq", torch.rand(4), persistent=False)
+            self.register_buffer("table", torch.rand(4))
+            self.weight = nn.Parameter(dtorch.Tensor(torch.rand(4)))
+
+    m = Rope().to(torch.bfloat16)
+    assert (m.inv_freq.dtype, m.table.dtype, m.weight.dtype) == (torch.float32, torch.bfloat16, torch.bfloat16)
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3, bias=False)
+        self.b = nn.Linear(3, 3, bias=False)
+        self.b.weight = self.a.weight
+
+
+class TorchTied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(3, 3, bias=False)
+        self.b = torch.nn.Linear(3, 3, bias=False)
+        self.b.weight = self.a.weight
+
+
+def test_shared_parameters():
+    ours, ref = Tied(), TorchTied()
+    assert list(ours.state_dict()) == list(ref.state_dict()) == ["a.weight", "b.weight"]
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in ref.named_parameters()] == ["a.weight"]
+    # either name alone loads the shared parameter (torch would report the other one missing)
+    for key in ("a.weight", "b.weight"):
+        w = torch.randn(3, 3)
+        assert ours.load_state_dict({key: w}) == ([], [])
+        assert ours.a.weight is ours.b.weight
+        torch.testing.assert_close(ours.b.weight.to_torch(), w)
+    ours.to(torch.float16)
+    assert ours.a.weight is ours.b.weight and ours.b.weight.dtype == torch.float16
+    with pytest.raises(nn.StateDictError, match=r'Missing key\(s\) in state_dict: "a.weight", "b.weight"'):
+        ours.load_state_dict({})
+
+
+def test_repeated_rows_state_and_checkpoint_slices():
+    """A parameter held with each 2-row block repeated 3 times saves and loads one copy of each block; a
+    checkpoint slice read through held_slice gives any box of the held tensor."""
+    from dtorch.nn.module import RepeatedRows
+
+    form = RepeatedRows(block=2, repeats=3)
+    saved = torch.arange(4 * 5.0).reshape(4, 5)  # two blocks of 2 rows
+    held = form.load(saved)
+    assert torch.equal(held, saved.reshape(2, 1, 2, 5).expand(2, 3, 2, 5).reshape(12, 5))
+    assert torch.equal(form.save(held), saved) and form.saved_shape(held.shape) == (4, 5)
+
+    class TorchSlice:  # safetensors' get_slice interface over a torch tensor
+        def get_shape(self):
+            return list(saved.shape)
+
+        def __getitem__(self, index):
+            return saved[index]
+
+    sl = form.held_slice(TorchSlice())
+    assert sl.get_shape() == [12, 5]
+    for rows in [(0, 12), (3, 4), (5, 9), (11, 1), (4, 0)]:
+        box = (slice(rows[0], rows[0] + rows[1]), slice(1, 4))
+        assert torch.equal(sl[box], held[box])
+
+    m = nn.Linear(5, 12, bias=False, device_mesh=TP2, tp_shard_type="col")
+    m.load_state_dict({"weight": held})
+    m._saved_forms["weight"] = form
+    assert torch.equal(m.state_dict()["weight"], saved)
+    m.load_state_dict({"weight": saved + 1})
+    assert torch.equal(m.weight.to_torch(), held + 1)
+    assert torch.equal(m.state_dict(keep_vars=True)["weight"].to_torch(), held + 1)
+
+
+def test_a_torch_parameter_replacing_a_sharded_one_keeps_its_layout():
+    lin = nn.ColumnParallelLinear(4, 6, device_mesh=DP_TP)
+    w = torch.randn(6, 4)
+    lin.weight = torch.nn.Parameter(w)
+    assert isinstance(lin.weight, nn.Parameter) and lin.weight.placements == [Replicate(), Shard(0)]
+    torch.testing.assert_close(lin.weight.to_torch(), w)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(lin(dtorch.Tensor(x, device_mesh=DP_TP)).to_torch(),
+                               torch.nn.functional.linear(x, w, lin.bias.to_torch()))

@@ -57,6 +57,9 @@ def read_sharded(model, path: Path, progress=None) -> None:
             if f not in handles:
                 handles[f] = safe_open(str(f), framework="pt").__enter__()
             sl = handles[f].get_slice(src)
+            form = mod._saved_form(name)
+            if form is not None:  # held with repeated rows (kv heads replicated over tp): read in that layout
+                sl = form.held_slice(sl)
             shape = tuple(sl.get_shape())
             if shape != tuple(t.shape):
                 raise StateDictError(f"size mismatch for {key}: the checkpoint has shape {list(shape)}, the model "

@@ -27,6 +27,8 @@ from ..mesh import DeviceMesh, assign_layers_to_stages, get_default_device_mesh
 from ..placement import Partial, Replicate, Shard
 from ..tensor import Tensor
 from ..nn import functional as F
+from ..nn._layout import on_mesh
+from ..nn.module import RepeatedRows
 
 SUPPORTED_MESH_DIMS = ("dp", "tp", "pp", "ulysess_cp", "ulysses_cp", "ring_cp")
 CP_DIMS = ("ulysess_cp", "ulysses_cp", "ring_cp")
@@ -54,8 +56,10 @@ def check_layout(config, mesh: DeviceMesh) -> None:
         problems.append(f"num_attention_heads ({nh}) is not a multiple of num_key_value_heads ({nkv})")
     if nh % tp:
         problems.append(f"num_attention_heads ({nh}) is not divisible by tp ({tp})")
-    if nkv % tp:
-        problems.append(f"num_key_value_heads ({nkv}) is not divisible by tp ({tp})")
+    if (nkv % tp if nkv >= tp else tp % nkv):
+        problems.append(f"num_key_value_heads ({nkv}) and tp ({tp}) do not divide one another (kv heads are split "
+                        f"over tp, or, when fewer than tp, each is replicated on the tp / num_key_value_heads devices "
+                        f"whose query heads use it)")
     if nh % tp == 0 and (nh // tp) % ulysses:
         problems.append(f"the {nh // tp} query heads per tp shard (num_attention_heads {nh} / tp {tp}) are not "
                         f"divisible by ulysess_cp ({ulysses})")
@@ -87,42 +91,100 @@ def activation_placements(mesh: DeviceMesh, batch_dim: int | None = 0, seq_dim: 
     return out
 
 
-def _rope_parameters(config) -> tuple[torch.Tensor, float]:
-    """inv_freq ``[d/2]`` and the cos/sin scaling, as Hugging Face computes them."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
+def _rope_config(config) -> dict:
+    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+
+
+def _rope_type(config) -> str:
+    params = _rope_config(config)
+    return params.get("rope_type", params.get("type", "default"))
+
+
+def _rope_parameters(config, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """float32 inv_freq ``[d/2]`` and the cos/sin scaling, as Hugging Face computes them (``seq_len``: the
+    sequence length, for the rope types that depend on it)."""
+    rope_type, dim = _rope_type(config), _head_dim(config)
+    if rope_type == "default":
+        params = _rope_config(config)
+        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv_freq, scaling = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
+    else:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        return ROPE_INIT_FUNCTIONS[rope_type](config, None)
-    base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    dim = _head_dim(config)
-    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
+        if rope_type not in ROPE_INIT_FUNCTIONS:
+            raise LlamaLayoutError(f"rope_type {rope_type!r} is not supported; dtorch's Llama supports 'default' and "
+                                   f"Hugging Face's {sorted(ROPE_INIT_FUNCTIONS)}")
+        kw = {} if seq_len is None else {"seq_len": seq_len}
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, **kw)
+    if tuple(inv_freq.shape) != (dim // 2,):
+        raise LlamaLayoutError(f"rope_type {rope_type!r} gives {inv_freq.numel()} frequencies for head_dim {dim}; "
+                               f"Llama rotates the whole head ({dim // 2} frequencies): set partial_rotary_factor to 1")
+    return inv_freq.float(), float(scaling)
 
 
 class LlamaRotaryEmbedding(nn.Module):
     """cos/sin tables ``[S, d]`` at GLOBAL positions: the positions come from ``arange`` sharded like the
-    sequence, so every device rotates its tokens by where they sit in the whole sequence."""
+    sequence, so every device rotates its tokens by where they sit in the whole sequence.
+
+    As in Hugging Face: ``inv_freq`` stays float32 whatever the model's dtype (cos/sin are computed in
+    float32, then cast to the activations' dtype), and the rope types "dynamic" (NTK) and "longrope"
+    recompute it from the sequence length in forward (``dynamic_rope_update``). "dynamic" keeps Hugging
+    Face's state: a table grown for a sequence longer than any before serves until one shorter than
+    ``max_position_embeddings`` resets it.
+    """
+
+    _float32_buffers = ("inv_freq",)
 
     def __init__(self, config, device_mesh: DeviceMesh | None = None):
         super().__init__()
+        self.config = config
+        self.rope_type = _rope_type(config)
         inv_freq, self.attention_scaling = _rope_parameters(config)
+        # torch float32 tables: "dynamic" resets to the original one, "longrope" switches short / long
+        self.original_inv_freq, self._long_inv_freq, self._in_use = inv_freq, None, inv_freq
+        self.original_max_seq_len = self.max_seq_len_cached = config.max_position_embeddings
         self.register_buffer("inv_freq", Tensor(inv_freq, device_mesh=get_default_device_mesh(device_mesh)),
                              persistent=False)
         self._per_mesh = {}
+
+    def _use(self, inv_freq: torch.Tensor) -> None:
+        if inv_freq is not self._in_use:
+            self.inv_freq = Tensor(inv_freq, device_mesh=self.inv_freq.device_mesh)
+            self._in_use = inv_freq
+
+    def _update(self, seq_len: int) -> None:
+        """Hugging Face's dynamic_rope_update for a forward over positions below ``seq_len``."""
+        if "dynamic" in self.rope_type:
+            if seq_len > self.max_seq_len_cached:  # growth
+                inv_freq, self.attention_scaling = _rope_parameters(self.config, seq_len)
+                self._use(inv_freq)
+                self.max_seq_len_cached = seq_len
+            elif seq_len < self.original_max_seq_len < self.max_seq_len_cached:  # back to the original scale
+                self._use(self.original_inv_freq)
+                self.max_seq_len_cached = self.original_max_seq_len
+        elif self.rope_type == "longrope":
+            original = _rope_config(self.config)["original_max_position_embeddings"]
+            if self._long_inv_freq is None:
+                self._long_inv_freq = _rope_parameters(self.config, original + 1)[0]
+            self._use(self._long_inv_freq if seq_len > original else self.original_inv_freq)
 
     def _inv_freq_on(self, mesh: DeviceMesh) -> Tensor:
         # each stage builds its own copy rather than receiving one over "pp"
         if self.inv_freq.device_mesh == mesh:
             return self.inv_freq
         source, copy = self._per_mesh.get(mesh, (None, None))
-        if source is not self.inv_freq:  # first use, or the buffer was replaced (.to(dtype), loading)
+        if source is not self.inv_freq:  # first use, or the buffer was replaced (.to(mesh), a new rope length)
             copy = Tensor(self.inv_freq.to_torch(), device_mesh=mesh)
             self._per_mesh[mesh] = (self.inv_freq, copy)
         return copy
 
-    def forward(self, positions: Tensor, dtype: torch.dtype = torch.float32):
-        freqs = positions.float().unsqueeze(-1) * self._inv_freq_on(positions.device_mesh)  # [S, 1] * [d/2] -> [S, d/2]
+    def forward(self, positions: Tensor, dtype: torch.dtype = torch.float32, seq_len: int | None = None):
+        """cos, sin ``[S, d]`` in ``dtype`` for ``positions`` ``[S]``; ``seq_len`` (one more than the largest
+        position) is read from ``positions`` when not given, for the rope types that depend on it."""
+        if "dynamic" in self.rope_type or self.rope_type == "longrope":
+            self._update(int(positions.max()) + 1 if seq_len is None else seq_len)
+        inv_freq = self._inv_freq_on(positions.device_mesh).float()
+        freqs = positions.float().unsqueeze(-1) * inv_freq  # [S, 1] * [d/2] -> [S, d/2], float32
         emb = dtorch.cat((freqs, freqs), dim=-1)  # [S, d]
         cos, sin = emb.cos(), emb.sin()
         if self.attention_scaling != 1.0:
@@ -140,27 +202,53 @@ def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor):
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+def _replicate_kv_heads(proj: nn.Linear, form: RepeatedRows) -> None:
+    """Hold each kv head of ``proj`` ``form.repeats`` times in a row, so that with tp Shard(0) every tp device
+    holds the one kv head its query heads use; the state dict keeps one copy of each (Hugging Face's)."""
+    for name in ("weight", "bias"):
+        p = getattr(proj, name)
+        if p is not None:
+            held = Tensor(form.load(p.to_torch()), device_mesh=p.device_mesh, placements=p.placements)
+            proj.register_parameter(name, nn.Parameter(held))
+            proj._saved_forms[name] = form
+    proj.out_features *= form.repeats
+
+
 class LlamaAttention(nn.Module):
+    """Heads over tp. With fewer kv heads than tp devices (8 kv heads on 16-way tp), each kv head is
+    replicated on the tp / num_key_value_heads devices whose query heads use it (as in Megatron and vLLM):
+    k_proj / v_proj hold ``tp`` heads, kv head ``j`` at held heads ``j * r .. j * r + r - 1``
+    (``r = tp / num_key_value_heads``), and their state dict entries keep Hugging Face's shapes."""
+
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, _num_kv_heads(config), _head_dim(config)
         self.scaling = self.head_dim ** -0.5
+        tp = dim_size(get_default_device_mesh(), "tp")
+        self.kv_repeats = tp // self.num_kv_heads if self.num_kv_heads < tp else 1
+        self.kv_heads_held = self.num_kv_heads * self.kv_repeats
         h, bias = config.hidden_size, getattr(config, "attention_bias", False)
         self.q_proj = nn.ColumnParallelLinear(h, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.ColumnParallelLinear(h, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.ColumnParallelLinear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        if self.kv_repeats > 1:
+            form = RepeatedRows(self.head_dim, self.kv_repeats)
+            _replicate_kv_heads(self.k_proj, form)
+            _replicate_kv_heads(self.v_proj, form)
         self.o_proj = nn.RowParallelLinearWithReplicateOutput(self.num_heads * self.head_dim, h, bias=bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         b, s, _ = x.shape
         # [B, S, H] -> [B, S, n*d] (S(2) on tp) -> [B, S, n, d] -> [B, n, S, d]: heads over tp, S over cp
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.kv_heads_held, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.kv_heads_held, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        # GQA: query head i uses held kv head i // (num_heads / kv_heads_held), a copy of kv head
+        # i // (num_heads / num_kv_heads), Hugging Face's
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
-                                           enable_gqa=self.num_kv_heads != self.num_heads)
+                                           enable_gqa=self.kv_heads_held != self.num_heads)
         o = o.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)  # [B, n, S, d] -> [B, S, n*d]
         return self.o_proj(o)  # partial sums over tp all-reduced: R on tp
 
@@ -216,8 +304,11 @@ class LlamaModel(nn.Module):
         self.layer_stages = assign_layers_to_stages(config.num_hidden_layers, len(self.stage_meshes))
         guard = Graph.default_graph().device_mesh_guard
         with guard(self.stage_meshes[0]):
+            # tied to lm_head: vocab over tp like lm_head (Megatron's vocab-parallel embedding), so both can
+            # be one parameter
             self.embed_tokens = nn.EmbeddingWithReplicateOutput(config.vocab_size, config.hidden_size,
-                                                                getattr(config, "pad_token_id", None))
+                                                                getattr(config, "pad_token_id", None),
+                                                                vocab_parallel=_tied(config))
             self.rotary_emb = LlamaRotaryEmbedding(config)
         layers = []
         for i, stage in enumerate(self.layer_stages):
@@ -239,7 +330,7 @@ class LlamaModel(nn.Module):
 
     def rope(self, mesh: DeviceMesh, seq_len: int, dtype: torch.dtype):
         positions = dtorch.arange(seq_len, device_mesh=mesh, placements=activation_placements(mesh, None, 0))
-        return self.rotary_emb(positions, dtype)
+        return self.rotary_emb(positions, dtype, seq_len=seq_len)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         h = self.embed_tokens(input_ids)  # [B, S] -> [B, S, H]
@@ -255,6 +346,50 @@ class LlamaModel(nn.Module):
         return self.norm(h)
 
 
+def _tied(config) -> bool:
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
+class TiedLMHead(nn.Module):
+    """lm_head of a ``tie_word_embeddings`` model: its ``weight`` is the embedding's parameter, one object
+    under both names as in Hugging Face (``state_dict`` has both keys; loading or casting either changes
+    both). The embedding is vocab-parallel, so the weight is Shard(0) on tp like an untied lm_head's and
+    the logits leave S(-1) on tp.
+
+    On one pipeline stage the matmul uses the parameter itself. With pp the embedding lives on the first
+    stage and lm_head runs on the last: it uses a copy of the parameter on the last stage's devices (like
+    Megatron's second copy), sent over once and sent again whenever the parameter holds new values.
+    """
+
+    def __init__(self, weight: nn.Parameter, device_mesh: DeviceMesh):
+        super().__init__()
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+        self.device_mesh = device_mesh  # where it runs (the last pipeline stage)
+        self._copy = (None, None)  # (the parameter's storage handle it was made from, the copy)
+
+    def _weight_here(self) -> Tensor:
+        w = self.weight
+        if w.device_mesh == self.device_mesh:
+            return w
+        source, copy = self._copy
+        # every change of a parameter's values gives it a new storage handle (Parameter._set: loading,
+        # casting); dtorch writes nothing in place, so an unchanged handle means unchanged values
+        if source is not w._h:
+            copy = w.redistribute(self.device_mesh, w.placements)  # stage meshes share their dim names
+            self._copy = (w._h, copy)
+        return copy
+
+    def redistribute_input(self, x, *args, **kwargs):
+        return (on_mesh(x, self.device_mesh), *args), kwargs
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self._weight_here())  # [B, S, H] R on tp -> [B, S, vocab] S(-1) on tp
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}, tied to the embedding"
+
+
 class LlamaForCausalLM(nn.Module):
     """Hugging Face's ``LlamaForCausalLM`` (inference) on any mesh with dims among dp, tp, pp, ulysess_cp, ring_cp.
 
@@ -267,9 +402,13 @@ class LlamaForCausalLM(nn.Module):
         mesh = get_default_device_mesh(device_mesh)
         self.config = config
         self.model = LlamaModel(config, mesh)
-        with Graph.default_graph().device_mesh_guard(self.model.stage_meshes[-1]):
-            # vocab over tp: logits leave S(-1) on tp and are gathered only when handed back
-            self.lm_head = nn.ColumnParallelLinear(config.hidden_size, config.vocab_size, bias=False)
+        last = self.model.stage_meshes[-1]
+        if _tied(config):
+            self.lm_head = TiedLMHead(self.model.embed_tokens.weight, last)
+        else:
+            with Graph.default_graph().device_mesh_guard(last):
+                # vocab over tp: logits leave S(-1) on tp and are gathered only when handed back
+                self.lm_head = nn.ColumnParallelLinear(config.hidden_size, config.vocab_size, bias=False)
         self._caller = None
 
     @property
@@ -307,13 +446,22 @@ class LlamaForCausalLM(nn.Module):
 
         path = Path(path)
         config = load_config(path)
-        with nn.skip_init():
+        if dtype is None:  # like transformers' from_pretrained (dtype "auto"): the dtype the checkpoint names
+            dtype = _config_dtype(config)
+        graph = Graph.default_graph()
+        with nn.skip_init(), graph.dtype_guard(dtype or graph.default_dtype):
             model = cls(config, device_mesh)
-        if dtype is not None:
-            model.to(dtype)
         read_sharded(model, path, progress=progress)
         return model
 
 
+def _config_dtype(config) -> torch.dtype | None:
+    """The config's ``dtype`` (``torch_dtype`` before transformers 5), a torch dtype or its name; None if absent."""
+    d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(d, str):
+        d = getattr(torch, d.removeprefix("torch."), None)
+    return d if isinstance(d, torch.dtype) and d.is_floating_point else None
+
+
 __all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer", "LlamaAttention", "LlamaMLP",
-           "LlamaRotaryEmbedding", "LlamaLayoutError", "check_layout", "activation_placements", "SUPPORTED_MESH_DIMS"]
+           "LlamaRotaryEmbedding", "TiedLMHead", "LlamaLayoutError", "check_layout", "activation_placements", "SUPPORTED_MESH_DIMS"]

@@ -7,10 +7,10 @@ from .linear import (ColumnParallelLinear, ColumnParallelLinearWithReplicateInpu
                      ColumnParallelLinearWithReplicateOutput, Linear, ReplicateParallelLinear, RowParallelLinear,
                      RowParallelLinearWithReplicateOutput)
 from ._layout import skip_init
-from .module import Module, Parameter, StateDictError
+from .module import Module, ModuleAssignmentError, Parameter, StateDictError
 
 __all__ = [
-    "Module", "Parameter", "StateDictError", "Linear", "ColumnParallelLinear", "ColumnParallelLinearWithReplicateOutput",
+    "Module", "Parameter", "StateDictError", "ModuleAssignmentError", "Linear", "ColumnParallelLinear", "ColumnParallelLinearWithReplicateOutput",
     "ColumnParallelLinearWithReplicateInputOutput", "RowParallelLinear", "RowParallelLinearWithReplicateOutput",
     "ReplicateParallelLinear", "Embedding", "EmbeddingWithReplicateOutput", "RMSNorm", "LayerNorm", "Dropout",
     "SiLU", "GELU", "ReLU", "Identity", "Sequential", "ModuleList", "ModuleDict", "functional", "skip_init",

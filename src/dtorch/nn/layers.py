@@ -14,13 +14,18 @@ from .module import Module
 
 class Embedding(Module):
     """``torch.nn.Embedding`` with the weight ``[num, dim]`` sharded on the embedding dim over ``tp_dim``:
-    every device looks up every token and produces its slice of the features (``[..., dim]`` S(-1) on tp)."""
+    every device looks up every token and produces its slice of the features (``[..., dim]`` S(-1) on tp).
+
+    ``vocab_parallel=True`` shards the vocab instead (Megatron's VocabParallelEmbedding, the layout of a
+    column-parallel output projection, so the two can share one weight): each device looks up the tokens in
+    its vocab range and the output is Partial (sum) on tp."""
 
     output_tp_placement = None
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, max_norm=None,
                  norm_type: float = 2.0, scale_grad_by_freq: bool = False, sparse: bool = False, _weight=None,
-                 _freeze: bool = False, device=None, dtype=None, device_mesh=None, *, tp_dim: str = "tp"):
+                 _freeze: bool = False, device=None, dtype=None, device_mesh=None, *, tp_dim: str = "tp",
+                 vocab_parallel: bool = False):
         super().__init__()
         if max_norm is not None:
             raise NotImplementedError("Embedding(max_norm=...) renormalises the weight in place; dtorch does not support it")
@@ -29,7 +34,7 @@ class Embedding(Module):
                 raise ValueError(f"padding_idx {padding_idx} must be within num_embeddings ({num_embeddings})")
             padding_idx %= num_embeddings
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
-        self.tp_dim = tp_dim
+        self.tp_dim, self.vocab_parallel = tp_dim, vocab_parallel
         mesh = module_mesh(device_mesh, device)
         if _weight is None:
             w = torch.empty(num_embeddings, embedding_dim, dtype=dtype or Graph.default_graph().default_dtype)
@@ -39,7 +44,7 @@ class Embedding(Module):
                 w[padding_idx] = 0
         else:
             w = _weight.to_torch() if hasattr(_weight, "to_torch") else torch.as_tensor(_weight)
-        self.weight = make_param(w, mesh, placements_on(mesh, tp_dim, Shard(1)))
+        self.weight = make_param(w, mesh, placements_on(mesh, tp_dim, Shard(0 if vocab_parallel else 1)))
 
     def redistribute_input(self, ids, *args, **kwargs):
         # token ids are never split over tp: every tp device needs every token for its feature slice
@@ -54,11 +59,13 @@ class Embedding(Module):
 
     def extra_repr(self):
         pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
-        return f"{self.num_embeddings}, {self.embedding_dim}{pad}"
+        vocab = ", vocab_parallel=True" if self.vocab_parallel else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}{pad}{vocab}"
 
 
 class EmbeddingWithReplicateOutput(Embedding):
-    """Embedding whose output is all-gathered over tp, so every device holds all features."""
+    """Embedding whose output is Replicate on tp, so every device holds all features (all-gathered, or
+    all-reduced when ``vocab_parallel``)."""
 
     output_tp_placement = Replicate()
 

@@ -22,6 +22,10 @@ class StateDictError(DTorchError, RuntimeError):
     """A state dict does not fit the module (missing, unexpected or mis-shaped keys)."""
 
 
+class ModuleAssignmentError(DTorchError, TypeError):
+    """A torch.nn module was given to a dtorch.nn module as a child (it would hold torch tensors)."""
+
+
 class Parameter(Tensor):
     """A dtorch tensor registered as a module parameter (``Parameter(data)`` shares ``data``'s storage)."""
 
@@ -46,6 +50,71 @@ class _IncompatibleKeys(NamedTuple):
     unexpected_keys: list
 
 
+class RepeatedRows:
+    """How a parameter held with repeated row blocks is saved.
+
+    The held tensor repeats each block of ``block`` rows (dim 0) of the saved tensor ``repeats`` times in a
+    row. Used for kv heads replicated over tp: each tp device holds the kv head its query heads use (as
+    Megatron and vLLM do), while the state dict and checkpoints keep one copy of each head (Hugging Face's).
+    """
+
+    def __init__(self, block: int, repeats: int):
+        self.block, self.repeats = block, repeats
+
+    def saved_shape(self, held_shape) -> tuple:
+        return (held_shape[0] // self.repeats, *held_shape[1:])
+
+    def save(self, held: torch.Tensor) -> torch.Tensor:
+        return held.unflatten(0, (-1, self.repeats, self.block))[:, 0].flatten(0, 1)
+
+    def load(self, saved: torch.Tensor) -> torch.Tensor:
+        return saved.unflatten(0, (-1, self.block)).repeat_interleave(self.repeats, 0).flatten(0, 1)
+
+    def held_slice(self, saved_slice) -> "_HeldSlice":
+        """A view of a safetensors slice of the saved tensor (``get_shape``, ``[...]``) in the held layout, so a
+        device's block is read straight from the rows it repeats."""
+        return _HeldSlice(self, saved_slice)
+
+
+class _HeldSlice:
+    def __init__(self, form: RepeatedRows, saved_slice):
+        self.form, self.saved = form, saved_slice
+
+    def get_shape(self):
+        shape = list(self.saved.get_shape())
+        return [shape[0] * self.form.repeats, *shape[1:]]
+
+    def __getitem__(self, index):
+        index = index if isinstance(index, tuple) else (index,)
+        start, stop, _ = index[0].indices(self.get_shape()[0])
+        held = torch.arange(start, stop)
+        f = self.form
+        rows = held // (f.block * f.repeats) * f.block + held % f.block  # held row -> saved row
+        if rows.numel() == 0:
+            return self.saved[(slice(0, 0),) + tuple(index[1:])]
+        lo, hi = int(rows.min()), int(rows.max()) + 1
+        return self.saved[(slice(lo, hi),) + tuple(index[1:])][rows - lo]
+
+
+def _check_module(owner, name: str, value) -> None:
+    """torch.nn modules cannot be children: their torch tensors would be missed by parameters(), state_dict()
+    and to(), silently. Name the dtorch.nn module to build instead."""
+    if not isinstance(value, torch.nn.Module):
+        return
+    from .. import nn as dtorch_nn
+
+    kind = type(value).__name__
+    twin = getattr(dtorch_nn, kind, None)
+    if isinstance(twin, type) and issubclass(twin, Module):
+        fix = f"build a dtorch.nn.{kind} instead (same arguments; its parameters are dtorch tensors on a mesh)"
+    else:
+        fix = f"dtorch.nn has no {kind}: write it as a dtorch.nn.Module subclass"
+    raise ModuleAssignmentError(
+        f"cannot register the torch module {type(value).__module__}.{kind} as {name!r} of {type(owner).__name__}: "
+        f"dtorch.nn modules hold only dtorch.nn modules; {fix}, and copy torch weights in with "
+        f"load_state_dict(torch_module.state_dict())")
+
+
 def _as_dtensor(value, what: str) -> Tensor:
     if isinstance(value, Tensor):
         return value
@@ -62,6 +131,7 @@ class Module:
         object.__setattr__(self, "_buffers", OrderedDict())
         object.__setattr__(self, "_non_persistent", set())
         object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "_saved_forms", {})  # parameter name -> RepeatedRows (held != saved layout)
         object.__setattr__(self, "training", True)
 
     def forward(self, *args, **kwargs):
@@ -92,6 +162,9 @@ class Module:
         if "_parameters" not in self.__dict__:
             raise AttributeError(f"call super().__init__() in {type(self).__name__}.__init__ before assigning attributes")
         params, buffers, modules = self._parameters, self._buffers, self._modules
+        if isinstance(value, torch.nn.Parameter):
+            value = self._from_torch_parameter(name, value)
+        _check_module(self, name, value)
         if isinstance(value, Parameter):
             self._drop(name)
             params[name] = value
@@ -113,9 +186,17 @@ class Module:
         else:
             object.__setattr__(self, name, value)
 
+    def _from_torch_parameter(self, name: str, value: torch.nn.Parameter) -> Parameter:
+        """A torch parameter becomes a dtorch one: laid out like the parameter it replaces when the shapes
+        match (a tp-sharded weight stays sharded), else replicated on the default mesh like a torch buffer."""
+        old = self._parameters.get(name)
+        if old is not None and tuple(old.shape) == tuple(value.shape):
+            return Parameter(Tensor(value, device_mesh=old.device_mesh, placements=old.placements))
+        return Parameter(_as_dtensor(value, f"parameter {name!r}"))
+
     def _drop(self, name):
         self.__dict__.pop(name, None)
-        for d in (self._parameters, self._buffers, self._modules):
+        for d in (self._parameters, self._buffers, self._modules, self._saved_forms):
             d.pop(name, None)
         self._non_persistent.discard(name)
 
@@ -134,6 +215,8 @@ class Module:
             object.__delattr__(self, name)
 
     def register_parameter(self, name: str, param: Parameter | None) -> None:
+        if isinstance(param, torch.nn.Parameter):
+            param = self._from_torch_parameter(name, param)
         if param is not None and not isinstance(param, Parameter):
             raise TypeError(f"cannot register {type(param).__name__} as parameter {name!r} "
                             "(dtorch.nn.Parameter or None expected)")
@@ -150,6 +233,7 @@ class Module:
             self._non_persistent.add(name)
 
     def add_module(self, name: str, module: "Module | None") -> None:
+        _check_module(self, name, module)
         if module is not None and not isinstance(module, Module):
             raise TypeError(f"{type(module).__name__} is not a dtorch.nn.Module subclass")
         if "." in name or not name:
@@ -236,32 +320,50 @@ class Module:
                 if b is not None and name not in mod._non_persistent:
                     yield dot + name, mod, name, b
 
+    def _saved_form(self, name: str) -> RepeatedRows | None:
+        """How parameter ``name`` is saved when its held layout differs (see RepeatedRows); None: as held."""
+        return self._saved_forms.get(name)
+
     def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False) -> "OrderedDict":
-        """Every parameter and persistent buffer; full torch tensors (``keep_vars=True``: the dtorch tensors)."""
+        """Every parameter and persistent buffer; full torch tensors (``keep_vars=True``: the dtorch tensors, as
+        held). A parameter shared by several modules (tied weights) appears under each name, like torch."""
         out = OrderedDict() if destination is None else destination
-        for key, _, _, t in self._state_entries(prefix):
-            out[key] = t if keep_vars else t.to_torch()
+        for key, mod, name, t in self._state_entries(prefix):
+            form = mod._saved_form(name)
+            if keep_vars:
+                out[key] = t
+            else:
+                out[key] = form.save(t.to_torch()) if form else t.to_torch()
         return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load full tensors (torch or dtorch), each cut into its parameter's mesh and placements.
 
-        Everything is checked before anything is loaded: on error the module is unchanged.
+        A parameter shared under several names (tied weights) loads from whichever of its names the state dict
+        has (a Hugging Face state dict of a tied model may lack ``lm_head.weight``); if it has several, the
+        last one wins, as in torch. Everything is checked before anything is loaded: on error the module is
+        unchanged.
         """
         entries = list(self._state_entries())
         expected = {key for key, *_ in entries}
-        missing = [key for key, *_ in entries if key not in state_dict]
+        names_of: dict = {}
+        for key, _, _, t in entries:
+            names_of.setdefault(id(t), []).append(key)
+        missing = [key for key, _, _, t in entries if not any(k in state_dict for k in names_of[id(t)])]
         unexpected = [key for key in state_dict if key not in expected]
         problems = []
-        for key, _, _, t in entries:
+        for key, mod, name, t in entries:
             if key in state_dict:
                 v = state_dict[key]
+                form = mod._saved_form(name)
+                shapes = {tuple(t.shape)} | ({form.saved_shape(t.shape)} if form else set())
                 if not isinstance(v, (torch.Tensor, Tensor)):
                     problems.append(f'While copying the parameter named "{key}", expected a torch.Tensor or '
                                     f"dtorch.Tensor in the state dict, got {type(v).__name__}.")
-                elif tuple(v.shape) != tuple(t.shape):
+                elif tuple(v.shape) not in shapes:
+                    want = form.saved_shape(t.shape) if form else t.shape
                     problems.append(f"size mismatch for {key}: copying a param with shape {v.shape} from checkpoint, "
-                                    f"the shape in current model is {t.shape}.")
+                                    f"the shape in current model is {torch.Size(want)}.")
         if strict:
             if unexpected:
                 problems.insert(0, "Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
@@ -271,7 +373,11 @@ class Module:
             raise StateDictError(f"Error(s) in loading state_dict for {type(self).__name__}:\n\t" + "\n\t".join(problems))
         for key, mod, name, t in entries:
             if key in state_dict:
-                value = Tensor(state_dict[key], device_mesh=t.device_mesh, placements=t.placements, dtype=t.dtype)
+                v = state_dict[key]
+                form = mod._saved_form(name)
+                if form is not None and tuple(v.shape) != tuple(t.shape):  # the saved layout: repeat the rows
+                    v = form.load(v.to_torch() if isinstance(v, Tensor) else v)
+                value = Tensor(v, device_mesh=t.device_mesh, placements=t.placements, dtype=t.dtype)
                 if isinstance(t, Parameter):
                     t._set(value)
                 else:
@@ -279,15 +385,23 @@ class Module:
         return _IncompatibleKeys(missing, unexpected)
 
     # -- dtype, mode -------------------------------------------------------------------------------
+    # buffers that ``to(dtype)`` leaves in float32 (rotary frequencies: Hugging Face keeps them float32 in a
+    # bfloat16 model, and the cos/sin tables computed from them are only accurate at large positions in float32)
+    _float32_buffers: tuple = ()
+
     def to(self, *args, **kwargs) -> "Module":
-        """``to(dtype)`` casts floating parameters and buffers; ``to(device_mesh)`` moves them to a mesh."""
+        """``to(dtype)`` casts floating parameters and buffers (except a module's ``_float32_buffers``);
+        ``to(device_mesh)`` moves them to a mesh."""
+        seen = set()
         for mod in self.modules():
             for name, p in mod._parameters.items():
-                if p is not None:
+                if p is not None and id(p) not in seen:  # a shared (tied) parameter is converted once
+                    seen.add(id(p))
                     p._set(_convert(p, args, kwargs))
             for name, b in mod._buffers.items():
                 if b is not None:
-                    mod._buffers[name] = _convert(b, args, kwargs)
+                    keep = name in mod._float32_buffers
+                    mod._buffers[name] = _convert(b, args, kwargs, keep_dtype=keep)
         return self
 
     def float(self) -> "Module":
@@ -328,8 +442,8 @@ class Module:
         return sorted(set(super().__dir__()) | set(self._parameters) | set(self._buffers) | set(self._modules))
 
 
-def _convert(t: Tensor, args, kwargs) -> Tensor:
-    dtype = kwargs.get("dtype") or next((a for a in args if isinstance(a, torch.dtype)), None)
+def _convert(t: Tensor, args, kwargs, keep_dtype: bool = False) -> Tensor:
+    dtype = None if keep_dtype else kwargs.get("dtype") or next((a for a in args if isinstance(a, torch.dtype)), None)
     mesh = kwargs.get("device_mesh") or next((a for a in args if isinstance(a, DeviceMesh)), None)
     if dtype is not None and not t.dtype.is_floating_point:
         dtype = None  # like torch: integer tensors keep their dtype
