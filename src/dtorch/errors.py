@@ -28,3 +28,7 @@ class DeviceUnavailableError(DTorchError, RuntimeError):
 class AttentionInputError(OpError, RuntimeError):
     """scaled_dot_product_attention got arguments torch itself rejects; torch raises RuntimeError for
     them, so this is one too (code written against torch's ``except RuntimeError`` keeps working)."""
+
+
+class CheckpointError(DTorchError, ValueError):
+    """A checkpoint directory cannot be loaded: missing or unreadable files, or another model type."""

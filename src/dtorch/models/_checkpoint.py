@@ -6,14 +6,31 @@ from pathlib import Path
 
 import torch
 
+from ..errors import CheckpointError
 from ..nn.module import Parameter, StateDictError
 from ..tensor import Tensor
 
 
 def load_config(path: Path):
+    """The checkpoint's ``LlamaConfig``; raises CheckpointError, before anything is built, when ``path``
+    holds no readable config.json or another model type (transformers would quietly fill in a default
+    7B Llama config for those, and building it exhausts memory)."""
     cfg_file = path / "config.json"
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise CheckpointError(f"{path} {what}; pass a Hugging Face Llama checkpoint directory (config.json + "
+                              "*.safetensors, as written by save_pretrained())")
     if not cfg_file.is_file():
-        raise FileNotFoundError(f"{path} has no config.json; pass a directory written by save_pretrained()")
+        raise CheckpointError(f"{path} has no config.json; pass a directory written by save_pretrained()")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {cfg_file}: {exc}; it must be the JSON config save_pretrained() "
+                              "writes") from None
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if model_type != "llama":
+        got = f"model_type {model_type}" if model_type else "config.json names no model_type"
+        raise CheckpointError(f"{path} is not a Llama checkpoint ({got}); dtorch supports model_type llama")
     from transformers import LlamaConfig
 
     return LlamaConfig.from_pretrained(str(path))
@@ -26,7 +43,7 @@ def _weight_files(path: Path) -> dict:
         return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{path} has no *.safetensors files; save the model with save_pretrained(safe_serialization=True)")
+        raise CheckpointError(f"{path} has no *.safetensors files; save the model with save_pretrained(safe_serialization=True)")
     from safetensors import safe_open
 
     out = {}

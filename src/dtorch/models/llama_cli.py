@@ -9,23 +9,26 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 import dtorch
 
-from ..errors import DTorchError
-from .llama import LlamaForCausalLM, dim_size
+from ..errors import CheckpointError, DTorchError
+from ._checkpoint import load_config
+from .llama import LlamaForCausalLM, LlamaLayoutError, check_layout, dim_size
 
 # (argument, mesh dim) outer to inner. tp before ulysess_cp: both split the heads around attention and
 # the outer mesh dim splits first, so Ulysses' all_to_all then leaves tp's head shards in place.
 _DIM_ORDER = (("pp", "pp"), ("dp", "dp"), ("tp", "tp"), ("ulysses_cp", "ulysess_cp"), ("ring_cp", "ring_cp"))
 
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtorch demo", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g = p.add_argument_group("layout (mesh dim sizes; their product is the number of simulated devices)")
+    g = p.add_argument_group("layout (mesh dim sizes; their product is the number of devices)")
     g.add_argument("--dp", type=int, default=2, help="data parallel: the batch is split")
     g.add_argument("--tp", type=int, default=2, help="tensor parallel: heads and MLP features are split")
     g.add_argument("--pp", type=int, default=2, help="pipeline parallel: layers are split into stages")
@@ -46,7 +49,104 @@ def parse_args(argv):
     i.add_argument("--seq", type=int, default=32)
     i.add_argument("--seed", type=int, default=0)
     i.add_argument("--tolerance", type=float, default=1e-4, help="rtol = atol for the comparison with Hugging Face")
-    return p.parse_args(argv)
+    return p
+
+
+def _flag(attr: str) -> str:
+    return "--" + attr.replace("_", "-")
+
+
+def _divisors(n: int) -> str:
+    """12 -> "1, 2, 3, 4, 6 or 12"."""
+    ds = [str(d) for d in range(1, n + 1) if n % d == 0]
+    return ds[0] if len(ds) == 1 else ", ".join(ds[:-1]) + " or " + ds[-1]
+
+
+def check_args(args) -> list[str]:
+    """Every problem with the flags, all at once, each saying what to change (empty: they fit together).
+
+    Runs before anything is built. The model counts come from the flags, or from the checkpoint's
+    config.json with --model; whether the layout can serve them is ``llama.check_layout``'s call, the
+    same check the model makes when it is built."""
+    problems = []
+    positive = [attr for attr, _ in _DIM_ORDER] + ["batch", "seq"]
+    if not args.model:
+        positive += ["layers", "hidden", "heads", "kv_heads", "vocab"]
+        positive += ["intermediate"] if args.intermediate is not None else []
+    problems += [f"{_flag(a)} {getattr(args, a)} must be at least 1" for a in positive if getattr(args, a) < 1]
+    if not args.tolerance >= 0:
+        problems.append(f"--tolerance {args.tolerance:g} must be a number >= 0")
+
+    def fine(*attrs):  # only combine counts that are valid on their own
+        return all(getattr(args, a) >= 1 for a in attrs)
+
+    if not args.model and fine("hidden", "heads"):
+        h, n = args.hidden, args.heads
+        step = 2 * n  # every head takes hidden / heads features, an even number (rotary embeddings rotate pairs)
+        if h % step:
+            lo, hi = h // step * step, (h // step + 1) * step
+            use = f"use --hidden {lo} or {hi}" if lo else f"use --hidden {hi}"
+            problems.append(f"--hidden {h} is not divisible by --heads {n} (each head takes hidden / heads features); "
+                            f"{use}" if h % n else
+                            f"--hidden {h} / --heads {n} = {h // n} features per head, which must be even (rotary "
+                            f"embeddings rotate pairs of features); {use}")
+    if fine("seq", "ulysses_cp") and args.seq % args.ulysses_cp:
+        s, u = args.seq, args.ulysses_cp
+        problems.append(f"--seq {s} is not divisible by --ulysses-cp {u} (Ulysses splits the sequence evenly); use "
+                        + (f"--seq {s // u * u} or {(s // u + 1) * u}" if s > u else f"--seq {u}")
+                        + f", or --ulysses-cp {_divisors(s)}")
+
+    config = None
+    if args.model:
+        try:
+            config = load_config(Path(args.model))
+        except CheckpointError as exc:
+            problems.append(str(exc))
+    elif fine("layers", "heads", "kv_heads"):
+        # the counts check_layout reads, straight from the flags (a LlamaConfig would refuse some
+        # flag mistakes on its own before the layout could be judged)
+        config = SimpleNamespace(num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                                 num_hidden_layers=args.layers)
+    if fine(*(attr for attr, _ in _DIM_ORDER)):
+        mesh = _mesh(args)
+        problems += _mesh_problems(mesh)
+        if config is not None:
+            try:
+                check_layout(config, mesh)
+            except LlamaLayoutError as exc:
+                names = "--tp, --ulysses-cp and --pp set tp, ulysess_cp and pp"
+                if not args.model:
+                    names += "; --heads, --kv-heads and --layers set num_attention_heads, num_key_value_heads and " \
+                             "num_hidden_layers"
+                problems.append(f"{exc} ({names})")
+    return problems
+
+
+def _mesh_problems(mesh) -> list[str]:
+    """Why this machine (or the backend) cannot run ``mesh``."""
+    from ..runtime.devices import mesh_problems, read_device_config
+
+    graph = dtorch.default_graph()
+    out = [] if graph.satisfy(mesh) else [mesh_problems(mesh, getattr(graph.runtime, "config", None) or read_device_config())]
+    limit = getattr(graph.runtime, "max_workers", None)  # the process backend: one worker process per device
+    if limit is not None and mesh.size() > limit:
+        out.append(f"the mesh has {mesh.size()} devices (--dp x --tp x --pp x --ulysses-cp x --ring-cp) but the "
+                   f"process backend allows {limit} worker processes; use smaller sizes or raise "
+                   "DTORCH_PROCESS_MAX_WORKERS")
+    return out
+
+
+def _where(mesh) -> tuple[str, str]:
+    """(where the devices are, for the banner; what they are: "16 simulated cpu devices"), true to the
+    backend: the process backend runs one worker process per device."""
+    graph = dtorch.default_graph()
+    n, kind = mesh.size(), mesh.device_type
+    if graph.backend == "process":
+        return "one worker process per device (process backend)", f"{n} {kind} devices, one worker process each"
+    config = getattr(graph.runtime, "config", None)
+    if kind == "cpu" or (config is not None and config.same_device):
+        return "every device simulated in this process", f"{n} simulated {kind} devices"
+    return "every device driven from this process", f"{n} {kind} devices"
 
 
 class Progress:
@@ -85,32 +185,24 @@ def _random_config(args):
 
 
 def _mesh(args):
-    dims = [(name, getattr(args, attr)) for attr, name in _DIM_ORDER]
-    bad = [f"--{attr.replace('_', '-')} {getattr(args, attr)}" for attr, _ in _DIM_ORDER if getattr(args, attr) < 1]
-    if bad:
-        raise ValueError(f"mesh dim sizes must be >= 1, got {', '.join(bad)}")
-    dims = [(n, s) for n, s in dims if s > 1]
+    """The mesh the flags ask for (sizes checked by check_args): dims of size 1 left out."""
+    dims = [(name, getattr(args, attr)) for attr, name in _DIM_ORDER if getattr(args, attr) > 1]
     if not dims:
         return dtorch.DeviceMesh(args.device)
     names, sizes = zip(*dims)
-    mesh = dtorch.init_device_mesh(args.device, sizes, mesh_dim_names=list(names))
-    if not dtorch.default_graph().satisfy(mesh):
-        from ..runtime.devices import mesh_problems, read_device_config
-
-        raise ValueError(mesh_problems(mesh, read_device_config()))
-    return mesh
+    return dtorch.init_device_mesh(args.device, sizes, mesh_dim_names=list(names))
 
 
 def _describe_layout(model: LlamaForCausalLM, cfg, args) -> str:
     mesh = model.device_mesh
-    lines = [f"mesh    {mesh}  ({mesh.size()} simulated {mesh.device_type} devices)"]
+    lines = [f"mesh    {mesh}  ({_where(mesh)[1]})"]
     tp, ul, ring, dp = (dim_size(mesh, n) for n in ("tp", "ulysess_cp", "ring_cp", "dp"))
-    kv = cfg.num_key_value_heads
+    kv = cfg.num_key_value_heads  # fewer kv heads than tp: each device holds one of them (replicated)
     if dp > 1:
         lines.append(f"  {'dp=' + str(dp):14s}batch {args.batch} split {dp} ways")
     if tp > 1:
         lines.append(f"  {'tp=' + str(tp):14s}{cfg.num_attention_heads} heads ({kv} kv) -> {cfg.num_attention_heads // tp} "
-                     f"({kv // tp} kv) per device; MLP {cfg.intermediate_size} -> {cfg.intermediate_size // tp}; "
+                     f"({max(kv // tp, 1)} kv) per device; MLP {cfg.intermediate_size} -> {cfg.intermediate_size // tp}; "
                      f"vocab {cfg.vocab_size} -> {cfg.vocab_size // tp} in lm_head")
     for name, size, how in (("ulysess_cp", ul, "all-to-all sequence <-> heads around attention"),
                             ("ring_cp", ring, "K/V blocks passed around a ring, log-sum-exp merge")):
@@ -186,7 +278,7 @@ def run(args) -> int:
     graph = dtorch.default_graph()
     graph.track_memory()
     mesh = _mesh(args)
-    print("dtorch demo: Llama, single controller, every device simulated in this process\n")
+    print(f"dtorch demo: Llama, single controller, {_where(mesh)[0]}\n")
 
     if args.model:
         bar = Progress("loading dtorch model (sharded reads)")
@@ -227,7 +319,7 @@ def run(args) -> int:
     verdict = "PASS" if ok else "FAIL"
     print(f"\nmax |dtorch - Hugging Face| = {err:.3e}   {verdict} (rtol = atol = {args.tolerance:g}, logits "
           f"{list(logits.shape)})")
-    print(f"time    dtorch forward {warm * 1e3:.1f} ms on {mesh.size()} simulated devices "
+    print(f"time    dtorch forward {warm * 1e3:.1f} ms on {_where(mesh)[1]} "
           f"(first call {cold * 1e3:.1f} ms, planning included); Hugging Face forward {hf_time * 1e3:.1f} ms\n")
     print("memory per device (logical bytes; peak during the forward)")
     print(_memory_table(graph, mesh, n_params * 4) + "\n")
@@ -237,11 +329,17 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    # bad flags, found all at once, exit like argparse's own errors: one line, exit code 2
+    problems = check_args(args)
+    if problems:
+        print(f"{parser.prog}: error: " + "; ".join(problems), file=sys.stderr)
+        return 2
     try:
         return run(args)
     except (DTorchError, ValueError, FileNotFoundError) as exc:
-        print(f"dtorch demo: error: {exc}", file=sys.stderr)
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
     finally:
         dtorch.default_graph().track_memory(False)
