@@ -5,7 +5,6 @@ import torch.nn.functional as F
 
 import dtorch
 from dtorch import OpError, Partial, Replicate, Shard
-from dtorch.ops import attention
 from sweep import MESHES, check, distribute, run_sweep
 
 TOL = dict(rtol=1e-4, atol=1e-4)

@@ -50,9 +50,8 @@ def _positions(off, n: int, chunk: int, stride: int, device, real: int | None = 
     chunked block (Ulysses outside Ring) holds chunks of ``chunk`` rows that start ``stride`` apart.
 
     ``real``: the block was padded (ring attention on an uneven split, see ``_cp_plan``) and only
-    offsets below ``real`` within a chunk are real rows. Returns ``(pos, valid)``; padded rows get the
-    position of the last real row (any in-range index works: their scores are masked or dropped) and
-    ``valid`` is None when nothing is padded."""
+    offsets below ``real`` within a chunk are real rows. Returns ``(pos, valid)``, ``valid`` None when
+    nothing is padded; padded rows get positions past their chunk's real rows."""
     l = torch.arange(n, device=device)
     first = 0
     if chunk:
@@ -62,11 +61,7 @@ def _positions(off, n: int, chunk: int, stride: int, device, real: int | None = 
         l = off.reshape(off.shape + (1,)).to(device) + l  # [*grid, n]
     else:
         l = l + off
-    valid = None
-    if real is not None:
-        valid = l < real
-        l = l.clamp(max=max(real - 1, 0))
-    return first + l, valid
+    return first + l, (l < real if real is not None else None)
 
 
 def _take(x: torch.Tensor, idx: torch.Tensor, dim: int, lead: int) -> torch.Tensor:
@@ -175,11 +170,11 @@ def _sdpa_kernel(q, k, v, *extra, lead, scale, causal, mask_rank, has_noise, hea
 
 @kernel("sdpa_ring_step")
 def _ring_step_kernel(q, k, v, *extra, lead, scale, causal, mask_rank, has_noise, has_acc, kv_rep, q_stride,
-                      k_stride, out_dtype, q_off, k_off, q_len=None, k_len=None):
+                      k_stride, out_dtype, q_off, k_off, k_len=None):
     """One ring step: local Q against the K/V block now held (source block offset ``k_off``), merged
     into the running (out, lse). Mask and noise are whole along L and S; rows/cols are picked by position.
-    ``q_len`` / ``k_len``: the blocks were padded to equal sizes and the sequence (per chunk) really has
-    this many rows; padded keys are masked out, padded query rows are computed and dropped later."""
+    ``k_len``: the blocks were padded to equal sizes and the key sequence (per chunk) really has this many
+    rows; padded keys are masked out. Padded query rows are computed like real ones and cut off later."""
     extra = list(extra)
     mask = extra.pop(0) if mask_rank is not None else None
     noise = extra.pop(0) if has_noise else None
@@ -189,14 +184,18 @@ def _ring_step_kernel(q, k, v, *extra, lead, scale, causal, mask_rank, has_noise
         qc, kc = q.shape[-2], k.shape[-2]
         q, k, v = q.flatten(-3, -2), k.flatten(-3, -2), v.flatten(-3, -2)
         extra = [extra[0].flatten(-3, -2), extra[1].flatten(-2, -1)] if has_acc else []
-    pos_q, _ = _positions(q_off, q.shape[-2], qc, q_stride, q.device, q_len)
+    pos_q, _ = _positions(q_off, q.shape[-2], qc, q_stride, q.device)
     pos_k, key_valid = _positions(k_off, k.shape[-2], kc, k_stride, q.device, k_len)
+
+    def pick(x, pos, dim):  # padded rows / cols (positions past the end) may read any row: masked or cut off
+        return _take(x, pos.clamp(max=x.shape[dim] - 1), dim, lead)
+
     if mask is not None:
         mask = _rank4(mask, lead, mask_rank)
-        mask = _take(mask, pos_q, -2, lead) if mask.shape[-2] > 1 else mask
-        mask = _take(mask, pos_k, -1, lead) if mask.shape[-1] > 1 else mask
+        mask = pick(mask, pos_q, -2) if mask.shape[-2] > 1 else mask
+        mask = pick(mask, pos_k, -1) if mask.shape[-1] > 1 else mask
     if noise is not None:
-        noise = _take(_take(noise, pos_q, -2, lead), pos_k, -1, lead)
+        noise = pick(pick(noise, pos_q, -2), pos_k, -1)
     if kv_rep > 1:
         k, v = k.repeat_interleave(kv_rep, dim=-3), v.repeat_interleave(kv_rep, dim=-3)
     out, lse = _attend(q, k, v, scale=scale, pos_q=pos_q, pos_k=pos_k, causal=causal, mask=mask, noise=noise,
@@ -215,23 +214,24 @@ def _repeat_kv_kernel(x, *, repeats: int):
 
 
 @kernel("sdpa_split_seq")
-def _split_seq_kernel(x):
-    # [.., C, D] -> [.., 1, C, D]: the same block read as [N, H, U, L / U, D] with U sharded
-    return x.unsqueeze(-3)
+def _split_seq_kernel(x, *, size: int):
+    # [.., C, D] -> [.., 1, C, D]: the same block read as [N, H, U, L / U, D] with U sharded; zero rows
+    # appended up to ``size`` when Ring splits L / U unevenly (ring blocks of one size, see _cp_plan)
+    return F.pad(x.unsqueeze(-3), (0, 0, 0, size - x.shape[-2]))
 
 
 @kernel("sdpa_merge_seq")
-def _merge_seq_kernel(x):
-    return x.squeeze(-3)
+def _merge_seq_kernel(x, *, length=None):
+    # the inverse of sdpa_split_seq: ``length`` (per device) real rows when it padded
+    x = x.squeeze(-3)
+    return x if length is None else x.narrow(-2, 0, int(length))
 
 
 @kernel("sdpa_pad_seq")
-def _pad_seq_kernel(x, *, size: int):
-    """Zero rows appended to the sequence dim (-2) up to ``size`` (ring blocks of one size)."""
-    missing = size - x.shape[-2]
-    if missing == 0:
-        return x
-    return torch.cat([x, x.new_zeros(x.shape[:-2] + (missing, x.shape[-1]))], dim=-2)
+def _pad_seq_kernel(*xs, sizes: tuple):
+    """Each input with zero rows appended to its sequence dim (-2) up to its size in ``sizes`` (ring
+    blocks of one size); one call for q, k and v."""
+    return tuple(F.pad(x, (0, 0, 0, size - x.shape[-2])) if size != x.shape[-2] else x for x, size in zip(xs, sizes))
 
 
 @kernel("sdpa_unpad_seq")
@@ -365,6 +365,7 @@ class _CPPlan:
     k_exp: DTensorSpec | None
     v_exp: DTensorSpec | None
     ulysses: tuple  # (view spec or None, all_to_all target spec) for q, k, v; () without Ulysses
+    o_merge: dict | None  # per-device real rows of the view when the view was padded
     ring_dim: int | None
     ring_steps: tuple  # of _RingStep
     mask_r: DTensorSpec | None
@@ -445,8 +446,26 @@ def _cp_plan(q, k, v, mask, noise, causal, scale, gqa, u, r) -> _CPPlan:
     # Ulysses: sequence <-> heads. With Ulysses outside Ring in mesh order, each device's block of L is
     # read as [U, L / U] first (same data), so the all_to_all leaves Ring's shard of every chunk in place.
     view = U > 1 and nr > 1 and u < r
+    sd = 3 if view else 2  # the dim Ring splits
+
+    # An uneven Ring split (torch.chunk blocks: c, .., c, rest, 0, ..) is padded with zero rows at the
+    # end of every block up to c rows: device j's real rows keep their place (its block starts at j * c
+    # either way), every device and ring step works on blocks of one shape (one stacked kernel per step
+    # instead of a loop over devices, and no empty blocks), and the kernels mask padded keys (``k_len``)
+    # and compute padded query rows like real ones; they are cut off at the end. With the [U, L / U] view the padding
+    # goes on the view (sdpa_split_seq), so the all_to_all runs on equal blocks too.
+    def padded(x):
+        size = x.shape[sd]
+        if nr == 1 or size % nr == 0:
+            return None
+        return spec_like(x, shape=x.shape[:sd] + (nr * chunk_size(size, nr),) + x.shape[sd + 1:])
+
+    def real_rows(x):  # per device: the real rows of its (padded) block along the ring dim
+        return np.minimum(chunk_size(x.shape[sd], nr), x.shape[sd] - block_offsets(x, sd))
+
     ulysses = ()
     q_cur = q_in
+    o_merge = None
     if U > 1:
         def to_heads(x):
             pl = list(x.placements)
@@ -454,7 +473,8 @@ def _cp_plan(q, k, v, mask, noise, causal, scale, gqa, u, r) -> _CPPlan:
             if view:
                 pl[r] = Shard(3)
                 vw = DTensorSpec(mesh, tuple(pl), x.shape[:2] + (U, x.shape[2] // U) + x.shape[3:], x.dtype)
-                x = vw
+                vp = padded(vw)
+                x = vw = vw if vp is None else vp
             pl[u] = Shard(1)
             return vw, x.with_placements(pl)
 
@@ -467,12 +487,13 @@ def _cp_plan(q, k, v, mask, noise, causal, scale, gqa, u, r) -> _CPPlan:
         o_back = o_final
         if view:
             o_back = spec_like(ulysses[0][0], shape=ulysses[0][0].shape[:-1] + (ev,))
+            if (l // U) % nr:
+                o_merge = {"length": real_rows(spec_like(o_back, shape=o_back.shape[:sd] + (l // U, ev)))}
     if nr == 1:
-        return _CPPlan(q_in, k_in, v_in, expand, k_exp, v_exp, ulysses, None, (), None, None, None, None, (), None,
-                       o_back, o_final)
+        return _CPPlan(q_in, k_in, v_in, expand, k_exp, v_exp, ulysses, o_merge, None, (), None, None, None, None,
+                       (), None, o_back, o_final)
 
     # Ring: local Q against each K/V block in turn; device j holds block (j - step) mod nr
-    sd = 3 if view else 2
     heads_now = head_dims + ([u] if U > 1 else [])
     full = (n, hq, l, s)
 
@@ -488,19 +509,7 @@ def _cp_plan(q, k, v, mask, noise, causal, scale, gqa, u, r) -> _CPPlan:
 
     mask_r, noise_r = whole_seq(mask), whole_seq(noise)
     extra = tuple(x for x in (mask_r, noise_r) if x is not None)
-
-    # An uneven split (torch.chunk blocks: c, .., c, rest, 0, ..) is padded with zero rows at the end
-    # of every block up to c rows: device j's real rows keep their place (its block starts at j * c
-    # either way), every device and ring step works on blocks of one shape (one stacked kernel per
-    # step instead of a loop over devices, and no empty blocks), and the kernels mask padded keys
-    # (``k_len``) and compute padded query rows that are cut off at the end.
-    def padded(x):
-        size = x.shape[sd]
-        if size % nr == 0:
-            return None
-        return spec_like(x, shape=x.shape[:sd] + (nr * chunk_size(size, nr),) + x.shape[sd + 1:])
-
-    ring_pad = (padded(q_cur), padded(k_cur), padded(v_cur))
+    ring_pad = (padded(q_cur), padded(k_cur), padded(v_cur))  # the view was padded already
     q_run, k_run, v_run = (p if p is not None else x for p, x in zip(ring_pad, (q_cur, k_cur, v_cur)))
     acc = _acc_dtype(q.dtype)
     o_acc = DTensorSpec(mesh, q_run.placements, q_run.shape[:-1] + (ev,), acc)
@@ -509,8 +518,8 @@ def _cp_plan(q, k, v, mask, noise, causal, scale, gqa, u, r) -> _CPPlan:
     o_unpad = None
     if ring_pad[0] is not None:
         o_real = spec_like(o_out, shape=q_cur.shape[:-1] + (ev,))
-        rows = np.minimum(chunk_size(q_cur.shape[sd], nr), q_cur.shape[sd] - block_offsets(o_real, sd))
-        o_unpad = (o_real, {"length": rows})
+        o_unpad = (o_real, {"length": real_rows(o_real)})
+    k_len = s // U if view else s  # real key rows along the ring dim (per view chunk)
     q_off = block_offsets(q_run, sd)
     steps = []
     for st in range(nr):
@@ -524,13 +533,12 @@ def _cp_plan(q, k, v, mask, noise, causal, scale, gqa, u, r) -> _CPPlan:
                   "has_noise": noise is not None, "has_acc": st > 0, "kv_rep": hq // k_cur.shape[1],
                   "q_stride": l // U if view else 0, "k_stride": s // U if view else 0,
                   "out_dtype": q.dtype if last else acc,
-                  "q_len": q_cur.shape[sd] if ring_pad[0] is not None else None,
-                  "k_len": k_cur.shape[sd] if ring_pad[1] is not None else None}
+                  "k_len": k_len if k_len % nr else None}
         steps.append(_RingStep((q_run, k_run, v_run) + extra + ((o_acc, lse) if st else ()),
                                (o_out if last else o_acc, lse), kwargs,
                                {"q_off": q_off, "k_off": block_offsets(k_run, sd, src)}))
-    return _CPPlan(q_in, k_in, v_in, expand, k_exp, v_exp, ulysses, r, tuple(steps), mask_r, noise_r, k_run, v_run,
-                   ring_pad, o_unpad, o_back, o_final)
+    return _CPPlan(q_in, k_in, v_in, expand, k_exp, v_exp, ulysses, o_merge, r, tuple(steps), mask_r, noise_r, k_run,
+                   v_run, ring_pad, o_unpad, o_back, o_final)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -569,7 +577,7 @@ def _context_parallel(q, k, v, mask, noise, causal, scale, gqa, u, r) -> Tensor:
         moved = []
         for x, (view, a2a) in zip((q, k, v), cp.ulysses):
             if view is not None:
-                x = _run(_split_seq_kernel, x, view)
+                x = _run(_split_seq_kernel, x, view, size=view.even_local_shape()[3])
             moved.append(x.redistribute(mesh, a2a.placements))  # all_to_all on the Ulysses dim
         q, k, v = moved
     if cp.ring_dim is None:
@@ -579,7 +587,7 @@ def _context_parallel(q, k, v, mask, noise, causal, scale, gqa, u, r) -> Tensor:
     if cp.o_back is not None:
         out = out.redistribute(mesh, cp.o_back.placements)  # all_to_all back on the Ulysses dim
         if cp.o_back.shape != cp.o_final.shape:
-            out = _run(_merge_seq_kernel, out, cp.o_final)
+            out = _run(_merge_seq_kernel, out, cp.o_final, cp.o_merge)
     return out
 
 
@@ -591,8 +599,12 @@ def _ring(cp: _CPPlan, q, k, v, mask, noise) -> Tensor:
     graph = q._graph
     rt = graph.runtime
     extra = [redistribute_spec(x, s) for x, s in ((mask, cp.mask_r), (noise, cp.noise_r)) if x is not None]
-    q, k, v = (x if p is None else _run(_pad_seq_kernel, x, p, size=p.even_local_shape()[-2])
-               for x, p in zip((q, k, v), cp.ring_pad))
+    pad = [(x, p) for x, p in zip((q, k, v), cp.ring_pad) if p is not None]
+    if pad:
+        h = rt.run_local(_pad_seq_kernel, [x._h for x, _ in pad], [x._spec for x, _ in pad], [p for _, p in pad],
+                         {"sizes": tuple(p.even_local_shape()[-2] for _, p in pad)}, None)
+        padded = iter(h)
+        q, k, v = (x if p is None else Tensor._make(p, next(padded), graph) for x, p in zip((q, k, v), cp.ring_pad))
     kh, vh = k._h, v._h
     acc: list = []
     for st, step in enumerate(cp.ring_steps):
