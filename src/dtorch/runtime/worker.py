@@ -59,6 +59,7 @@ class Worker:
         self.groups: dict = {}  # sorted ranks -> process group
         self.failed = False
         self.stopping = False  # the controller is shutting down: skip to the exit record
+        self.leaving = False  # got the exit record: the controller closing its store now is no fault
         self.cfg: dict = {}
 
     # -- setup -------------------------------------------------------------------------------
@@ -123,6 +124,7 @@ class Worker:
     def leave(self) -> None:
         # A barrier before exiting: a gloo process that exits while a peer still talks to it can abort
         # at interpreter exit; os._exit skips the teardown that aborts.
+        self.leaving = True
         try:
             dist.barrier()
         except Exception:  # noqa: BLE001
@@ -372,7 +374,9 @@ def _watch(store: dist.TCPStore, worker: Worker, parent_pid: int | None) -> None
             if not worker.stopping and s.check(["stop"]):
                 worker.stopping = True
         except Exception:  # noqa: BLE001
-            os._exit(1)
+            # the store is gone: after the exit record that is the controller finishing (exit quietly,
+            # so a launcher has nothing to report), before it the controller died
+            os._exit(0 if worker.leaving else 1)
         if parent_pid and os.getppid() != parent_pid:
             os._exit(1)
         time.sleep(0.5)
@@ -443,6 +447,8 @@ def launch(address: str, ranks: list[int], devices: list[int] | None, connect_ti
             del live[r]
             if rc != 0:
                 worst = worst or rc
+                if not _listening(address):
+                    continue  # the controller is gone: nobody to tell (and c10d would print a stack trying)
                 try:
                     store = store or connect(address, 5)
                     if not store.check([f"bye/{r}"]):
@@ -451,6 +457,16 @@ def launch(address: str, ranks: list[int], devices: list[int] | None, connect_ti
                 except Exception:  # noqa: BLE001  (the controller is gone: nobody to tell)
                     pass
     return 0 if worst == 0 else 1
+
+
+def _listening(address: str) -> bool:
+    """Does anything accept connections at HOST:PORT? (a plain socket: no c10d retries or logs)"""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+        return True
+    except OSError:
+        return False
 
 
 def main(argv=None) -> int:
