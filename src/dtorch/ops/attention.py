@@ -452,15 +452,15 @@ def _cp_plan(q, k, v, mask, noise, causal, scale, gqa, u, r) -> _CPPlan:
     # end of every block up to c rows: device j's real rows keep their place (its block starts at j * c
     # either way), every device and ring step works on blocks of one shape (one stacked kernel per step
     # instead of a loop over devices, and no empty blocks), and the kernels mask padded keys (``k_len``)
-    # and compute padded query rows like real ones; they are cut off at the end. With the [U, L / U] view the padding
-    # goes on the view (sdpa_split_seq), so the all_to_all runs on equal blocks too.
+    # and compute padded query rows like real ones; they are cut off at the end. With the [U, L / U] view
+    # the padding goes on the view (sdpa_split_seq), so the all_to_all runs on equal blocks too.
     def padded(x):
         size = x.shape[sd]
         if nr == 1 or size % nr == 0:
             return None
         return spec_like(x, shape=x.shape[:sd] + (nr * chunk_size(size, nr),) + x.shape[sd + 1:])
 
-    def real_rows(x):  # per device: the real rows of its (padded) block along the ring dim
+    def real_rows(x):  # x unpadded: per device, how many rows of its padded block are real
         return np.minimum(chunk_size(x.shape[sd], nr), x.shape[sd] - block_offsets(x, sd))
 
     ulysses = ()
