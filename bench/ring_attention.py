@@ -101,7 +101,8 @@ def llama_forward(reps: int):
         with torch.no_grad():
             err = (model(ids[uneven]) - hf(ids[uneven]).logits).abs().max().item()
         t, t_even = best_ms_interleaved(lambda: model(ids[uneven]), lambda: model(ids[even]), reps)
-        print(f"{'llama small ring_cp3':24} {f'{uneven}/{even}':>15} {t:10.2f} {t_even:8.2f} {t / t_even:6.2f} {err:8.1e}")
+        name, seqs = "llama small ring_cp3", f"{uneven}/{even}"
+        print(f"{name:24} {seqs:>15} {t:10.2f} {t_even:8.2f} {t / t_even:6.2f} {err:8.1e}")
 
 
 if __name__ == "__main__":
