@@ -3,6 +3,7 @@
     dtorch demo                                   # dp2 x tp2 x pp2 x ulysses2 = 16 simulated CPU devices
     dtorch demo --tp 4 --ring-cp 2 --layers 6
     dtorch demo --model path/to/hf_checkpoint     # config.json + *.safetensors
+    DTORCH_BACKEND=process dtorch demo            # one worker process per device instead of simulation
 """
 from __future__ import annotations
 
