@@ -495,3 +495,27 @@ def test_mixed_partial_terms_reduce_outer_mesh_dim_first_everywhere(case):
     torch.testing.assert_close(t.redistribute(mesh, dst).to_torch(), want, **close)
     torch.testing.assert_close(t.sum().to_torch(), want.sum(), **close)
     assert_untouched(t, (want, [blocks[c] for c in mesh.coordinates()], pl))
+
+
+def test_mixed_partial_terms_on_the_process_backend():
+    # the workers run the same planner steps, and to_torch reduces the fetched terms in the same order
+    from dtorch.runtime.process import ProcessRuntime
+
+    g = dtorch.Graph(backend="process")
+    g.runtime = ProcessRuntime(workers=4, timeout=60)
+    try:
+        with g:
+            mesh = dtorch.init_device_mesh("cpu", (2, 2))
+            pl = [Partial("sum"), Partial("max")]
+            gen = torch.Generator().manual_seed(7)
+            blocks = {c: torch.randint(-8, 9, (5, 3), generator=gen).float() for c in mesh.coordinates()}
+            t = dtorch.Tensor.from_blocks([blocks[c] for c in mesh.coordinates()], device_mesh=mesh, placements=pl,
+                                          shape=(5, 3))
+            want = reference_from_blocks(blocks, mesh, pl, (5, 3), torch.float32)
+            assert not torch.equal(want, torch.stack(list(blocks.values())).reshape(2, 2, 5, 3).amax(1).sum(0))
+            for got in (t, t * 1, t.redistribute(mesh, [Replicate(), Replicate()]),
+                        t.redistribute(mesh, [Partial(), Replicate()])):
+                torch.testing.assert_close(got.to_torch(), want)
+            torch.testing.assert_close(t.sum().to_torch(), want.sum())
+    finally:
+        g.runtime.shutdown()
