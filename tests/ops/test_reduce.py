@@ -262,11 +262,13 @@ def _mixed_partial(terms, placements, mesh=MESH_2D):
                                      placements=placements, shape=terms.shape[2:])
 
 
-@pytest.mark.parametrize("ops", [("sum", "max"), ("max", "sum"), ("sum", "min"), ("avg", "max"), ("min", "max")], ids=str)
+@pytest.mark.parametrize("ops", [("sum", "max"), ("max", "sum"), ("sum", "min"), ("avg", "max"), ("min", "max")],
+                         ids=str)
 def test_mixed_partial_inputs_reduce_outer_mesh_dim_first(ops):
     # the value of [P(a), P(b)] is reduce_b(reduce_a(terms)): every op must see that value, also the ones
     # that keep one of the partials (sum keeps P(sum), amax keeps P(max), cumsum keeps P(sum))
-    red = {"sum": lambda t: t.sum(0), "avg": lambda t: t.mean(0), "max": lambda t: t.amax(0), "min": lambda t: t.amin(0)}
+    red = {"sum": lambda t: t.sum(0), "avg": lambda t: t.mean(0), "max": lambda t: t.amax(0),
+           "min": lambda t: t.amin(0)}
     terms = torch.randn(2, 2, 5, 3, generator=torch.Generator().manual_seed(1))
     want = red[ops[1]](red[ops[0]](terms))
     x = _mixed_partial(terms, [Partial(ops[0]), Partial(ops[1])])

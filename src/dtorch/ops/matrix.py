@@ -186,6 +186,21 @@ def _addend(out, lab, pos, r):
 
 # -- labels per op -----------------------------------------------------------------------------------
 
+def _labeled_shape(specs, labels, out_labels):
+    """The output shape the labels give (a label's size: its one size other than 1), for ``meta_call``;
+    None where operands disagree, so that torch's own check reports it."""
+    sizes: dict = {}
+    for s, ls in zip(specs, labels):
+        if len(ls) != s.ndim:
+            return None
+        for n, lab in zip(s.shape, ls):
+            if sizes.get(lab, 1) == 1:
+                sizes[lab] = n
+            elif n not in (1, sizes[lab]):
+                return None
+    return tuple(sizes[lab] for lab in out_labels)
+
+
 def _matmul_labels(sa, sb):
     na, nb = len(sa), len(sb)
     if na == 0 or nb == 0:
@@ -202,7 +217,7 @@ def _matmul_labels(sa, sb):
 def _matmul_rule(specs, name):
     a, b = specs
     la, lb, lo = _matmul_labels(a.shape, b.shape)
-    meta = meta_call(getattr(torch, name), specs)
+    meta = meta_call(getattr(torch, name), specs, out_shape=_labeled_shape(specs, (la, lb), lo))
     return contract_rule(specs, (la, lb), lo, 2, _matmul_kernel, {"na": a.ndim, "nb": b.ndim}, meta)
 
 
@@ -217,18 +232,19 @@ def _linear_rule(specs):
         if specs[2].ndim > 1:
             raise OpError(f"bias must be 1-D [out_features], got shape {list(specs[2].shape)}")
         labels += (("n",) * specs[2].ndim,)
-    meta = meta_call(torch.nn.functional.linear, specs)
+    meta = meta_call(torch.nn.functional.linear, specs, out_shape=_labeled_shape(specs, labels, lo))
     return contract_rule(specs, labels, lo, 2, _linear_kernel, {"nx": x.ndim}, meta)
 
 
 def _outer_rule(specs):
-    meta = meta_call(torch.outer, specs)
-    return contract_rule(specs, (("i",), ("j",)), ("i", "j"), 2, _outer_kernel, {}, meta)
+    labels, out = (("i",), ("j",)), ("i", "j")
+    meta = meta_call(torch.outer, specs, out_shape=_labeled_shape(specs, labels, out))
+    return contract_rule(specs, labels, out, 2, _outer_kernel, {}, meta)
 
 
 def _einsum_rule(specs, equation):
     labels, out = _parse_einsum(equation, [s.ndim for s in specs])
-    meta = meta_call(lambda *xs: torch.einsum(equation, *xs), specs)
+    meta = meta_call(lambda *xs: torch.einsum(equation, *xs), specs, out_shape=_labeled_shape(specs, labels, out))
     letters = {lab: chr(ord("a") + n) if n < 26 else chr(ord("A") + n - 26)
                for n, lab in enumerate(sorted({lab for ls in labels for lab in ls}, key=str))}
     local = ",".join("..." + "".join(letters[lab] for lab in ls) for ls in labels)

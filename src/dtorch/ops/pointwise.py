@@ -21,8 +21,8 @@ from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
-from .registry import (_PLANS, TORCH_FUNCTIONS, OpPlan, dispatch, register, reject_out, resolve_torch, static_value,
-                       to_dtensors)
+from .registry import (_PLANS, TORCH_FUNCTIONS, OpPlan, dispatch, meta_call, register, reject_out, resolve_torch,
+                       static_value, to_dtensors)
 
 # op name -> how it treats partial inputs: "add" (linear in every operand), "scale" (linear in its
 # first operand when the others are replicated or scalars)
@@ -157,10 +157,12 @@ def _rule_for(name, static):
 
 def _pointwise_plan(name, fn, template, kwargs, specs) -> OpPlan:
     mesh = specs[0].mesh
-    # output shape and dtype from torch itself, on meta tensors
-    metas = [torch.empty(s.shape, dtype=s.dtype, device="meta") for s in specs]
-    out_meta = resolve_torch(fn)(*[metas[a] if isinstance(a, int) else a[-1] for a in template],
-                                 **_kwargs_with_tensors(kwargs, metas))
+    # output shape (the broadcast one) and dtype from torch itself, without its slow first meta call
+    def call(*ms):
+        return resolve_torch(fn)(*[ms[a] if isinstance(a, int) else a[-1] for a in template],
+                                 **_kwargs_with_tensors(kwargs, ms))
+
+    out_meta = meta_call(call, specs, out_shape="broadcast")
     out_shape = tuple(out_meta.shape)
     nout = len(out_shape)
     has_scalar = any(not isinstance(a, int) for a in template)

@@ -34,7 +34,7 @@ from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
 from .pointwise import pointwise
-from .registry import OpPlan, dispatch, register, spec_like
+from .registry import OpPlan, dispatch, meta_call, register, spec_like
 
 # -- local implementations: (x, dims, keepdim, **kw) on trailing dims; dims are negative -----------
 
@@ -157,7 +157,8 @@ def _reduce_rule(specs, op, dims, keepdim, kw) -> OpPlan:
     (s,) = specs
     nd = s.ndim
     neg = tuple(d - nd for d in dims)
-    meta = _run(op, torch.empty(s.shape, dtype=s.dtype, device="meta"), neg, keepdim, nd, kw)
+    out_shape = tuple(1 if d in dims else n for d, n in enumerate(s.shape) if keepdim or d not in dims)
+    meta = meta_call(lambda x: _run(op, x, neg, keepdim, nd, kw), (s,), out_shape=out_shape)
     shard_op, keeps = _PARTIAL.get(op, (None, ()))
     in_pl, out_pl, split = [], [], False
     for p in s.placements:
@@ -392,7 +393,7 @@ def _scan_kernel(x, *, op, dim, nd, dtype):
 
 def _scan_rule(specs, op, dim, dtype) -> OpPlan:
     (s,) = specs
-    meta = _run_scan(op, torch.empty(s.shape, dtype=s.dtype, device="meta"), dim - s.ndim, s.ndim, dtype)
+    meta = meta_call(lambda x: _run_scan(op, x, dim - s.ndim, s.ndim, dtype), (s,), out_shape=s.shape)
     keeps = _SCAN_KEEPS.get(op, ())
     pl = [Replicate() if (isinstance(p, Shard) and p.dim == dim) or (isinstance(p, Partial) and not _keeps(p, keeps, s.dtype))
           else p for p in s.placements]

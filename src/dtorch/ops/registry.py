@@ -125,10 +125,54 @@ def replicated(spec: DTensorSpec) -> DTensorSpec:
     return spec_like(spec, placements=(Replicate(),) * spec.mesh.ndim)
 
 
-def meta_call(fn: Callable, specs, *args, **kwargs):
-    """Run a torch function on meta tensors of ``specs``' global shapes: output shapes and dtypes, no data."""
+def meta_call(fn: Callable, specs, *args, out_shape=None, **kwargs):
+    """Run a torch function on meta tensors of ``specs``' global shapes: output shapes and dtypes, no data.
+
+    Many ops' meta kernels are torch's Python references, and the first call of one imports
+    ``torch._dynamo`` (seconds, on the first op after ``import dtorch``). Callers that know the output
+    shape pass it as ``out_shape`` ("broadcast": the broadcast of the input shapes, for element-wise ops):
+    the dtypes then come from ``fn`` on small real CPU tensors of the inputs' ranks and dtypes, which
+    never reaches those kernels. When that run fails or gives other ranks, the meta tensors decide (and
+    raise torch's own error).
+    """
+    if out_shape is not None:
+        out = _meta_from_small_call(fn, specs, out_shape, args, kwargs)
+        if out is not None:
+            return out
     metas = [torch.empty(s.shape, dtype=s.dtype, device="meta") for s in specs]
     return fn(*metas, *args, **kwargs)
+
+
+def _meta_from_small_call(fn, specs, out_shape, args, kwargs):
+    if out_shape == "broadcast":
+        out_shape = _broadcast_shape([s.shape for s in specs])
+        if out_shape is None:
+            return None  # not broadcastable: the op's own error comes from the meta run
+    # sizes capped at 2: a handful of elements, yet size-1 dims still broadcast and 2-element
+    # reductions (var, std) stay well defined; ones are in every op's domain (division, log, pow)
+    smalls = [torch.ones(tuple(min(n, 2) for n in s.shape), dtype=s.dtype) for s in specs]
+    try:
+        out = fn(*smalls, *args, **kwargs)
+    except Exception:  # noqa: BLE001  (the meta run gives the error, with torch's message)
+        return None
+    outs = out if isinstance(out, tuple) else (out,)
+    if not all(isinstance(o, torch.Tensor) and o.ndim == len(out_shape) for o in outs):
+        return None
+    metas = tuple(torch.empty(out_shape, dtype=o.dtype, device="meta") for o in outs)
+    return metas if isinstance(out, tuple) else metas[0]
+
+
+def _broadcast_shape(shapes) -> tuple | None:
+    """torch's broadcast of ``shapes``, or None where they do not broadcast (torch.broadcast_shapes
+    itself imports sympy on its first call)."""
+    out = [1] * max((len(s) for s in shapes), default=0)
+    for shape in shapes:
+        for k, n in enumerate(shape, start=len(out) - len(shape)):
+            if out[k] == 1:
+                out[k] = n
+            elif n not in (1, out[k]):
+                return None
+    return tuple(out)
 
 
 def to_dtensors(name: str, args, mesh_from=None) -> list:
