@@ -1,12 +1,26 @@
 """The narrow interface every backend implements.
 
 The front end hands the runtime specs (pure metadata) and opaque storage handles; the runtime owns
-the per-device blocks. Nothing above this layer touches a device.
+the per-device blocks. Nothing above ``runtime/`` reads a handle's storage. A backend implements:
+
+* placement: ``from_global``, ``from_blocks``, ``to_global`` (+ async), ``local_blocks``;
+* compute: ``executable(kernel, in_specs, out_specs)`` -> an ``Executable`` the runtime caches (bounded);
+  ``Executable.run(handles, kwargs, device_args)`` runs the kernel on every device;
+* in place: ``write`` runs an in-place kernel on a handle's own blocks, copying first when the storage is
+  shared (copy-on-write);
+* redistribution primitives, one mesh dim at a time: ``all_gather``, ``all_reduce``, ``reduce_scatter``,
+  ``all_to_all``, ``local_slice``, ``to_partial``; ``move`` between meshes; ``ring_shift``. The source and
+  target placements are ``before.placements[mesh_dim]`` and ``after.placements[mesh_dim]``. Backends do not
+  record CommLog: the one redistribution executor (``dtorch.redistribute.executor``) does, once per step.
+
+Memory accounting is an observer (``observe``): the Graph asks the runtime to report a handle's birth and
+death, and the runtime ties that to the handle's own lifetime.
 """
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -14,15 +28,21 @@ from ..spec import DTensorSpec
 from .kernels import Kernel
 
 
+class Executable(ABC):
+    """One kernel on one combination of input/output specs, prepared by a runtime (cached per plan)."""
+
+    @abstractmethod
+    def run(self, handles: Sequence, kwargs: dict, device_args: dict | None = None) -> list:
+        """Run on every device of the mesh; returns one handle per output spec."""
+
+
 class Runtime(ABC):
     name: str = "abstract"
-    # True when the runtime must hear about every dead tensor (release()): the Graph then installs
-    # a finalizer on dtorch.Tensor (it costs ~1 us per op, so the in-process backend does without).
-    needs_release: bool = False
     # True when handles are plain torch tensors of this process that any runtime which also sets this
     # can read: tensors of two such Graphs may meet in one op (graph.check_one_graph).
     handles_in_process: bool = False
 
+    # -- placement -------------------------------------------------------------------------------
     @abstractmethod
     def from_global(self, full: torch.Tensor, spec: DTensorSpec) -> Any:
         """Place a global value: every device takes its block (a Partial's terms reduce to ``full``)."""
@@ -36,7 +56,7 @@ class Runtime(ABC):
 
     @abstractmethod
     def to_global(self, handle, spec: DTensorSpec) -> torch.Tensor:
-        """Fetch the global value (blocks gathered, partials reduced) as a new CPU-or-device tensor."""
+        """The global value (blocks gathered, partials reduced) as a NEW tensor the caller owns."""
 
     def to_global_async(self, handle, spec: DTensorSpec):
         from ..future import TensorFuture
@@ -44,13 +64,59 @@ class Runtime(ABC):
         return TensorFuture.completed(self.to_global(handle, spec))
 
     @abstractmethod
+    def local_blocks(self, handle, spec: DTensorSpec) -> list[torch.Tensor]:
+        """Every device's block, in mesh order (for tests, visualisation and debugging; do not write)."""
+
+    # -- compute ---------------------------------------------------------------------------------
+    def executable(self, kernel: Kernel, in_specs: Sequence[DTensorSpec], out_specs: Sequence[DTensorSpec]) -> Executable:
+        """The prepared form of ``kernel`` for these specs (the runtime caches it, bounded)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement executable")
+
     def run_local(self, kernel: Kernel, inputs: Sequence, in_specs: Sequence[DTensorSpec],
                   out_specs: Sequence[DTensorSpec], kwargs: dict, device_args: dict | None = None) -> list:
         """Run ``kernel`` on every device of the mesh on its blocks; returns one handle per output."""
+        return self.executable(kernel, in_specs, out_specs).run(inputs, kwargs, device_args)
 
-    @abstractmethod
-    def redistribute_step(self, step, handle, before: DTensorSpec, after: DTensorSpec):
-        """Run one planned step (a collective, a local cut or a move between meshes)."""
+    def write(self, kernel: Kernel, target, target_spec: DTensorSpec, inputs: Sequence,
+              in_specs: Sequence[DTensorSpec], kwargs: dict, device_args: dict | None = None):
+        """Run the in-place kernel ``fn(target_block, *input_blocks, **kw)`` on every device.
+
+        The kernel mutates ``target_block`` (same shape and dtype) and returns nothing. The input specs
+        are laid out like ``target_spec`` requires (the caller redistributed them). When the target's
+        storage is shared with another handle or a view, it is copied first (copy-on-write), so nobody
+        else sees the change. Returns the handle now holding the result: ``target`` itself when it was
+        written in place, else a new handle.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not implement write")
+
+    # -- redistribution primitives (one mesh dim each) --------------------------------------------
+    def all_gather(self, handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int):
+        """S(k) -> R on ``mesh_dim``."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement all_gather")
+
+    def all_reduce(self, handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int):
+        """P -> R on ``mesh_dim``."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement all_reduce")
+
+    def reduce_scatter(self, handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int):
+        """P -> S(k) on ``mesh_dim``."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement reduce_scatter")
+
+    def all_to_all(self, handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int):
+        """S(k) -> S(j) on ``mesh_dim``."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement all_to_all")
+
+    def local_slice(self, handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int):
+        """R -> S(k) on ``mesh_dim``: every device keeps its piece, no communication."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement local_slice")
+
+    def to_partial(self, handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int):
+        """R -> P on ``mesh_dim``: sum keeps the value on index 0 and zeros elsewhere; avg/max/min keep it."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement to_partial")
+
+    def move(self, handle, before: DTensorSpec, after: DTensorSpec, same_layout: bool):
+        """Hand a tensor from ``before.mesh`` to ``after.mesh`` (no partials unless ``same_layout``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement move")
 
     @abstractmethod
     def ring_shift(self, handle, spec: DTensorSpec, mesh_dim: int, shift: int = 1):
@@ -60,18 +126,24 @@ class Runtime(ABC):
         block j - shift); ring attention uses it for K/V blocks and never wraps it as a Tensor.
         """
 
-    @abstractmethod
-    def local_blocks(self, handle, spec: DTensorSpec) -> list[torch.Tensor]:
-        """Every device's block, in mesh order (for tests, visualisation and debugging)."""
+    # -- lifetime ----------------------------------------------------------------------------------
+    def observe(self, handle, on_free: Callable[[], None]) -> bool:
+        """Call ``on_free`` once when ``handle``'s storage dies; False when the handle is already observed.
+
+        Memory accounting uses it (the Graph counts bytes when a handle is born and calls back when it
+        dies); it costs a finalizer per handle, so the Graph asks only while it tracks memory.
+        """
+        watched = self.__dict__.setdefault("_observed", weakref.WeakKeyDictionary())
+        if handle in watched:
+            return False
+        watched[handle] = weakref.finalize(handle, on_free)
+        return True
 
     def sync(self) -> None:
         pass
 
     def empty_cache(self) -> None:
         pass
-
-    def release(self, handle) -> None:
-        """The front-end tensor owning ``handle`` is gone (called only when ``needs_release``)."""
 
     def shutdown(self) -> None:
         pass
