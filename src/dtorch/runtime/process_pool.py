@@ -216,7 +216,8 @@ class Pool:
                 f"workers).{logs}")
 
     def _logs_written(self) -> bool:
-        return any(os.path.getsize(f.name) for f in self._logs.values())
+        # a log someone else removed (a /tmp cleaner) says nothing: stopping must not fail on it
+        return any(os.path.exists(f.name) and os.path.getsize(f.name) for f in self._logs.values())
 
     def _log_tail(self, r: int, n: int = 6) -> str:
         try:
