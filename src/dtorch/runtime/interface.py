@@ -89,6 +89,11 @@ class Runtime(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not implement write")
 
+    def alias(self, handle, spec: DTensorSpec):
+        """A second handle on the same blocks (``detach``, ``Tensor(t)``, parameters): no copy now; a
+        later ``write`` to either copies first, so the other never sees it."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement alias")
+
     # -- redistribution primitives (one mesh dim each) --------------------------------------------
     def all_gather(self, handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int):
         """S(k) -> R on ``mesh_dim``."""
