@@ -142,6 +142,83 @@ def test_tracked_peak_memory(fresh_graph):
     del x
 
 
+def test_memory_tracking_observes_storage_handles(fresh_graph):
+    """Accounting is an observer of storage handles (Runtime.observe): no Tensor.__del__ patch, a storage
+    shared by several tensors counts once, and tensors born before track_memory() leave the stats when they die."""
+    g = fresh_graph()
+    mesh = dtorch.init_device_mesh("cpu", 2)
+    early = dtorch.zeros(8, device_mesh=mesh, placements=[Shard(0)])  # 4 float32 per device, born untracked
+    g.track_memory()
+    assert "__del__" not in vars(dtorch.Tensor) and not hasattr(dtorch.Tensor, "_finalize")
+
+    def allocated():
+        return g.get_memory_stats(mesh)[("cpu", 0)]["allocated"]
+
+    assert allocated() == 16
+    shared = dtorch.nn.Parameter(early)  # shares early's storage
+    assert allocated() == 16
+    y = dtorch.zeros(8, device_mesh=mesh, placements=[Shard(0)])
+    assert allocated() == 32
+    del early
+    gc.collect()
+    assert allocated() == 32  # the Parameter still holds that storage
+    shared._set(dtorch.zeros(2, device_mesh=mesh, placements=[Shard(0)]))  # the old storage's last holder lets go
+    gc.collect()
+    assert allocated() == 16 + 4
+    del shared, y
+    gc.collect()
+    assert g.get_memory_stats(mesh)[("cpu", 0)] == {"allocated": 0, "peak": 32 + 4}
+
+
+def test_memory_tracking_off_and_on_again(fresh_graph):
+    g = fresh_graph()
+    mesh = dtorch.init_device_mesh("cpu", 3)
+    g.track_memory()
+    a = dtorch.zeros(3, device_mesh=mesh, placements=[Shard(0)])  # observed while tracking
+    g.track_memory(False)
+    b = dtorch.zeros(3, device_mesh=mesh, placements=[Shard(0)])  # not observed now
+    assert g.get_memory_stats(mesh)[("cpu", 1)]["allocated"] == 8  # untracked stats scan the live tensors
+    g.track_memory()
+    assert g.get_memory_stats(mesh)[("cpu", 1)] == {"allocated": 8, "peak": 8}
+    del a, b
+    gc.collect()
+    assert g.get_memory_stats(mesh)[("cpu", 1)] == {"allocated": 0, "peak": 8}
+
+
+def test_guards_are_per_thread_and_shared_by_the_threads_graphs():
+    """The default mesh/dtype live in dtorch.context (per thread); every Graph of the thread reads them."""
+    from dtorch import context
+
+    mesh = dtorch.init_device_mesh("cpu", (2,))
+    g, other = dtorch.default_graph(), Graph()
+    with g.device_mesh_guard(mesh), other.dtype_guard(torch.float64):
+        assert other.default_device_mesh is mesh and g.default_dtype == torch.float64
+        assert context.get_default_device_mesh() is mesh and dtorch.get_default_device_mesh() is mesh
+        assert dtorch.distributed_spec.get_default_device_mesh() is mesh
+    assert context.default_device_mesh() == DeviceMesh("cpu") and context.default_dtype() == torch.get_default_dtype()
+
+
+def test_backend_registry(monkeypatch):
+    from dtorch.runtime import registry
+    from dtorch.runtime.inprocess import InProcessRuntime
+
+    with pytest.raises(ValueError) as err:
+        Graph(backend="nccl")
+    msg = str(err.value)
+    assert "unknown dtorch backend 'nccl'" in msg and "DTORCH_BACKEND" in msg
+    assert all(repr(name) in msg for name in registry.backend_names())
+    monkeypatch.setenv("DTORCH_BACKEND", "nccl")
+    with pytest.raises(ValueError, match="unknown dtorch backend 'nccl'"):
+        Graph()
+    # adding a backend is one entry: name -> "module:Class"
+    monkeypatch.setitem(registry.BACKENDS, "inprocess2", "dtorch.runtime.inprocess:InProcessRuntime")
+    g = Graph(backend="inprocess2")
+    assert type(g.runtime) is InProcessRuntime and g.backend == "inprocess2"
+    with g:
+        x = dtorch.Tensor(torch.arange(4.0), device_mesh=dtorch.init_device_mesh("cpu", 2), placements=[Shard(0)])
+    assert torch.equal((x * 2).to_torch(), torch.arange(4.0) * 2)
+
+
 def test_assert_close_takes_torch_and_dtorch():
     mesh = dtorch.init_device_mesh("cpu", (2,))
     full = torch.randn(5, 3)

@@ -8,7 +8,8 @@ from .commlog import CommLog
 from .errors import DeviceUnavailableError, DTorchError, MeshError, OpError, PlacementError, RuntimeBackendError
 from .future import TensorFuture
 from .graph import Graph, default_graph
-from .mesh import DeviceMesh, assign_layers_to_stages, get_default_device_mesh, init_device_mesh
+from .context import get_default_device_mesh
+from .mesh import DeviceMesh, assign_layers_to_stages, init_device_mesh
 from .placement import Partial, Placement, Replicate, Shard
 from .spec import DTensorSpec
 from .tensor import Tensor

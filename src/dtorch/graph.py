@@ -1,37 +1,44 @@
-"""Graph: the controller. Default mesh and dtype, the runtime, sync and memory statistics."""
+"""Graph: the controller. The runtime (backend), sync, memory statistics; the default mesh/dtype guards.
+
+The default mesh and dtype live in ``dtorch.context`` (per thread); a Graph's guards are those. The
+backend comes from ``dtorch.runtime.registry``. Memory accounting is an observer: while a Graph
+tracks memory, it counts a storage handle's bytes when a tensor first shows it and asks the runtime
+(``Runtime.observe``) to call back when that handle dies.
+"""
 from __future__ import annotations
 
-import contextlib
+import functools
+import gc
 import itertools
 import os
 import threading
+import weakref
 
 import numpy as np
 import torch
 
-from .errors import MeshError, OpError
+from . import context
+from .errors import OpError
 from .mesh import DeviceMesh
-from .runtime.devices import mesh_problems
+from .runtime.devices import mesh_problems, read_device_config
+from .runtime.registry import check_backend, make_runtime  # noqa: F401  (make_runtime: the old import path)
 
 BACKEND_VAR = "DTORCH_BACKEND"
-_BACKENDS = ("inprocess", "process")
 _NUMBERS = itertools.count(1)
+# The tensor classes whose objects the memory scan counts; tensor.py registers dtorch.Tensor (graph.py
+# may not import tensor.py: the layers point down).
+_TENSOR_TYPES: list[type] = []
 
 
-def make_runtime(backend: str):
-    if backend == "inprocess":
-        from .runtime.inprocess import InProcessRuntime
-
-        return InProcessRuntime()
-    if backend == "process":
-        from .runtime.process import ProcessRuntime  # noqa: F401  (scale-out backend)
-
-        return ProcessRuntime()
-    raise ValueError(f"unknown dtorch backend {backend!r}; choose one of {_BACKENDS} (env {BACKEND_VAR})")
+def register_tensor_type(cls: type) -> type:
+    """Objects of ``cls`` (with ``_spec``, ``_h``, ``_graph``) count in ``get_memory_stats``."""
+    if cls not in _TENSOR_TYPES:
+        _TENSOR_TYPES.append(cls)
+    return cls
 
 
 class Graph:
-    """The controller: default mesh and dtype, the runtime (backend), sync and memory statistics.
+    """The controller: the runtime (backend), the default mesh/dtype guards, sync and memory statistics.
 
     Tensors are created in the current thread's default Graph. A new Graph becomes the default
     inside ``with graph:`` (restored after), or from now on with ``Graph.set_default_graph(graph)``;
@@ -42,22 +49,20 @@ class Graph:
 
     def __init__(self, backend: str | None = None, *, track_memory: bool = False):
         backend = backend or os.environ.get(BACKEND_VAR, "inprocess") or "inprocess"
-        if backend not in _BACKENDS:
-            raise ValueError(f"unknown dtorch backend {backend!r}; choose one of {_BACKENDS} (env {BACKEND_VAR})")
+        check_backend(backend, f" (argument backend= or env {BACKEND_VAR})")
         self.backend = backend
         # for error messages that must tell two graphs apart
         self.name = f"Graph #{next(_NUMBERS)} (backend {backend!r}, made in thread {threading.current_thread().name!r})"
         self.runtime = make_runtime(backend)
-        self._mesh_stack: list[DeviceMesh] = []
-        self._dtype_stack: list[torch.dtype] = []
-        self._default_mesh = DeviceMesh("cpu")
-        # Per-tensor bookkeeping costs about a microsecond per op, so it is on only when needed:
-        # peak-memory tracking, or a backend that frees worker buffers when a tensor dies.
-        self._track_memory = False
-        self.tracks_tensors = False
+        # Memory accounting costs a finalizer per storage handle, so it is on only after track_memory().
+        # Tensor._make/_init call _on_handle while it is on.
+        self.tracks_memory = False
+        self._held: dict = {}  # token -> (mesh, bytes per device) of each observed live handle
+        self._tokens = itertools.count()
         self._live: dict = {}  # mesh -> logical bytes per device (scalar when all equal, else vector)
         self._peak: dict = {}
-        self._set_tracking(track_memory, release=getattr(self.runtime, "needs_release", False))
+        if track_memory:
+            self.track_memory()
 
     # -- the per-thread default ----------------------------------------------------------------------
     @classmethod
@@ -86,44 +91,26 @@ class Graph:
     def __repr__(self) -> str:
         return f"<dtorch.{self.name}>"
 
-    # -- guards ---------------------------------------------------------------------------------
+    # -- guards (per thread, shared by every Graph of the thread: dtorch.context) ------------------------
     @property
     def default_device_mesh(self) -> DeviceMesh:
-        return self._mesh_stack[-1] if self._mesh_stack else self._default_mesh
+        return context.default_device_mesh()
 
     @property
     def default_dtype(self) -> torch.dtype:
-        return self._dtype_stack[-1] if self._dtype_stack else torch.get_default_dtype()
+        return context.default_dtype()
 
-    @contextlib.contextmanager
     def device_mesh_guard(self, mesh: DeviceMesh):
-        if not isinstance(mesh, DeviceMesh):
-            raise MeshError(f"device_mesh_guard needs a DeviceMesh, got {type(mesh).__name__}")
-        self._mesh_stack.append(mesh)
-        try:
-            yield mesh
-        finally:
-            self._mesh_stack.pop()
+        return context.device_mesh_guard(mesh)
 
-    @contextlib.contextmanager
     def dtype_guard(self, dtype: torch.dtype):
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype_guard needs a torch.dtype, got {dtype!r}")
-        self._dtype_stack.append(dtype)
-        try:
-            yield dtype
-        finally:
-            self._dtype_stack.pop()
+        return context.dtype_guard(dtype)
 
     # -- devices --------------------------------------------------------------------------------
     def satisfy(self, mesh: DeviceMesh) -> bool:
         """Does this machine have every device ``mesh`` names?"""
         cfg = getattr(self.runtime, "config", None)
-        if cfg is None:
-            from .runtime.devices import read_device_config
-
-            cfg = read_device_config()
-        return mesh_problems(mesh, cfg) is None
+        return mesh_problems(mesh, cfg if cfg is not None else read_device_config()) is None
 
     def sync(self) -> None:
         self.runtime.sync()
@@ -141,65 +128,79 @@ class Graph:
 
     # -- memory accounting ---------------------------------------------------------------------
     def track_memory(self, enabled: bool = True) -> None:
-        """Record peak bytes per device from now on (off by default: it costs ~1 us per op)."""
-        self._set_tracking(enabled, release=getattr(self.runtime, "needs_release", False))
+        """Record peak bytes per device from now on (off by default: it costs a finalizer per tensor)."""
+        self.tracks_memory = bool(enabled)
         if enabled:
-            self._live = self._scan_live()
+            # handles born while tracking was off: observe them now, so each live one is counted once
+            # and subtracted when it dies
+            for h, spec in self._live_handles().values():
+                self._observe(h, spec)
+            live: dict = {}
+            for mesh, b in list(self._held.values()):
+                live[mesh] = live.get(mesh, 0) + b
+            self._live = live
             self.reset_peak_memory_stats()
 
-    def _set_tracking(self, memory: bool, release: bool) -> None:
-        from .tensor import Tensor
-
-        self._track_memory = memory
-        self.tracks_tensors = memory or release
-        if self.tracks_tensors:
-            Tensor.__del__ = Tensor._finalize
-
-    def _on_create(self, t) -> None:
-        t._tracked = True
-        if self._track_memory:
-            self._account(t._spec, +1)
-
-    def _on_delete(self, t) -> None:
-        if self._track_memory:
-            self._account(t._spec, -1)
-        self.runtime.release(t._h)
-
-    def _account(self, spec, sign: int) -> None:
-        mesh = spec.mesh
-        per_device = _device_bytes(spec)
-        live = self._live.get(mesh, 0) + sign * per_device
-        self._live[mesh] = live
-        if sign > 0:
+    def _on_handle(self, handle, spec) -> None:
+        """A tensor shows ``handle`` (laid out as ``spec``): count it, the first time, until it dies."""
+        per_device = self._observe(handle, spec)
+        if per_device is not None and self.tracks_memory:
+            mesh = spec.mesh
+            live = self._live.get(mesh, 0) + per_device
+            self._live[mesh] = live
             peak = self._peak.get(mesh, 0)
             self._peak[mesh] = np.maximum(peak, live) if isinstance(live, np.ndarray) else max(peak, live)
 
-    def _scan_live(self) -> dict:
-        """Logical bytes per device of every live tensor of this graph (walks the garbage collector's objects)."""
-        import gc
+    def _observe(self, handle, spec):
+        """Ask the runtime to report ``handle``'s death; its bytes per device, or None if already observed."""
+        token = next(self._tokens)
+        per_device = _device_bytes(spec)
+        self._held[token] = (spec.mesh, per_device)
+        if not self.runtime.observe(handle, functools.partial(_handle_freed, weakref.ref(self), token)):
+            del self._held[token]
+            return None
+        return per_device
 
-        from .tensor import Tensor
+    def _on_free(self, token) -> None:
+        entry = self._held.pop(token, None)
+        if entry is not None and self.tracks_memory:
+            mesh, per_device = entry
+            self._live[mesh] = self._live.get(mesh, 0) - per_device
 
-        live: dict = {}
+    def _live_handles(self) -> dict:
+        """id(handle) -> (handle, spec) of every live tensor of this graph (walks the garbage collector's objects).
+
+        Tensors that share a handle (clone, detach, Parameter) share storage: it counts once.
+        """
+        types = tuple(_TENSOR_TYPES)
+        out: dict = {}
+        if not types:
+            return out
         for obj in gc.get_objects():
             # type(), not isinstance(): isinstance reads obj.__class__, which warns on deprecated torch objects
-            if issubclass(type(obj), Tensor) and getattr(obj, "_graph", None) is self:
-                spec = obj._spec
-                live[spec.mesh] = live.get(spec.mesh, 0) + _device_bytes(spec)
+            if issubclass(type(obj), types) and getattr(obj, "_graph", None) is self:
+                h = obj._h
+                out.setdefault(id(h), (h, obj._spec))
+        return out
+
+    def _scan_live(self) -> dict:
+        live: dict = {}
+        for _, spec in self._live_handles().values():
+            live[spec.mesh] = live.get(spec.mesh, 0) + _device_bytes(spec)
         return live
 
     def get_memory_stats(self, device_mesh: DeviceMesh | None = None) -> dict:
         """Logical bytes each device holds: ``{(device_type, id): {"allocated": n, "peak": n}}``.
 
-        "allocated" counts every live tensor now. "peak" is tracked after ``track_memory()`` (else it
-        equals "allocated"); a device's peak is the sum of the peaks of the meshes it belongs to (an
-        upper bound when several meshes share devices).
+        "allocated" counts every live tensor now (tensors sharing storage, such as a clone, once).
+        "peak" is tracked after ``track_memory()`` (else it equals "allocated"); a device's peak is the
+        sum of the peaks of the meshes it belongs to (an upper bound when several meshes share devices).
         """
-        live = self._live if self._track_memory else self._scan_live()
-        peak = self._peak if self._track_memory else live
+        live = self._live if self.tracks_memory else self._scan_live()
+        peak = self._peak if self.tracks_memory else live
         out: dict = {}
         for table, field in ((live, "allocated"), (peak, "peak")):
-            for mesh, val in table.items():
+            for mesh, val in list(table.items()):
                 vec = val if isinstance(val, np.ndarray) else np.full(mesh.size(), val)
                 for dev_id, b in zip(mesh.device_ids, vec):
                     key = (mesh.device_type, dev_id)
@@ -215,15 +216,22 @@ class Graph:
         self._peak = {m: (v.copy() if isinstance(v, np.ndarray) else v) for m, v in self._live.items()}
 
 
+def _handle_freed(graph_ref, token) -> None:
+    """The runtime's callback when an observed handle dies (holds the Graph weakly: handles may outlive it)."""
+    g = graph_ref()
+    if g is not None:
+        g._on_free(token)
+
+
 def _device_bytes(spec):
     """Bytes each device of ``spec``'s mesh holds: an int when all equal, else a vector (cached on the spec)."""
     try:
         return spec._device_bytes
     except AttributeError:
-        from .runtime.inprocess import per_device_bytes
-
-        vec = per_device_bytes(spec)
-        val = int(vec[0]) if spec.is_even() else vec
+        item = spec.dtype.itemsize
+        vec = np.array([int(np.prod(spec.local_shape(c), dtype=np.int64)) * item for c in spec.mesh.coordinates()],
+                       dtype=np.int64)
+        val = int(vec[0]) if (vec == vec[0]).all() else vec
         object.__setattr__(spec, "_device_bytes", val)
         return val
 

@@ -213,11 +213,3 @@ def assign_layers_to_stages(num_layers: int, num_stages: int) -> list[int]:
     for stage in range(num_stages):
         out.extend([stage] * (base + (1 if stage < extra else 0)))
     return out
-
-
-def get_default_device_mesh(device_mesh: DeviceMesh | None = None) -> DeviceMesh:
-    if device_mesh is not None:
-        return device_mesh
-    from .graph import Graph
-
-    return Graph.default_graph().default_device_mesh

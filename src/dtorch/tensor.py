@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from .errors import MeshError, PlacementError
-from .graph import Graph
+from .graph import Graph, register_tensor_type
 from .mesh import DeviceMesh
 from .placement import Placement, Replicate, Shard, fmt_placements, normalize_placements
 from .spec import DTensorSpec
@@ -20,7 +20,7 @@ _REPLICATE = Replicate()
 
 
 class Tensor:
-    __slots__ = ("_spec", "_h", "_graph", "_tracked", "__weakref__")
+    __slots__ = ("_spec", "_h", "_graph", "__weakref__")
 
     def __init__(self, data, *, device_mesh: DeviceMesh | None = None, placements=None, dtype: torch.dtype | None = None):
         graph = Graph.default_graph()
@@ -42,8 +42,8 @@ class Tensor:
         self._spec = spec
         self._h = handle
         self._graph = graph
-        if graph.tracks_tensors:
-            graph._on_create(self)
+        if graph.tracks_memory:  # memory accounting: the Graph counts the handle until it dies
+            graph._on_handle(handle, spec)
 
     @classmethod
     def _make(cls, spec: DTensorSpec, handle, graph: Graph) -> "Tensor":
@@ -51,8 +51,8 @@ class Tensor:
         t._spec = spec
         t._h = handle
         t._graph = graph
-        if graph.tracks_tensors:
-            graph._on_create(t)
+        if graph.tracks_memory:
+            graph._on_handle(handle, spec)
         return t
 
     @classmethod
@@ -79,14 +79,6 @@ class Tensor:
                     f"{list(b.shape)} {b.dtype}, but {spec} puts a {list(want)} {spec.dtype} block there")
         graph = Graph.default_graph()
         return cls._make(spec, graph.runtime.from_blocks(blocks, spec), graph)
-
-    def _finalize(self):
-        """Installed as ``__del__`` only while some Graph tracks tensors (memory peaks, worker buffers)."""
-        try:
-            if self._tracked:
-                self._graph._on_delete(self)
-        except Exception:  # never tracked, or interpreter shutdown
-            pass
 
     # -- metadata ---------------------------------------------------------------------------------
     @property
@@ -154,8 +146,7 @@ class Tensor:
     # -- values ---------------------------------------------------------------------------------
     def to_torch(self) -> torch.Tensor:
         """The whole global tensor as a new torch tensor (blocks gathered, partial terms reduced)."""
-        out = self._graph.runtime.to_global(self._h, self._spec)
-        return out.clone() if _aliases_storage(out, self) else out
+        return self._graph.runtime.to_global(self._h, self._spec)  # a fresh tensor (the runtime's contract)
 
     full_tensor = to_torch
 
@@ -332,19 +323,7 @@ class Tensor:
         return torch_function_dispatch(func, args, kwargs or {})
 
 
-def _aliases_storage(out: torch.Tensor, t: Tensor) -> bool:
-    h = t._h
-    grid = getattr(h, "grid", None)
-    if grid is not None:
-        try:
-            return out.untyped_storage().data_ptr() == grid.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):
-            return True
-    blocks = getattr(h, "blocks", None)
-    if blocks:
-        ptr = out.untyped_storage().data_ptr()
-        return any(b.untyped_storage().data_ptr() == ptr for b in blocks)
-    return False
+register_tensor_type(Tensor)  # get_memory_stats counts live tensors
 
 
 def as_torch(data, dtype: torch.dtype | None, graph: Graph) -> torch.Tensor:

@@ -21,9 +21,10 @@ import torch
 import dtorch
 
 from .. import nn
+from ..context import get_default_device_mesh
 from ..errors import DTorchError
 from ..graph import Graph
-from ..mesh import DeviceMesh, assign_layers_to_stages, get_default_device_mesh
+from ..mesh import DeviceMesh, assign_layers_to_stages
 from ..placement import Partial, Replicate, Shard
 from ..tensor import Tensor
 from ..nn import functional as F

@@ -6,8 +6,9 @@ import threading
 
 import torch
 
+from ..context import get_default_device_mesh
 from ..errors import MeshError
-from ..mesh import DeviceMesh, get_default_device_mesh
+from ..mesh import DeviceMesh
 from ..placement import Placement, Replicate
 from ..tensor import Tensor
 from .module import Parameter

@@ -13,8 +13,9 @@ from typing import Iterator, NamedTuple
 
 import torch
 
+from ..context import get_default_device_mesh
 from ..errors import DTorchError
-from ..mesh import DeviceMesh, get_default_device_mesh
+from ..mesh import DeviceMesh
 from ..tensor import Tensor
 
 
@@ -37,8 +38,7 @@ class Parameter(Tensor):
 
     def _set(self, value: Tensor) -> None:
         """Take ``value``'s storage and layout in place, so every holder of this parameter sees it."""
-        if self._graph.tracks_tensors and getattr(self, "_tracked", False):
-            self._graph._on_delete(self)  # the old storage leaves this parameter (memory stats, worker buffers)
+        # the old storage is freed (and leaves the memory stats) when its last holder lets go of it
         self._init(value._spec, value._h, value._graph)
 
     def __repr__(self):

@@ -31,7 +31,7 @@ from .kernels import Kernel
 
 
 class Shards:
-    __slots__ = ("grid", "blocks")
+    __slots__ = ("grid", "blocks", "__weakref__")  # weakly referenced: Runtime.observe (memory accounting)
 
     def __init__(self, grid: torch.Tensor | None = None, blocks: list | None = None):
         self.grid = grid
@@ -247,7 +247,9 @@ class InProcessRuntime(Runtime):
 
     def to_global(self, h: Shards, spec: DTensorSpec) -> torch.Tensor:
         if h.grid is not None:
-            return grid_to_global(h.grid, spec)
+            out = grid_to_global(h.grid, spec)
+            # reshapes of the grid may be views of it: the caller gets a tensor of its own
+            return out.clone() if out.untyped_storage().data_ptr() == h.grid.untyped_storage().data_ptr() else out
         # Partial terms reduce in mesh-dim order, exactly as the planner's all_reduce steps (and the
         # grid form) do: with mixed reduce ops the order is part of the meaning.
         blocks = h.blocks

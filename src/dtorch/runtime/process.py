@@ -582,10 +582,6 @@ class ProcessRuntime(Runtime):
             pool.client.delete_key(key)
             return out
 
-    def release(self, handle) -> None:
-        # Tensors may share a handle; its blocks are freed when the Handle itself dies (Handle.__del__).
-        pass
-
     def _describe(self, seq, kind) -> str:
         what = self._ops.get(seq)
         if what is None:
