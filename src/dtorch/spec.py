@@ -77,6 +77,36 @@ class DTensorSpec:
     def even_local_shape(self) -> tuple[int, ...]:
         return self.local_shape((0,) * self.mesh.ndim)
 
+    def device_bytes(self):
+        """Bytes each device holds (a read-only int64 numpy array, mesh order); cached on the spec."""
+        try:
+            return self.__dict__["_nbytes_per_device"]
+        except KeyError:
+            pass
+        import numpy as np
+
+        item = self.dtype.itemsize
+        if self.is_even():
+            vec = np.full(self.mesh.size(), _prod(self.even_local_shape()) * item, dtype=np.int64)
+        else:
+            vec = np.array([_prod(self.local_shape(c)) * item for c in self.mesh.coordinates()], dtype=np.int64)
+        vec.flags.writeable = False  # shared by every caller
+        object.__setattr__(self, "_nbytes_per_device", vec)
+        return vec
+
+    def total_bytes(self) -> int:
+        """Sum over devices of their block sizes in bytes (replicas each count); cached on the spec."""
+        try:
+            return self.__dict__["_nbytes_total"]
+        except KeyError:
+            pass
+        if self.is_even():
+            n = _prod(self.even_local_shape()) * self.dtype.itemsize * self.mesh.size()
+        else:
+            n = int(self.device_bytes().sum())
+        object.__setattr__(self, "_nbytes_total", n)
+        return n
+
     def grid_shape(self) -> tuple[int, ...]:
         """Leading dims of the stacked storage: mesh size where devices differ (Shard, Partial), 1 where they agree."""
         return tuple(1 if isinstance(p, Replicate) else s for p, s in zip(self.placements, self.mesh.shape))
@@ -119,8 +149,12 @@ def block_offsets(spec: DTensorSpec, dim: int, coord_map=None):
     return out
 
 
-def local_nbytes(spec: DTensorSpec, coord) -> int:
+def _prod(shape) -> int:
     n = 1
-    for s in spec.local_shape(coord):
+    for s in shape:
         n *= s
-    return n * spec.dtype.itemsize
+    return n
+
+
+def local_nbytes(spec: DTensorSpec, coord) -> int:
+    return _prod(spec.local_shape(coord)) * spec.dtype.itemsize

@@ -1,7 +1,10 @@
 """The process backend (one worker process per device, gloo) against the in-process backend.
 
-Redistributions move and reduce data exactly as the in-process backend does: results are compared bit
-for bit, block by block. Kernels run on each worker's own (contiguous) block; torch's kernels may round
+Redistributions move and reduce data as the in-process backend does: results are compared bit for bit,
+block by block, wherever the reduction order cannot change the bits (partial terms made from a global
+value are the value and zeros; two terms; max/min; integers). Float sums of more than two distinct terms
+are torch.distributed's all_reduce / reduce_scatter, which add in their own order: those are compared
+within a tolerance (test_float_sums_over_four_devices_are_native_collectives). Kernels run on each worker's own (contiguous) block; torch's kernels may round
 differently for differently strided inputs (the in-process backend's grid and per-device paths differ
 the same way), so op results are compared to the in-process backend within 1e-5 and to torch.
 
@@ -170,6 +173,93 @@ def test_ring_shift(proc, ref, mesh_dim, shift):
             blocks.append(g.runtime.local_blocks(h, x.spec))
     for n, (a, b) in enumerate(zip(*blocks)):
         assert_identical(b, a, f"block {n}")
+
+
+def test_one_commlog_record_per_step_like_inprocess(proc, ref):
+    # a plan with collectives and local steps: one record per communicating step, on both backends
+    from dtorch.redistribute import plan_redistribute
+
+    full = value((5, 4))
+    src = [Partial(), Shard(0)]
+    dst = [Shard(1), Partial("max")]
+    logs = []
+    for g in (ref, proc):
+        with using(g):
+            x = dtorch.Tensor(full, device_mesh=MESH_2D, placements=src)
+            plan = plan_redistribute(x.spec, x.spec.with_placements(tuple(dst)))
+            with CommLog() as log:
+                y = x.redistribute(MESH_2D, dst)
+            assert_identical(y.to_torch(), full, "value")
+        logs.append([(r.kind, r.mesh_dim, r.nbytes) for r in log.records])
+    befores = (x.spec,) + plan.specs[:-1]
+    want = [(st.kind, st.label, b.total_bytes()) for st, b in zip(plan.steps, befores) if st.communicates]
+    assert len(want) >= 2 and len(want) < len(plan.steps), str(plan)
+    assert logs[0] == logs[1] == want
+
+
+def _terms(mesh, shape, dtype, seed):
+    """Distinct partial terms per device (the sum of more than two: the order matters in floating point)."""
+    return [value(shape, dtype, seed=seed * 100 + n) * (1 + n) for n in range(mesh.size())]
+
+
+# Float sums of m > 2 distinct terms: the process backend runs torch.distributed's all_reduce /
+# reduce_scatter (half floats accumulate in float32), which adds the terms in the collective's order; the
+# in-process backend adds them in mesh order. Both round once per addition, so they may differ by a few
+# units in the last place of the partial sums: compared with torch.testing's default tolerance for the
+# dtype (float32: rtol 1.3e-6, atol 1e-5; bfloat16: rtol 1.6e-2, atol 1e-5) after scaling atol by the
+# terms' magnitude (cancellation makes a small sum of large terms). max/min and integers are exact.
+def _close(got, want, terms):
+    scale = max(float(t.abs().max()) for t in terms) if terms[0].numel() else 1.0
+    atol = {torch.bfloat16: 1e-2, torch.float16: 1e-3}.get(want.dtype, 1e-6) * len(terms) * scale
+    torch.testing.assert_close(got, want, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int32])
+@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+def test_float_sums_over_four_devices_are_native_collectives(proc, ref, dtype, op):
+    mesh = DeviceMesh("cpu", [3, 1, 0, 2], mesh_dim_names=["x"])  # 4 terms, group rank order != mesh order
+    terms = _terms(mesh, (7, 3), dtype, seed=11)
+    exact = op == "max" or not dtype.is_floating_point
+    for dst, collective in (([Replicate()], "all_reduce"), ([Shard(0)], "reduce_scatter")):
+        outs = []
+        for g in (ref, proc):
+            with using(g):
+                x = dtorch.Tensor.from_blocks(terms, device_mesh=mesh, placements=[Partial(op)], shape=(7, 3))
+                if g is proc:
+                    before = g.runtime.worker_stats(collectives=True)
+                y = x.redistribute(mesh, dst)
+                outs.append((y.to_torch(), y.local_blocks()))
+                if g is proc:  # a real collective, not all_gather + a local reduction
+                    after = g.runtime.worker_stats(collectives=True)
+                    for r in mesh.device_ids:
+                        calls = {k: after[r]["collectives"].get(k, 0) - before[r]["collectives"].get(k, 0)
+                                 for k in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")}
+                        assert calls == {**dict.fromkeys(calls, 0), collective: 1}, (r, calls)
+        (want, want_blocks), (got, got_blocks) = outs
+        if exact:
+            assert_identical(got, want, f"{op} {dtype} -> {dst}")
+        else:
+            _close(got, want, terms)
+        for b, w in zip(got_blocks, want_blocks):  # replicas equal, blocks where local_box says
+            assert b.shape == w.shape and b.dtype == w.dtype
+        if dst == [Replicate()]:
+            assert all(torch.equal(b, got_blocks[0]) for b in got_blocks), "replicas differ"
+    # the reference: the reduction in float64 of the same terms
+    stacked = torch.stack([t.double() for t in terms])
+    ref64 = {"sum": stacked.sum(0), "avg": stacked.mean(0), "max": stacked.amax(0)}[op]
+    if dtype.is_floating_point:
+        _close(got.double(), ref64.to(dtype).double(), terms)
+
+
+def test_groups_with_different_rank_orders_keep_replicas_equal():
+    # [[0, 1, 2], [5, 3, 4]]: mesh dim 1's groups rank their members in different orders, so a native sum
+    # would add the same (replicated) terms in different orders per row; the workers gather instead
+    from dtorch.runtime.process_plan import same_rank_order
+
+    assert same_rank_order(DeviceMesh("cpu", [[0, 1, 2], [3, 4, 5]]), 1)
+    assert not same_rank_order(DeviceMesh("cpu", [[0, 1, 2], [5, 3, 4]]), 1)
+    assert same_rank_order(DeviceMesh("cpu", [[0, 1, 2], [5, 3, 4]]), 0)  # groups of two: (0, 5), (1, 3), (2, 4)
+    assert same_rank_order(MESH_1D, 0) and same_rank_order(MESH_2D, 0) and same_rank_order(MESH_2D, 1)
 
 
 # -- operators ------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from ..errors import AttentionInputError, DTorchError, OpError
 from ..graph import check_one_graph
 from ..placement import Partial, Replicate, Shard
 from ..redistribute import redistribute_spec
+from ..redistribute.executor import ring_shift
 from ..runtime.kernels import Kernel, kernel
 from ..spec import DTensorSpec, block_offsets, chunk_size
 from ..tensor import Tensor
@@ -617,8 +618,8 @@ def _ring(cp: _CPPlan, q, k, v, mask, noise) -> Tensor:
             raise OpError(f"dtorch.{_NAME} (ring step {st}) failed on inputs {describe(step.in_specs[:3])}: "
                           f"{type(exc).__name__}: {exc}") from exc
         if st + 1 < len(cp.ring_steps):  # pass K/V on: device j now holds block j - st - 1
-            kh = rt.ring_shift(kh, cp.k_r, cp.ring_dim, 1)
-            vh = rt.ring_shift(vh, cp.v_r, cp.ring_dim, 1)
+            kh = ring_shift(rt, kh, cp.k_r, cp.ring_dim, 1)  # the executor records the send_recv
+            vh = ring_shift(rt, vh, cp.v_r, cp.ring_dim, 1)
     out = Tensor._make(cp.ring_steps[-1].out_specs[0], acc[0], graph)
     if cp.o_unpad is not None:  # drop the padded query rows
         out = _run(_unpad_seq_kernel, out, cp.o_unpad[0], cp.o_unpad[1])

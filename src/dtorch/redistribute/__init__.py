@@ -5,9 +5,12 @@ from ..errors import MeshError
 from ..mesh import DeviceMesh
 from ..placement import normalize_placements
 from ..spec import DTensorSpec
-from .planner import MoveStep, Plan, Step, plan_redistribute
+from .executor import execute
+from .planner import Plan, plan_redistribute
+from .steps import AllGather, AllReduce, AllToAll, LocalSlice, Move, ReduceScatter, Step, ToPartial
 
-__all__ = ["redistribute", "redistribute_spec", "plan_redistribute", "Plan", "Step", "MoveStep"]
+__all__ = ["redistribute", "redistribute_spec", "plan_redistribute", "Plan", "Step", "AllGather", "AllReduce",
+           "ReduceScatter", "AllToAll", "LocalSlice", "ToPartial", "Move"]
 
 
 def redistribute(t, device_mesh: DeviceMesh | None = None, placements=None):
@@ -28,10 +31,4 @@ def redistribute_spec(t, dst: DTensorSpec):
     src = t._spec
     if src == dst:
         return t
-    plan = plan_redistribute(src, dst)
-    rt = t._graph.runtime
-    h, before = t._h, src
-    for step, after in zip(plan.steps, plan.specs):
-        h = rt.redistribute_step(step, h, before, after)
-        before = after
-    return type(t)._make(dst, h, t._graph)
+    return type(t)._make(dst, execute(plan_redistribute(src, dst), t._h, t._graph.runtime), t._graph)

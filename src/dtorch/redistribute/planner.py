@@ -1,13 +1,16 @@
-"""Redistribute planning: (src spec, dst spec) -> frozen, printable steps. Pure and cached.
+"""Redistribute planning: (src spec, dst spec) -> typed, frozen, printable steps (``steps.py``). Pure
+and cached.
 
 Each step changes the placement of one mesh dim and is valid on its own:
 
-    S(k) -> R      all_gather      (the mesh dim must be the innermost one sharding k)
-    P    -> R      all_reduce
-    P    -> S(k)   reduce_scatter  (afterwards the mesh dim is the innermost one sharding k)
-    S(k) -> S(j)   all_to_all      (both conditions above)
-    R    -> S(k)   local slice     (no communication)
-    R    -> P      local           (sum: the value on index 0, zeros elsewhere; avg/max/min: the value)
+    S(k) -> R      AllGather       (the mesh dim must be the innermost one sharding k)
+    P    -> R      AllReduce
+    P    -> S(k)   ReduceScatter   (afterwards the mesh dim is the innermost one sharding k)
+    S(k) -> S(j)   AllToAll        (both conditions above)
+    R    -> S(k)   LocalSlice      (no communication)
+    R    -> P      ToPartial       (sum: the value on index 0, zeros elsewhere; avg/max/min: the value)
+
+Between meshes: Move (after reducing partials on the source), then steps on the target mesh.
 
 When several mesh dims shard one tensor dim, the outer (lower) mesh dim splits first. Shards that
 sit in the right nesting order are kept; the others are gathered innermost first, partial sums are
@@ -24,49 +27,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from ..placement import Partial, Placement, Replicate, Shard
+from ..placement import Partial, Replicate, Shard
 from ..spec import DTensorSpec
-
-
-@dataclass(frozen=True)
-class Step:
-    kind: str  # all_gather | all_reduce | reduce_scatter | all_to_all | slice | to_partial | move
-    mesh_dim: int
-    src: Placement
-    dst: Placement
-
-    @property
-    def is_collective(self) -> bool:
-        return self.kind in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
-
-    def __str__(self):
-        return f"{self.src} -> {self.dst} {self.kind} on mesh dim {self.mesh_dim}"
-
-
-@dataclass(frozen=True)
-class MoveStep:
-    """Hand a tensor from one mesh to another (pipeline stages, other device types).
-
-    ``same_layout``: both meshes have the same shape and placements, so device k of the source
-    sends its block to device k of the destination.
-    """
-
-    src_spec: DTensorSpec
-    dst_spec: DTensorSpec
-    same_layout: bool
-    kind: str = "move"
-
-    def __str__(self):
-        how = "block to block" if self.same_layout else "regions"
-        return f"move {self.src_spec.mesh} -> {self.dst_spec.mesh} ({how})"
+from .steps import BY_KIND, Move, Step
 
 
 @dataclass(frozen=True)
 class Plan:
     src: DTensorSpec
     dst: DTensorSpec
-    steps: tuple  # of Step | MoveStep, applied in order; each carries spec before/after via specs
-    specs: tuple  # spec after each step
+    steps: tuple  # of Step, applied in order
+    specs: tuple  # spec after each step (the spec before step n is specs[n - 1], or src)
 
     def __str__(self):
         if not self.steps:
@@ -81,8 +52,10 @@ def plan_redistribute(src: DTensorSpec, dst: DTensorSpec) -> Plan:
 @lru_cache(maxsize=16384)
 def _plan(src: DTensorSpec, dst: DTensorSpec) -> Plan:
     if src.mesh == dst.mesh:
-        steps = plan_same_mesh(src.placements, dst.placements, src.mesh.ndim, mesh_shape=src.mesh.shape,
-                               linear_avg=src.dtype.is_floating_point or src.dtype.is_complex)
+        mesh = src.mesh
+        steps = plan_same_mesh(src.placements, dst.placements, mesh.ndim, mesh_shape=mesh.shape,
+                               linear_avg=src.dtype.is_floating_point or src.dtype.is_complex,
+                               labels=tuple(mesh.dim_label(i) for i in range(mesh.ndim)))
         specs, cur = [], src
         for st in steps:
             cur = cur.with_placements(_replace(cur.placements, st.mesh_dim, st.dst))
@@ -94,7 +67,7 @@ def _plan(src: DTensorSpec, dst: DTensorSpec) -> Plan:
 def _plan_cross_mesh(src: DTensorSpec, dst: DTensorSpec) -> Plan:
     same_layout = src.mesh.shape == dst.mesh.shape and src.placements == dst.placements
     if same_layout:
-        return Plan(src, dst, (MoveStep(src, dst, True),), (dst,))
+        return Plan(src, dst, (Move(src, dst, True, src.mesh.parent_dim_between(dst.mesh)),), (dst,))
     # Reduce partial sums on the source (less to move), move regions, then re-create partials.
     steps, specs = [], []
     before = src.with_placements(tuple(Replicate() if p.is_partial() else p for p in src.placements))
@@ -103,7 +76,7 @@ def _plan_cross_mesh(src: DTensorSpec, dst: DTensorSpec) -> Plan:
         steps += sub.steps
         specs += sub.specs
     landed = dst.with_placements(tuple(Replicate() if p.is_partial() else p for p in dst.placements))
-    steps.append(MoveStep(before, landed, False))
+    steps.append(Move(before, landed, False, src.mesh.parent_dim_between(dst.mesh)))
     specs.append(landed)
     if landed != dst:
         sub = _plan(landed, dst)
@@ -133,16 +106,17 @@ def reductions_commute(a: str, b: str, linear_avg: bool = True) -> bool:
     return a == b or {a, b} <= {"sum", "avg"}
 
 
-def plan_same_mesh(src, dst, ndim, *, mesh_shape=None, linear_avg: bool = True) -> list[Step]:
+def plan_same_mesh(src, dst, ndim, *, mesh_shape=None, linear_avg: bool = True, labels=None) -> list[Step]:
     """Steps from placements ``src`` to ``dst``; ``mesh_shape`` (optional) lets size-1 partial mesh
-    dims (one term: nothing to reduce, so any order) skip the reduction-order rule."""
+    dims (one term: nothing to reduce, so any order) skip the reduction-order rule; ``labels``: what
+    the steps call each mesh dim (its name; default its index)."""
     cur = list(src)
     dst = list(dst)
     steps: list[Step] = []
     deferred: list[int] = []
 
     def apply(kind, i, new):
-        steps.append(Step(kind, i, cur[i], new))
+        steps.append(BY_KIND[kind](i, cur[i], new, i if labels is None else labels[i]))
         cur[i] = new
 
     def must_precede(j, i) -> bool:
@@ -218,7 +192,7 @@ def plan_same_mesh(src, dst, ndim, *, mesh_shape=None, linear_avg: bool = True) 
         if cur[i] != dst[i]:
             assert isinstance(cur[i], Replicate), (src, dst, cur)
             if isinstance(dst[i], Shard):
-                apply("slice", i, dst[i])
+                apply("local_slice", i, dst[i])
             else:
                 apply("to_partial", i, dst[i])
     return steps

@@ -10,7 +10,9 @@ Storage of one DTensor takes one of two forms:
 * blocks: a list of per-device tensors in mesh order (uneven shards, or one GPU per device).
   Replicas may share one tensor object: blocks are never written in place.
 
-Both forms give every device exactly the block ``DTensorSpec.local_box`` defines.
+Both forms give every device exactly the block ``DTensorSpec.local_box`` defines. The block arithmetic
+both forms share with the other backends (cutting shards, reducing Partial terms in the documented
+order, cutting and assembling global values) is ``runtime/blocks.py``.
 """
 from __future__ import annotations
 
@@ -20,11 +22,10 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from .. import commlog
 from ..errors import RuntimeBackendError
 from ..placement import Partial, Replicate, Shard
-from ..redistribute.planner import Step
-from ..spec import DTensorSpec, shard_range
+from ..spec import DTensorSpec
+from .blocks import assemble, cut_global, cut_shard, dim_groups, reduce_dim, reduce_list
 from .devices import DeviceConfig, read_device_config, torch_devices
 from .interface import Runtime
 from .kernels import Kernel
@@ -41,54 +42,6 @@ class Shards:
         if self.grid is not None:
             return f"Shards(grid={tuple(self.grid.shape)})"
         return f"Shards(blocks={[tuple(b.shape) for b in self.blocks]})"
-
-
-def _reduce_dim(op: str, x: torch.Tensor, d: int) -> torch.Tensor:
-    """Reduce partial terms along dim ``d`` (kept, size 1), staying in ``x``'s dtype like a collective."""
-    if op == "max":
-        return x.amax(d, keepdim=True)
-    if op == "min":
-        return x.amin(d, keepdim=True)
-    if op == "avg" and (x.is_floating_point() or x.is_complex()):
-        return x.mean(d, keepdim=True)
-    if op == "avg":  # integers and bools: floor of the mean
-        return x.sum(d, keepdim=True).div(x.shape[d], rounding_mode="floor").to(x.dtype)
-    return x.sum(d, keepdim=True, dtype=x.dtype)
-
-
-_REDUCE = {op: (lambda x, d, op=op: _reduce_dim(op, x, d)) for op in ("sum", "avg", "max", "min")}
-
-
-def _reduce_list(op: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-    if len(tensors) == 1:
-        return tensors[0]
-    return _reduce_dim(op, torch.stack(tensors), 0).squeeze(0)
-
-
-@lru_cache(maxsize=65536)
-def spec_total_bytes(spec: DTensorSpec) -> int:
-    """Sum over devices of their block sizes in bytes."""
-    if spec.is_even():
-        n = 1
-        for s in spec.even_local_shape():
-            n *= s
-        return n * spec.dtype.itemsize * spec.mesh.size()
-    total = 0
-    for c in spec.mesh.coordinates():
-        n = 1
-        for s in spec.local_shape(c):
-            n *= s
-        total += n
-    return total * spec.dtype.itemsize
-
-
-@lru_cache(maxsize=65536)
-def per_device_bytes(spec: DTensorSpec) -> np.ndarray:
-    """Bytes each device holds for ``spec``, in mesh order."""
-    item = spec.dtype.itemsize
-    if spec.is_even():
-        return np.full(spec.mesh.size(), int(np.prod(spec.even_local_shape(), dtype=np.int64)) * item, dtype=np.int64)
-    return np.array([int(np.prod(spec.local_shape(c), dtype=np.int64)) * item for c in spec.mesh.coordinates()], dtype=np.int64)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -131,7 +84,7 @@ def grid_to_global(x: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
     M = spec.mesh.shape
     for i, p in enumerate(spec.placements):
         if isinstance(p, Partial):
-            x = _REDUCE[p.reduce_op](x, i)
+            x = reduce_dim(p.reduce_op, x, i)
         elif isinstance(p, Replicate) and x.shape[i] != 1:
             x = x.narrow(i, 0, 1)
     factors, local = _shard_factors(spec)
@@ -232,13 +185,9 @@ class InProcessRuntime(Runtime):
             return Shards(grid=global_to_grid(full.to(dev), spec))
         devs = self.devices(spec.mesh)
         blocks = []
-        for n, coord in enumerate(spec.mesh.coordinates()):
-            box = spec.local_box(coord)
-            b = full[tuple(slice(o, o + s) for o, s in box)]
-            zero = any(isinstance(p, Partial) and p.reduce_op == "sum" and coord[i] != 0
-                       for i, p in enumerate(spec.placements))
-            b = torch.zeros_like(b) if zero else b
-            blocks.append(b.to(devs[n]))
+        for dev, coord, b in zip(devs, spec.mesh.coordinates(), cut_global(full, spec)):
+            # None: a sum Partial's zeros (the value sits on index 0 of that mesh dim)
+            blocks.append(torch.zeros(spec.local_shape(coord), dtype=full.dtype, device=dev) if b is None else b.to(dev))
         return Shards(blocks=blocks)
 
     def from_blocks(self, blocks, spec: DTensorSpec) -> Shards:
@@ -250,19 +199,9 @@ class InProcessRuntime(Runtime):
             out = grid_to_global(h.grid, spec)
             # reshapes of the grid may be views of it: the caller gets a tensor of its own
             return out.clone() if out.untyped_storage().data_ptr() == h.grid.untyped_storage().data_ptr() else out
-        # Partial terms reduce in mesh-dim order, exactly as the planner's all_reduce steps (and the
-        # grid form) do: with mixed reduce ops the order is part of the meaning.
-        blocks = h.blocks
-        for i in spec.partial_dims():
-            after = spec.with_placements(spec.placements[:i] + (Replicate(),) + spec.placements[i + 1:])
-            blocks = self._blocks_step(Step("all_reduce", i, spec.placements[i], Replicate()), blocks, spec, after)
-            spec = after
-        out_dev = self.devices(spec.mesh)[0]
-        out = torch.empty(spec.shape, dtype=spec.dtype, device=out_dev)
-        for block, coord in zip(blocks, spec.mesh.coordinates()):
-            if all(c == 0 or isinstance(p, Shard) for c, p in zip(coord, spec.placements)):  # one replica each
-                out[tuple(slice(o, o + n) for o, n in spec.local_box(coord))] = block.to(out_dev)
-        return out
+        # Partial terms reduce in mesh-dim order, outer first, exactly as the planner's all_reduce steps
+        # (and the grid form) do: with mixed reduce ops the order is part of the meaning.
+        return assemble(h.blocks, spec, self.devices(spec.mesh)[0])
 
     # -- local kernels ---------------------------------------------------------------------------
     def run_local(self, kernel: Kernel, inputs, in_specs, out_specs, kwargs, device_args=None):
@@ -280,79 +219,85 @@ class InProcessRuntime(Runtime):
         ex = self._exec_cache.get((kernel.name, tuple(in_specs), tuple(out_specs)))
         return bool(ex is not None and ex.grid and ex.exact and ex.in_reshape is None and not ex.wants_lead)
 
-    # -- redistribution ---------------------------------------------------------------------------
-    def redistribute_step(self, step, h: Shards, before: DTensorSpec, after: DTensorSpec) -> Shards:
-        if step.kind == "move":
-            return self._move(step, h, before, after)
-        mesh = before.mesh
-        i = step.mesh_dim
-        label = mesh.dim_label(i)
-        if step.is_collective:
-            commlog.record(step.kind, label, spec_total_bytes(before), mesh.device_ids)
-        grid = self.use_grid(before) and self.use_grid(after)
-        if grid:
-            x = self.as_grid(h, before)
-            nd = mesh.ndim
-            m = mesh.shape[i]
-            kind = step.kind
-            if kind == "all_gather":
-                x = _grid_gather(x, i, step.src.dim, nd)
-            elif kind == "all_reduce":
-                x = _REDUCE[step.src.reduce_op](x, i)
-            elif kind == "reduce_scatter":
-                x = _grid_slice(_REDUCE[step.src.reduce_op](x, i), i, step.dst.dim, nd, m)
-            elif kind == "all_to_all":
-                x = _grid_slice(_grid_gather(x, i, step.src.dim, nd), i, step.dst.dim, nd, m)
-            elif kind == "slice":
-                x = _grid_slice(x, i, step.dst.dim, nd, m)
-            elif kind == "to_partial":
-                x = _to_partial_grid(x, i, m, step.dst.reduce_op)
-            else:
-                raise RuntimeBackendError(f"unknown redistribute step {step}")
-            return Shards(grid=x)
-        return self._make(after, blocks=self._blocks_step(step, self.local_blocks(h, before), before, after))
+    # -- redistribution primitives: one mesh dim each (CommLog is the executor's, not ours) ------------
+    def _grids(self, h: Shards, before: DTensorSpec, after: DTensorSpec):
+        """``h``'s grid tensor when both specs are stored as grids (the step is a reshape/reduction), else None."""
+        if self.use_grid(before) and self.use_grid(after):
+            return self.as_grid(h, before)
+        return None
 
-    def _blocks_step(self, step, blocks, before: DTensorSpec, after: DTensorSpec) -> list:
-        mesh = before.mesh
-        i = step.mesh_dim
-        m = mesh.shape[i]
-        devs = self.devices(mesh)
-        coords = mesh.coordinates()
+    def _per_group(self, h: Shards, before: DTensorSpec, after: DTensorSpec, i: int, fn) -> Shards:
+        """Blocks form of a collective: each group along mesh dim ``i`` gathers its blocks (mesh order) on
+        its first device, ``fn(blocks, m)`` gives the members' new blocks, which go back to their devices."""
+        blocks = self.local_blocks(h, before)
+        devs = self.devices(before.mesh)
+        m = before.mesh.shape[i]
         out = list(blocks)
-        stride = int(np.prod(mesh.shape[i + 1:], dtype=np.int64))
-        for n, coord in enumerate(coords):
-            if coord[i] != 0:
-                continue
-            members = [n + j * stride for j in range(m)]
-            dev = devs[n]
-            group = [blocks[g].to(dev) for g in members]
-            kind = step.kind
-            if kind == "all_gather":
-                whole = torch.cat(group, dim=step.src.dim)
-                new = [whole] * m
-            elif kind == "all_reduce":
-                whole = _reduce_list(step.src.reduce_op, group)
-                new = [whole] * m
-            elif kind == "reduce_scatter":
-                whole = _reduce_list(step.src.reduce_op, group)
-                new = [cut_shard(whole, step.dst.dim, m, j) for j in range(m)]
-            elif kind == "all_to_all":
-                whole = torch.cat(group, dim=step.src.dim)
-                new = [cut_shard(whole, step.dst.dim, m, j) for j in range(m)]
-            elif kind == "slice":
-                new = [cut_shard(group[j], step.dst.dim, m, j) for j in range(m)]
-            elif kind == "to_partial":
-                zero_rest = step.dst.reduce_op == "sum"
-                new = [group[j] if (j == 0 or not zero_rest) else torch.zeros_like(group[j]) for j in range(m)]
-            else:
-                raise RuntimeBackendError(f"unknown redistribute step {step}")
+        for members in dim_groups(before.mesh.shape, i):
+            dev = devs[members[0]]
+            new = fn([blocks[g].to(dev) for g in members], m)
             for j, g in enumerate(members):
                 out[g] = new[j].to(devs[g])
-        return out
+        return self._make(after, blocks=out)
+
+    def all_gather(self, h: Shards, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Shards:
+        k = before.placements[mesh_dim].dim
+        x = self._grids(h, before, after)
+        if x is not None:
+            return Shards(grid=_grid_gather(x, mesh_dim, k, before.mesh.ndim))
+        return self._per_group(h, before, after, mesh_dim, lambda g, m: [torch.cat(g, dim=k)] * m)
+
+    def all_reduce(self, h: Shards, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Shards:
+        op = before.placements[mesh_dim].reduce_op
+        x = self._grids(h, before, after)
+        if x is not None:
+            return Shards(grid=reduce_dim(op, x, mesh_dim))
+        return self._per_group(h, before, after, mesh_dim, lambda g, m: [reduce_list(op, g)] * m)
+
+    def reduce_scatter(self, h: Shards, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Shards:
+        op, k = before.placements[mesh_dim].reduce_op, after.placements[mesh_dim].dim
+        x = self._grids(h, before, after)
+        if x is not None:
+            m = before.mesh.shape[mesh_dim]
+            return Shards(grid=_grid_slice(reduce_dim(op, x, mesh_dim), mesh_dim, k, before.mesh.ndim, m))
+
+        def fn(g, m):
+            whole = reduce_list(op, g)
+            return [cut_shard(whole, k, m, j) for j in range(m)]
+        return self._per_group(h, before, after, mesh_dim, fn)
+
+    def all_to_all(self, h: Shards, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Shards:
+        src, dst = before.placements[mesh_dim].dim, after.placements[mesh_dim].dim
+        x = self._grids(h, before, after)
+        if x is not None:
+            nd, m = before.mesh.ndim, before.mesh.shape[mesh_dim]
+            return Shards(grid=_grid_slice(_grid_gather(x, mesh_dim, src, nd), mesh_dim, dst, nd, m))
+
+        def fn(g, m):
+            whole = torch.cat(g, dim=src)
+            return [cut_shard(whole, dst, m, j) for j in range(m)]
+        return self._per_group(h, before, after, mesh_dim, fn)
+
+    def local_slice(self, h: Shards, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Shards:
+        k, m = after.placements[mesh_dim].dim, before.mesh.shape[mesh_dim]
+        x = self._grids(h, before, after)
+        if x is not None:
+            return Shards(grid=_grid_slice(x, mesh_dim, k, before.mesh.ndim, m))
+        blocks = self.local_blocks(h, before)  # no communication: each device cuts its own block
+        return self._make(after, blocks=[cut_shard(b, k, m, c[mesh_dim])
+                                         for b, c in zip(blocks, before.mesh.coordinates())])
+
+    def to_partial(self, h: Shards, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Shards:
+        op, m = after.placements[mesh_dim].reduce_op, before.mesh.shape[mesh_dim]
+        x = self._grids(h, before, after)
+        if x is not None:
+            return Shards(grid=_to_partial_grid(x, mesh_dim, m, op))
+        blocks = self.local_blocks(h, before)  # sum: the value on index 0, zeros elsewhere; else the value
+        return self._make(after, blocks=[torch.zeros_like(b) if op == "sum" and c[mesh_dim] != 0 else b
+                                         for b, c in zip(blocks, before.mesh.coordinates())])
 
     def ring_shift(self, h: Shards, spec: DTensorSpec, mesh_dim: int, shift: int = 1) -> Shards:
         mesh = spec.mesh
-        commlog.record("send_recv", mesh.dim_label(mesh_dim), spec_total_bytes(spec), mesh.device_ids)
         if h.grid is not None:
             return Shards(grid=torch.roll(h.grid, shifts=shift, dims=mesh_dim))
         m = mesh.shape[mesh_dim]
@@ -364,22 +309,14 @@ class InProcessRuntime(Runtime):
             out[n] = h.blocks[src].to(devs[n])
         return Shards(blocks=out)
 
-    def _move(self, step, h: Shards, before: DTensorSpec, after: DTensorSpec) -> Shards:
-        commlog.record("send_recv", before.mesh.parent_dim_between(after.mesh), spec_total_bytes(after),
-                       tuple(before.mesh.device_ids) + tuple(after.mesh.device_ids))
-        if step.same_layout:
+    def move(self, h: Shards, before: DTensorSpec, after: DTensorSpec, same_layout: bool) -> Shards:
+        if same_layout:
             dst_dev = self.grid_device(after.mesh)
             if h.grid is not None and dst_dev is not None:
                 return Shards(grid=h.grid.to(dst_dev))
             devs = self.devices(after.mesh)
             return self._make(after, blocks=[b.to(d) for b, d in zip(self.local_blocks(h, before), devs)])
         return self.from_global(self.to_global(h, before), after)
-
-
-def cut_shard(x: torch.Tensor, dim: int, m: int, j: int) -> torch.Tensor:
-    """Shard ``j`` of ``m`` of ``x`` along ``dim`` (torch.chunk sizes; may be empty)."""
-    off, n = shard_range(x.shape[dim], m, j)
-    return x.narrow(dim, off, n)
 
 
 @lru_cache(maxsize=4096)

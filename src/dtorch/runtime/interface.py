@@ -95,33 +95,33 @@ class Runtime(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not implement alias")
 
     # -- redistribution primitives (one mesh dim each) --------------------------------------------
+    @abstractmethod
     def all_gather(self, handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int):
         """S(k) -> R on ``mesh_dim``."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement all_gather")
 
+    @abstractmethod
     def all_reduce(self, handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int):
         """P -> R on ``mesh_dim``."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement all_reduce")
 
+    @abstractmethod
     def reduce_scatter(self, handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int):
         """P -> S(k) on ``mesh_dim``."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement reduce_scatter")
 
+    @abstractmethod
     def all_to_all(self, handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int):
         """S(k) -> S(j) on ``mesh_dim``."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement all_to_all")
 
+    @abstractmethod
     def local_slice(self, handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int):
         """R -> S(k) on ``mesh_dim``: every device keeps its piece, no communication."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement local_slice")
 
+    @abstractmethod
     def to_partial(self, handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int):
         """R -> P on ``mesh_dim``: sum keeps the value on index 0 and zeros elsewhere; avg/max/min keep it."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement to_partial")
 
+    @abstractmethod
     def move(self, handle, before: DTensorSpec, after: DTensorSpec, same_layout: bool):
         """Hand a tensor from ``before.mesh`` to ``after.mesh`` (no partials unless ``same_layout``)."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement move")
 
     @abstractmethod
     def ring_shift(self, handle, spec: DTensorSpec, mesh_dim: int, shift: int = 1):

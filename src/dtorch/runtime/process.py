@@ -5,13 +5,17 @@ into an op record, buffers the records per worker and pushes them in batches thr
 (one queue per worker); it waits on workers only to fetch values (``to_global``), in ``sync`` and in
 ``TensorFuture.get``. Handles are integer ids the controller allocates, so outputs exist before any
 worker has run anything. A mesh's device id is a worker's rank; what each worker does for a kernel
-or a redistribution step is a pure function of the specs (``process_plan``), sent once per plan.
+or a redistribution primitive is a pure function of the specs (``process_plan``), sent once per plan.
 
 Transport: control records and controller<->worker data go through the store (data in 4 MiB chunks);
 worker<->worker data goes through torch.distributed collectives and send/recv (gloo on CPU, NCCL on
-CUDA). Numerics match the in-process backend bit for bit: reductions run in mesh order with the
-same function, except where any order gives the same bits (two terms, max/min, int64) and the native
-all-reduce is used.
+CUDA). Partial terms reduce with torch.distributed's all_reduce / reduce_scatter (half floats in
+float32, integer avg in int64). Where any order gives the same bits (two terms, max/min, integers) the
+results equal the in-process backend's bit for bit; float sums/avgs over more than two terms add in
+the collective's order, so they may differ from the in-process backend's mesh-order sums in the last
+bits (docs/process-backend.md). Bools, and groups whose members torch.distributed ranks in different
+orders (replicas must stay equal), gather the terms and reduce them in mesh order with the in-process
+backend's function (``runtime/blocks.py``); to_global reduces fetched terms the same way.
 
 Configuration (environment):
   DTORCH_PROCESS_LISTEN   HOST:PORT the store listens on (default 127.0.0.1:0: loopback, a free port)
@@ -37,14 +41,13 @@ import weakref
 import numpy as np
 import torch
 
-from .. import commlog
 from ..errors import DeviceUnavailableError, RuntimeBackendError
 from ..mesh import DeviceMesh
-from ..placement import Partial, Replicate
+from ..placement import Replicate
 from ..spec import DTensorSpec
 from . import process_plan as pp
+from .blocks import assemble, cut_global
 from .devices import mesh_problems, read_device_config, simulation_device
-from .inprocess import InProcessRuntime, spec_total_bytes
 from .interface import Runtime
 from .process_pool import Pool, WorkerError, heartbeat_timeout
 
@@ -114,7 +117,6 @@ class ProcessRuntime(Runtime):
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._seq = itertools.count(1)
-        self._assembler = InProcessRuntime()
         self._pool: Pool | None = None
         self._epoch = 0
         self._lost = None  # why the previous epoch's tensors are gone
@@ -320,20 +322,8 @@ class ProcessRuntime(Runtime):
 
     # -- placement of global values ---------------------------------------------------------------
     def from_global(self, full: torch.Tensor, spec: DTensorSpec) -> Handle:
-        full = full.detach().cpu()
-        by_box: dict = {}
-        blocks = []
-        for coord in spec.mesh.coordinates():
-            zero = any(isinstance(p, Partial) and p.reduce_op == "sum" and coord[i] != 0
-                       for i, p in enumerate(spec.placements))
-            if zero:
-                blocks.append(None)  # the worker makes the zeros itself
-                continue
-            box = spec.local_box(coord)
-            if box not in by_box:  # replicas share one tensor object: uploaded once
-                by_box[box] = full[tuple(slice(o, o + s) for o, s in box)]
-            blocks.append(by_box[box])
-        return self.from_blocks(blocks, spec)
+        # None: a sum Partial's zeros (the worker makes them); replicas share one view: uploaded once
+        return self.from_blocks(cut_global(full.detach().cpu(), spec), spec)
 
     def from_blocks(self, blocks, spec: DTensorSpec) -> Handle:
         """One block per device in mesh order (None: zeros); the same tensor object is uploaded once."""
@@ -407,17 +397,13 @@ class ProcessRuntime(Runtime):
         return out
 
     def _assemble(self, spec: DTensorSpec, coords, blocks) -> torch.Tensor:
-        """The global value from the blocks of ``coords``, computed exactly as the in-process backend does."""
-        mesh = spec.mesh
-        if mesh.device_type != "cpu":
-            spec = DTensorSpec(DeviceMesh("cpu", mesh.mesh, mesh_dim_names=mesh.dim_names), spec.placements,
-                               spec.shape, spec.dtype)
+        """The global value from the (CPU) blocks of ``coords``: partial terms reduce in the one documented
+        order with the in-process backend's function (``blocks.assemble``)."""
         got = dict(zip(coords, blocks))
         # replicas were not fetched: every device takes the block of its index-0 replica
         flat = [got[tuple(0 if isinstance(p, Replicate) else x for x, p in zip(c, spec.placements))]
                 for c in spec.mesh.coordinates()]
-        rt = self._assembler
-        return rt.to_global(rt._make(spec, blocks=flat), spec)
+        return assemble(flat, spec, torch.device("cpu"))
 
     def to_global(self, h: Handle, spec: DTensorSpec) -> torch.Tensor:
         coords = pp.grid_coords(spec)
@@ -483,37 +469,54 @@ class ProcessRuntime(Runtime):
         self._dev_args[id(device_args)] = (device_args, mesh, per)
         return per
 
-    # -- redistribution --------------------------------------------------------------------------
-    def redistribute_step(self, step, h: Handle, before: DTensorSpec, after: DTensorSpec) -> Handle:
-        if step.kind == "move":
-            return self._move(step, h, before, after)
+    # -- redistribution primitives: one mesh dim each (CommLog is the executor's, not ours) ------------
+    def _primitive(self, name: str, h: Handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int,
+                   collective: bool = True) -> Handle:
+        """Queue primitive ``name`` on mesh dim ``mesh_dim`` for every worker of the mesh (``Worker.p_<name>``)."""
         mesh = before.mesh
         self._ensure(mesh)
-        i = step.mesh_dim
-        if step.is_collective:
-            commlog.record(step.kind, mesh.dim_label(i), spec_total_bytes(before), mesh.device_ids)
-            self._make_groups(mesh, i)
+        if collective:
+            self._make_groups(mesh, mesh_dim)
         ranks = tuple(mesh.device_ids)
-        pid = self._define(("s", step, before, after), ("defs", step, before, after), ranks)
+        pid = self._define(("p", name, before, after, mesh_dim), ("defp", name, before, after, mesh_dim), ranks)
         hid = self._id(h)
         out = self._new(ranks)
-        seq = self._note(("step", step, before))
+        what = f"{before.placements[mesh_dim]}->{after.placements[mesh_dim]} {name} on {mesh.dim_label(mesh_dim)}"
+        seq = self._note(("step", what, before))
         self._emit(ranks, ("s", seq, pid, hid, out.id, 0))
         if self.sync_every_op:
             self.sync()
         return out
 
-    def _move(self, step, h: Handle, before: DTensorSpec, after: DTensorSpec) -> Handle:
-        commlog.record("send_recv", before.mesh.parent_dim_between(after.mesh), spec_total_bytes(after),
-                       tuple(before.mesh.device_ids) + tuple(after.mesh.device_ids))
+    def all_gather(self, h: Handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Handle:
+        return self._primitive("all_gather", h, before, after, mesh_dim)
+
+    def all_reduce(self, h: Handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Handle:
+        return self._primitive("all_reduce", h, before, after, mesh_dim)
+
+    def reduce_scatter(self, h: Handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Handle:
+        return self._primitive("reduce_scatter", h, before, after, mesh_dim)
+
+    def all_to_all(self, h: Handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Handle:
+        return self._primitive("all_to_all", h, before, after, mesh_dim)
+
+    def local_slice(self, h: Handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Handle:
+        return self._primitive("local_slice", h, before, after, mesh_dim, collective=False)
+
+    def to_partial(self, h: Handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Handle:
+        return self._primitive("to_partial", h, before, after, mesh_dim, collective=False)
+
+    def move(self, h: Handle, before: DTensorSpec, after: DTensorSpec, same_layout: bool) -> Handle:
         self._ensure(before.mesh)
         self._ensure(after.mesh)
         ranks = tuple(dict.fromkeys(before.mesh.device_ids + after.mesh.device_ids))
-        pid = self._define(("s", step, before, after), ("defs", step, before, after), ranks)
+        pid = self._define(("p", "move", before, after, same_layout), ("defp", "move", before, after, same_layout),
+                           ranks)
         hid = self._id(h)
         out = self._new(tuple(after.mesh.device_ids))
-        tag = self._tags(len(pp.move_transfers(before, after, step.same_layout)))
-        seq = self._note(("step", step, before))
+        tag = self._tags(len(pp.move_transfers(before, after, same_layout)))
+        how = "block to block" if same_layout else "regions"
+        seq = self._note(("step", f"move {before.mesh} -> {after.mesh} ({how})", before))
         self._emit(ranks, ("s", seq, pid, hid, out.id, tag))
         if self.sync_every_op:
             self.sync()
@@ -521,7 +524,6 @@ class ProcessRuntime(Runtime):
 
     def ring_shift(self, h: Handle, spec: DTensorSpec, mesh_dim: int, shift: int = 1) -> Handle:
         mesh = spec.mesh
-        commlog.record("send_recv", mesh.dim_label(mesh_dim), spec_total_bytes(spec), mesh.device_ids)
         self._ensure(mesh)
         ranks = tuple(mesh.device_ids)
         pid = self._define(("r", spec, mesh_dim, shift), ("defr", spec, mesh_dim, shift), ranks)
@@ -559,8 +561,10 @@ class ProcessRuntime(Runtime):
                     self._buf[r].append(("empty_cache",))
                 self.flush()
 
-    def worker_stats(self) -> dict:
-        """rank -> {"blocks": live blocks, "bytes": their bytes}, after the queued work (for tests and debugging)."""
+    def worker_stats(self, collectives: bool = False) -> dict:
+        """rank -> {"blocks": live blocks, "bytes": their bytes}, after the queued work (for tests and debugging).
+
+        ``collectives=True`` adds "collectives": {kind: torch.distributed calls this worker made so far}."""
         with self._lock:
             pool = self._pool
             if pool is None:
@@ -568,7 +572,7 @@ class ProcessRuntime(Runtime):
             req = next(self._ids)
             self._queue_frees()
             for r in range(self._world):
-                self._buf[r].append(("stats", req))
+                self._buf[r].append(("stats", req, collectives))
             self.flush()
             key = f"st/{req}"
             try:

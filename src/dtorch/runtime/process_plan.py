@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-import numpy as np
 import torch
 
 from ..placement import Replicate
-from ..spec import DTensorSpec, shard_range
+from ..spec import DTensorSpec
+from .blocks import cut_shape, nbytes  # noqa: F401  (the workers' and the controller's byte arithmetic)
 
 CHUNK = 4 << 20  # bytes per TCPStore value: the libuv store refuses payloads over 8 MiB
 
@@ -46,6 +46,18 @@ def dim_groups(mesh, dim: int) -> tuple:
 
 
 @lru_cache(maxsize=4096)
+def same_rank_order(mesh, dim: int) -> bool:
+    """Do all groups along mesh dim ``dim`` order their members alike (mesh position -> group rank)?
+
+    torch.distributed ranks a group's members by global rank, and a native all_reduce / reduce_scatter
+    adds the terms in an order set by those group ranks. When every group has the same mapping, replicas
+    along the other mesh dims add their (equal) terms in the same order and stay bit-identical.
+    """
+    orders = {tuple(sorted(range(len(g)), key=g.__getitem__)) for g in dim_groups(mesh, dim)}
+    return len(orders) <= 1
+
+
+@lru_cache(maxsize=4096)
 def grid_coords(spec: DTensorSpec) -> tuple:
     """The coordinates whose blocks determine the global value: index 0 on Replicate mesh dims."""
     return tuple(c for c in spec.mesh.coordinates()
@@ -67,10 +79,6 @@ def from_bytes(b: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
     if b.numel() == 0:
         return torch.empty(shape, dtype=dtype, device=b.device)
     return b.view(dtype).reshape(shape)
-
-
-def nbytes(shape, dtype: torch.dtype) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
 
 
 def to_blob(t: torch.Tensor) -> bytes:
@@ -141,12 +149,6 @@ def move_transfers(before: DTensorSpec, after: DTensorSpec, same_layout: bool) -
 
 
 # -- collectives on one mesh dim ---------------------------------------------------------------------
-
-
-def cut_shape(shape, dim: int, m: int, j: int) -> tuple:
-    out = list(shape)
-    out[dim] = shard_range(shape[dim], m, j)[1]
-    return tuple(out)
 
 
 def member_shapes(spec: DTensorSpec, coord, dim: int) -> tuple:

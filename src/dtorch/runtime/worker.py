@@ -2,8 +2,9 @@
 
 The controller streams batches of op records through its TCPStore (a queue per worker); the worker
 runs them in order: kernels on its local blocks (the in-process backend's per-device path, ``lead=0``),
-collectives over the process groups of mesh dims, point-to-point copies for moves between meshes,
-and uploads of blocks the controller asked for. It never answers a record unless asked (``get``,
+the redistribution primitives (one handler each: collectives over the process groups of mesh dims,
+local cuts, point-to-point copies for moves between meshes and ring shifts), and uploads of blocks
+the controller asked for. It never answers a record unless asked (``get``,
 ``sync``), so the controller does not wait on it.
 
 Run by the controller (``--rank``), or on another node by ``dtorch worker --controller HOST:PORT
@@ -25,17 +26,22 @@ import sys
 import threading
 import time
 import traceback
+from collections import Counter
 
 import torch
 import torch.distributed as dist
 
 from . import process_plan as pp
-from .inprocess import _reduce_list, cut_shard
+from .blocks import cut_shard, reduce_list
 from .kernels import get_kernel
 
 _NATIVE_REDUCE = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
                   "min": dist.ReduceOp.MIN}
-_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# dtypes the native reductions take (bool and the rest: gather the terms and reduce them here)
+_NATIVE = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+           torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8}
+_HALF = (torch.float16, torch.bfloat16)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _NUMBERED = ("put", "zeros", "get", "k", "s", "r")  # records whose second field is the op's number
 
 
@@ -57,6 +63,7 @@ class Worker:
         self.t: dict = {}  # handle id -> local block
         self.defs: dict = {}  # plan id -> what this rank does for it
         self.groups: dict = {}  # sorted ranks -> process group
+        self.calls: Counter = Counter()  # torch.distributed calls by kind (worker_stats(collectives=True))
         self.failed = False
         self.stopping = False  # the controller is shutting down: skip to the exit record
         self.leaving = False  # got the exit record: the controller closing its store now is no fault
@@ -156,8 +163,10 @@ class Worker:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def op_stats(self, req):
+    def op_stats(self, req, collectives=False):
         stats = {"blocks": len(self.t), "bytes": sum(x.numel() * x.element_size() for x in self.t.values())}
+        if collectives:
+            stats["collectives"] = dict(self.calls)
         self.store.set(f"st/{req}/{self.rank}", pickle.dumps(stats))
         self.store.add(f"st/{req}", 1)
 
@@ -211,56 +220,109 @@ class Worker:
                 raise RuntimeError(f"kernel {k.name} produced local shape {tuple(y.shape)}, expected {shape}")
             self.t[i] = y
 
-    # -- redistribution -------------------------------------------------------------------------
-    def op_defs(self, pid, step, before, after):
-        self.defs[pid] = (step, before, after)
+    # -- redistribution primitives: one handler each ------------------------------------------------
+    def op_defp(self, pid, primitive, before, after, arg):
+        self.defs[pid] = (getattr(self, "p_" + primitive), before, after, arg)
 
     def op_s(self, seq, pid, in_id, out_id, tag):
-        step, before, after = self.defs[pid]
-        if step.kind == "move":
-            out = self.move(pp.move_transfers(before, after, step.same_layout), after, self.t.get(in_id), tag)
-            if out is not None:
-                self.t[out_id] = out
-            return
-        self.t[out_id] = self.mesh_step(step, before, self.t[in_id])
+        fn, before, after, arg = self.defs[pid]
+        out = fn(self.t.get(in_id), before, after, arg, tag)
+        if out is not None:  # a move leaves nothing on a rank outside the target mesh
+            self.t[out_id] = out
 
-    def mesh_step(self, step, before, x):
-        mesh = before.mesh
-        i = step.mesh_dim
+    def along(self, mesh, i):
+        """(this rank's coordinate, the ranks along mesh dim i through it in mesh order, m, its index)."""
         coord = pp.rank_coords(mesh)[self.rank]
         ranks = pp.members(mesh, coord, i)
-        m, j = len(ranks), coord[i]
-        kind = step.kind
-        if kind == "slice":
-            return cut_shard(x, step.dst.dim, m, j)
-        if kind == "to_partial":
-            return x if j == 0 or step.dst.reduce_op != "sum" else torch.zeros_like(x)
-        if kind == "all_gather":
-            return torch.cat(self.all_gather(x, pp.member_shapes(before, coord, i), ranks), dim=step.src.dim)
-        if kind == "all_to_all":
-            d = step.dst.dim
-            shapes = [pp.cut_shape(s, d, m, j) for s in pp.member_shapes(before, coord, i)]
-            got = self.all_to_all([cut_shard(x, d, m, jj) for jj in range(m)], shapes, ranks)
-            return torch.cat(got, dim=step.src.dim)
-        op = step.src.reduce_op
-        if kind == "reduce_scatter":
-            # the in-process backend reduces whole blocks, then cuts; reducing the cut pieces in the same
-            # (mesh) order gives the same bits and moves 1/m of the data
-            d = step.dst.dim
-            got = self.all_to_all([cut_shard(x, d, m, jj) for jj in range(m)], [pp.cut_shape(x.shape, d, m, j)] * m, ranks)
-            return _reduce_list(op, got)
-        if kind == "all_reduce":
-            if m == 1:
-                return x
-            exact = op in ("max", "min") or m <= 2  # any order gives the same bits
-            if (x.dtype in _FLOATS and exact) or x.dtype == torch.int64:
-                y = x.clone(memory_format=torch.contiguous_format)
-                dist.all_reduce(y, _NATIVE_REDUCE[op], group=self.group(ranks))
-                if op == "avg":
-                    y = y / m if y.is_floating_point() else y // m
-                return y
-            return _reduce_list(op, self.all_gather(x, [tuple(x.shape)] * m, ranks))
-        raise RuntimeError(f"unknown redistribute step {step}")
+        return coord, ranks, len(ranks), coord[i]
+
+    def p_local_slice(self, x, before, after, i, tag):
+        _, _, m, j = self.along(before.mesh, i)
+        return cut_shard(x, after.placements[i].dim, m, j)
+
+    def p_to_partial(self, x, before, after, i, tag):
+        _, _, m, j = self.along(before.mesh, i)
+        return x if j == 0 or after.placements[i].reduce_op != "sum" else torch.zeros_like(x)
+
+    def p_all_gather(self, x, before, after, i, tag):
+        coord, ranks, m, j = self.along(before.mesh, i)
+        return torch.cat(self.all_gather(x, pp.member_shapes(before, coord, i), ranks), dim=before.placements[i].dim)
+
+    def p_all_to_all(self, x, before, after, i, tag):
+        coord, ranks, m, j = self.along(before.mesh, i)
+        d = after.placements[i].dim
+        shapes = [pp.cut_shape(s, d, m, j) for s in pp.member_shapes(before, coord, i)]
+        got = self.all_to_all([cut_shard(x, d, m, jj) for jj in range(m)], shapes, ranks)
+        return torch.cat(got, dim=before.placements[i].dim)
+
+    def native(self, dtype, op: str, m: int, mesh, i: int) -> bool:
+        """May torch.distributed reduce these terms itself?
+
+        Integers, max/min and two terms give the same bits in any order; float sums over more terms do
+        not (they differ from the in-process backend's mesh-order sum in the last bits, within a
+        tolerance), but replicas along other mesh dims must stay equal, so every group along the mesh
+        dim must order its members alike (``same_rank_order``)."""
+        if dtype not in _NATIVE or (dtype.is_complex and op in ("max", "min")):
+            return False
+        if m <= 2 or op in ("max", "min") or not (dtype.is_floating_point or dtype.is_complex):
+            return True
+        return pp.same_rank_order(mesh, i)
+
+    @staticmethod
+    def acc_dtype(dtype, op: str):
+        """The dtype a native reduction runs in: half floats sum in float32 (one rounding at the end, as
+        torch's own sum of half terms does); integer avg sums in int64 (its floor mean, as in-process)."""
+        if op in ("max", "min"):
+            return dtype
+        if dtype in _HALF:
+            return torch.float32
+        if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+            return torch.int64
+        return dtype
+
+    @staticmethod
+    def finish(y, op: str, m: int, dtype):
+        if op == "avg":
+            y = y / m if (y.is_floating_point() or y.is_complex()) else y.div(m, rounding_mode="floor")
+        return y.to(dtype)
+
+    def p_all_reduce(self, x, before, after, i, tag):
+        coord, ranks, m, j = self.along(before.mesh, i)
+        if m == 1:
+            return x
+        op = before.placements[i].reduce_op
+        if not self.native(x.dtype, op, m, before.mesh, i):
+            return reduce_list(op, self.all_gather(x, [tuple(x.shape)] * m, ranks))
+        y = x.to(self.acc_dtype(x.dtype, op), memory_format=torch.contiguous_format, copy=True)
+        self.calls["all_reduce"] += 1
+        dist.all_reduce(y, _NATIVE_REDUCE[op], group=self.group(ranks))
+        return self.finish(y, op, m, x.dtype)
+
+    def p_reduce_scatter(self, x, before, after, i, tag):
+        coord, ranks, m, j = self.along(before.mesh, i)
+        op, d = before.placements[i].reduce_op, after.placements[i].dim
+        pieces = [cut_shard(x, d, m, jj) for jj in range(m)]
+        if m == 1:
+            return pieces[0]
+        if not self.native(x.dtype, op, m, before.mesh, i):
+            # every member sends piece jj to member jj, which reduces the m pieces in mesh order
+            got = self.all_to_all(pieces, [tuple(pieces[j].shape)] * m, ranks)
+            return reduce_list(op, got)
+        top = max(p.numel() for p in pieces)  # uneven pieces: pad each to the largest (trimmed after)
+        if top == 0:
+            return pieces[j].clone()
+        acc = self.acc_dtype(x.dtype, op)
+        inp = torch.zeros(m * top, dtype=acc, device=x.device)
+        for g, n in enumerate(sorted(range(m), key=ranks.__getitem__)):  # chunk g goes to group rank g
+            inp[g * top: g * top + pieces[n].numel()] = pieces[n].reshape(-1)
+        out = inp.new_empty(top)
+        self.calls["reduce_scatter"] += 1
+        _reduce_scatter(out, inp, op=_NATIVE_REDUCE[op], group=self.group(ranks))
+        mine = out[: pieces[j].numel()].reshape(pieces[j].shape)
+        return self.finish(mine, op, m, x.dtype)
+
+    def p_move(self, x, before, after, same_layout, tag):
+        return self.move(pp.move_transfers(before, after, same_layout), after, x, tag)
 
     def group(self, ranks):
         return self.groups[tuple(sorted(ranks))]
@@ -277,6 +339,7 @@ class Worker:
         if buf.numel() < top:
             buf = torch.cat([buf, buf.new_zeros(top - buf.numel())])
         outs = [buf.new_empty(top) for _ in ranks]
+        self.calls["all_gather"] += 1
         dist.all_gather(outs, buf, group=self.group(ranks))
         pos = {r: n for n, r in enumerate(sorted(ranks))}
         return [pp.from_bytes(outs[pos[r]][:n], x.dtype, s) for r, n, s in zip(ranks, sizes, shapes)]
@@ -292,6 +355,7 @@ class Worker:
         inp = torch.cat(send) if send else pieces[0].new_empty(0, dtype=torch.uint8)
         out = inp.new_empty(sum(recv_sizes))
         # every member calls, even with nothing to send or receive: skipping would strand the others
+        self.calls["all_to_all"] += 1
         dist.all_to_all_single(out, inp, recv_sizes, [s.numel() for s in send], group=self.group(ranks))
         parts = dict(zip(order, out.split(recv_sizes)))
         return [pp.from_bytes(parts[n], dtype, shapes[n]) for n in range(len(ranks))]

@@ -1,0 +1,33 @@
+"""The one redistribution executor: runs a plan's typed steps on a runtime, one primitive per step.
+
+It records CommLog once per communicating step (kind, the mesh dim's name or index, bytes of the spec
+before the step, the devices), then calls ``step.run``, which calls the runtime primitive. Backends
+never record CommLog: every record comes from here (ring shifts included, ``ring_shift`` below).
+"""
+from __future__ import annotations
+
+from .. import commlog
+from ..spec import DTensorSpec
+from .planner import Plan
+
+
+def execute(plan: Plan, handle, rt):
+    """Run ``plan`` on ``handle`` (laid out as ``plan.src``); returns the handle laid out as ``plan.dst``."""
+    before = plan.src
+    for step, after in zip(plan.steps, plan.specs):
+        if step.communicates and commlog.is_recording():
+            commlog.record(step.kind, step.label, step.wire_bytes(before, after), step.devices(before, after))
+        handle = step.run(rt, handle, before, after)
+        before = after
+    return handle
+
+
+def ring_shift(rt, handle, spec: DTensorSpec, mesh_dim: int, shift: int = 1):
+    """Every device sends its block ``shift`` steps along ``mesh_dim`` (cyclic): one send_recv record.
+
+    The result is an internal handle whose blocks no longer match ``spec``'s boxes (see
+    ``Runtime.ring_shift``)."""
+    if commlog.is_recording():
+        mesh = spec.mesh
+        commlog.record("send_recv", mesh.dim_label(mesh_dim), spec.total_bytes(), mesh.device_ids)
+    return rt.ring_shift(handle, spec, mesh_dim, shift)
