@@ -228,10 +228,8 @@ def _device_bytes(spec):
     try:
         return spec._device_bytes
     except AttributeError:
-        item = spec.dtype.itemsize
-        vec = np.array([int(np.prod(spec.local_shape(c), dtype=np.int64)) * item for c in spec.mesh.coordinates()],
-                       dtype=np.int64)
-        val = int(vec[0]) if (vec == vec[0]).all() else vec
+        vec = spec.device_bytes()
+        val = int(vec[0]) if spec.is_even() else vec
         object.__setattr__(spec, "_device_bytes", val)
         return val
 

@@ -15,6 +15,8 @@ BACKENDS: dict[str, str] = {
     "inprocess": "dtorch.runtime.inprocess:InProcessRuntime",
     # one worker process per device, torch.distributed between them
     "process": "dtorch.runtime.process:ProcessRuntime",
+    # plain per-device blocks in a loop, every block checked against its spec: the seam's reference
+    "reference": "dtorch.runtime.reference:ReferenceRuntime",
 }
 
 
