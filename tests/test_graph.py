@@ -155,19 +155,24 @@ def test_memory_tracking_observes_storage_handles(fresh_graph):
         return g.get_memory_stats(mesh)[("cpu", 0)]["allocated"]
 
     assert allocated() == 16
-    shared = dtorch.nn.Parameter(early)  # shares early's storage
+    shared = dtorch.Tensor._make(early.spec, early._h, g)  # a second tensor object on the same handle
     assert allocated() == 16
     y = dtorch.zeros(8, device_mesh=mesh, placements=[Shard(0)])
     assert allocated() == 32
     del early
     gc.collect()
-    assert allocated() == 32  # the Parameter still holds that storage
-    shared._set(dtorch.zeros(2, device_mesh=mesh, placements=[Shard(0)]))  # the old storage's last holder lets go
+    assert allocated() == 32  # `shared` still holds that handle
+    del shared
+    gc.collect()
+    assert allocated() == 16
+    p = dtorch.nn.Parameter(dtorch.zeros(4, device_mesh=mesh, placements=[Shard(0)]))
+    assert allocated() == 16 + 8
+    p._set(dtorch.zeros(2, device_mesh=mesh, placements=[Shard(0)]))  # the old storage's last holder lets go
     gc.collect()
     assert allocated() == 16 + 4
-    del shared, y
+    del p, y
     gc.collect()
-    assert g.get_memory_stats(mesh)[("cpu", 0)] == {"allocated": 0, "peak": 32 + 4}
+    assert g.get_memory_stats(mesh)[("cpu", 0)] == {"allocated": 0, "peak": 32}
 
 
 def test_memory_tracking_off_and_on_again(fresh_graph):
