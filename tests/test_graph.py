@@ -222,6 +222,10 @@ def test_backend_registry(monkeypatch):
     with g:
         x = dtorch.Tensor(torch.arange(4.0), device_mesh=dtorch.init_device_mesh("cpu", 2), placements=[Shard(0)])
     assert torch.equal((x * 2).to_torch(), torch.arange(4.0) * 2)
+    # a backend's command-line entry (`dtorch worker`) goes through the registry too
+    with pytest.raises(SystemExit) as exit_:
+        registry.run_command("worker", ["--help"])
+    assert exit_.value.code == 0
 
 
 def test_assert_close_takes_torch_and_dtorch():

@@ -49,9 +49,9 @@ def main(argv=None) -> int:
 
 
 def _worker(args) -> int:
-    from .runtime.worker import main as worker_main
+    from .runtime.registry import run_command  # the worker is the process backend's own business
 
-    return worker_main(args.rest)
+    return run_command("worker", args.rest)
 
 
 def _demo(args) -> int:

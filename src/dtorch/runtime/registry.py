@@ -19,6 +19,12 @@ BACKENDS: dict[str, str] = {
     "reference": "dtorch.runtime.reference:ReferenceRuntime",
 }
 
+# command-line entry points that belong to a backend: `dtorch NAME ARGS` -> "module:function", called with
+# the remaining arguments, returning the exit code (the process backend's `dtorch worker`)
+COMMANDS: dict[str, str] = {
+    "worker": "dtorch.runtime.worker:main",
+}
+
 
 def backend_names() -> tuple[str, ...]:
     return tuple(BACKENDS)
@@ -39,3 +45,9 @@ def runtime_class(name: str) -> type[Runtime]:
 def make_runtime(name: str, **kwargs) -> Runtime:
     """A new runtime of backend ``name`` (its module is imported now, the first time)."""
     return runtime_class(name)(**kwargs)
+
+
+def run_command(name: str, argv) -> int:
+    """Run the backend command ``name`` (a key of COMMANDS) with the arguments ``argv``; its exit code."""
+    module, _, fn = COMMANDS[name].partition(":")
+    return getattr(importlib.import_module(module), fn)(argv)
