@@ -21,7 +21,6 @@ It is slow by design; tests run the redistribution and op sweeps on it (``--back
 from __future__ import annotations
 
 import inspect
-from functools import lru_cache
 
 import numpy as np
 import torch
@@ -95,11 +94,6 @@ class Blocks:
 
     def __repr__(self):
         return f"Blocks({[tuple(b.shape) for b in self.blocks]})"
-
-
-@lru_cache(maxsize=4096)
-def _wants_lead(fn) -> bool:
-    return "lead" in inspect.signature(fn).parameters
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -298,7 +292,7 @@ class ReferenceRuntime(Runtime):
 
 def _per_device_kwargs(kernel: Kernel, mesh, kwargs: dict, device_args: dict | None):
     """The keyword arguments of each device's call, in mesh order: per-device values as python numbers, lead=0."""
-    lead = _wants_lead(kernel.fn)
+    lead = "lead" in inspect.signature(kernel.fn).parameters
     for coord in mesh.coordinates():
         kw = dict(kwargs)
         if device_args:
