@@ -16,6 +16,8 @@ from .tensor import Tensor
 from . import ops as _ops
 from .ops.registry import PUBLIC as _PUBLIC
 
+# the one place Tensor gets its operator methods (x.sum(), x + y, x.T): the op table
+Tensor._install_ops(_ops.TABLE, **_ops.TENSOR_HOOKS)
 globals().update(_PUBLIC)
 
 from .visualize import visualize_sharding  # noqa: E402

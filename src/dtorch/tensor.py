@@ -1,7 +1,10 @@
 """dtorch.Tensor: a global-view tensor whose blocks live on the devices of a mesh.
 
 The front object holds only a spec (mesh, placements, global shape, dtype), the runtime's storage
-handle and its Graph. Operators are attached by ``dtorch.ops`` (one module per op family).
+handle and its Graph. The operator methods (``x.sum()``, ``x + y``, ``x.view(...)``, ``x.T``) are not
+written here: they come from the op table (``dtorch.ops.registry.TABLE``, one entry per op, with the
+Tensor attributes that lead to it), bound by ``Tensor._install_ops`` below, which ``dtorch/__init__``
+calls once after importing ``dtorch.ops``. ``dir(dtorch.Tensor)`` or ``TABLE`` lists them.
 """
 from __future__ import annotations
 
@@ -286,9 +289,7 @@ class Tensor:
                 target_mesh = DeviceMesh(kind, mesh.mesh, mesh_dim_names=mesh.dim_names)
         out = self
         if dtype is not None and dtype != self.dtype:
-            from .ops import pointwise
-
-            out = pointwise.to_dtype(out, dtype)
+            out = self._cast(out, dtype)
         if target_mesh is not None and target_mesh != out.device_mesh:
             if target_mesh.ndim == out.device_mesh.ndim:
                 out = out.redistribute(target_mesh, out.placements)
@@ -315,12 +316,38 @@ class Tensor:
             "x = dtorch.where(mask, value, x), x.masked_fill(mask, value) or dtorch.cat([...])"
         )
 
+    def contiguous(self, memory_format=None) -> "Tensor":
+        return self  # blocks have no strides to fix: dtorch tensors are always "contiguous"
+
     # torch functions (``torch.matmul(x, w)``, ``F.silu(x)``) route to dtorch's ops
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        from .ops.registry import torch_function_dispatch
+        return cls._torch_function(func, args, kwargs or {})
 
-        return torch_function_dispatch(func, args, kwargs or {})
+    # -- operators: bound from the op table -------------------------------------------------------
+    # set by _install_ops (the op layer sits above this module, so it hands these over instead of being
+    # imported): torch function -> dtorch op routing, and the dtype cast behind .to(dtype)
+    _torch_function = None
+    _cast = None
+    _installed: dict = {}  # attribute name -> op name, of every attribute _install_ops bound
+
+    @classmethod
+    def _install_ops(cls, table, *, torch_function, cast, missing_attribute) -> None:
+        """Bind every op's Tensor attributes (``Op.methods``: a name binds the op's function as a method,
+        ``(name, value)`` binds ``value``, e.g. a dunder or a property), the torch-function router, the
+        dtype cast of ``.to`` and the helpful ``__getattr__`` for torch attributes dtorch lacks."""
+        for op in table.values():
+            for m in op.methods:
+                attr, value = (m, op.fn) if isinstance(m, str) else m
+                owner = cls._installed.get(attr)
+                if (owner is not None and owner != op.name) or (owner is None and attr in cls.__dict__):
+                    raise RuntimeError(f"Tensor.{attr}: op {op.name!r} binds it, but "
+                                       f"{'op ' + repr(owner) if owner else 'tensor.py'} already defines it")
+                setattr(cls, attr, value)
+                cls._installed[attr] = op.name
+        cls._torch_function = staticmethod(torch_function)
+        cls._cast = staticmethod(cast)
+        cls.__getattr__ = missing_attribute
 
 
 register_tensor_type(Tensor)  # get_memory_stats counts live tensors

@@ -1,3 +1,8 @@
-"""Operators, one module per op family. Importing this package registers them all."""
-from . import registry  # noqa: F401
+"""Operators, one module per op family. Importing this package fills the op table (``registry.TABLE``)."""
+from . import registry
 from . import factory, pointwise, view, reduce, matrix, nn, attention  # noqa: F401
+
+TABLE = registry.TABLE
+# what dtorch.Tensor takes from the op layer besides the table (Tensor._install_ops)
+TENSOR_HOOKS = {"torch_function": registry.torch_function_dispatch, "cast": pointwise.to_dtype,
+                "missing_attribute": registry.missing_attribute}

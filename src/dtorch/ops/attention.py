@@ -630,7 +630,7 @@ def _ring(cp: _CPPlan, q, k, v, mask, noise) -> Tensor:
 # the op
 
 
-@register(torch_fns=(F.scaled_dot_product_attention,), functional=True)
+@register(rule=_plain_rule, kernel=_sdpa_kernel, torch_fns=(F.scaled_dot_product_attention,), functional=True)
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
                                  scale: float | None = None, enable_gqa: bool = False):
     """``F.scaled_dot_product_attention`` on [N, H, L, E] tensors; context parallel on a mesh with a

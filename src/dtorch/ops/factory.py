@@ -13,7 +13,7 @@ from ..mesh import DeviceMesh
 from ..placement import normalize_placements
 from ..spec import DTensorSpec
 from ..tensor import Tensor
-from .registry import TORCH_FUNCTIONS, register
+from .registry import register
 
 
 def mesh_for_device(device) -> DeviceMesh:
@@ -111,11 +111,10 @@ def _like(name, base):
                                              placements=placements, **kwargs)
 
     fn.__name__ = name
-    return register(name)(fn)
+    return register(name, torch_fns=(getattr(torch, name),))(fn)  # torch.zeros_like(dtensor) too
 
 
 zeros_like = _like("zeros_like", zeros)
-# torch.zeros_like(dtensor) and friends route here too (see the loop at the end of this file)
 ones_like = _like("ones_like", ones)
 empty_like = _like("empty_like", empty)
 rand_like = _like("rand_like", rand)
@@ -123,7 +122,7 @@ randn_like = _like("randn_like", randn)
 full_like = _like("full_like", full)
 
 
-@register()
+@register(torch_fns=(torch.randint_like,))
 def randint_like(input: Tensor, low, high=None, *, dtype=None, device_mesh=None, placements=None, device=None,
                  generator=None):
     mesh, placements = _like_layout(input, device_mesh, placements, device)
@@ -142,6 +141,3 @@ def tensor(data, *, dtype=None, device_mesh=None, placements=None):
 def from_torch(data, *, device_mesh=None, placements=None, dtype=None):
     return Tensor(data, device_mesh=device_mesh, placements=placements, dtype=dtype)
 
-
-for _name in ("zeros_like", "ones_like", "empty_like", "rand_like", "randn_like", "full_like", "randint_like"):
-    TORCH_FUNCTIONS[getattr(torch, _name)] = globals()[_name]

@@ -291,40 +291,38 @@ def _tensors(name, *args):
     return ts
 
 
-@register(methods=("matmul", "__matmul__"), torch_fns=(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__))
+def _rmatmul(self, other):
+    return matmul(other, self)
+
+
+@register(rule=_matmul_rule, kernel=_matmul_kernel, methods=("matmul", "__matmul__", ("__rmatmul__", _rmatmul)),
+          torch_fns=(torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__))
 def matmul(input, other):
     """``torch.matmul`` with torch's broadcasting; see the module docstring for the placement rules."""
     return dispatch("matmul", _matmul_rule, _tensors("matmul", input, other), ("matmul",))
 
 
-def _rmatmul(self, other):
-    return matmul(other, self)
-
-
-Tensor.__rmatmul__ = _rmatmul
-
-
-@register(methods=("mm",), torch_fns=(torch.mm,))
+@register(rule=_matmul_rule, kernel=_matmul_kernel, methods=("mm",), torch_fns=(torch.mm,))
 def mm(input, mat2):
     return dispatch("mm", _matmul_rule, _tensors("mm", input, mat2), ("mm",))
 
 
-@register(methods=("bmm",), torch_fns=(torch.bmm,))
+@register(rule=_matmul_rule, kernel=_matmul_kernel, methods=("bmm",), torch_fns=(torch.bmm,))
 def bmm(input, mat2):
     return dispatch("bmm", _matmul_rule, _tensors("bmm", input, mat2), ("bmm",))
 
 
-@register(methods=("dot",), torch_fns=(torch.dot,))
+@register(rule=_matmul_rule, kernel=_matmul_kernel, methods=("dot",), torch_fns=(torch.dot,))
 def dot(input, tensor):
     return dispatch("dot", _matmul_rule, _tensors("dot", input, tensor), ("dot",))
 
 
-@register(methods=("outer",), torch_fns=(torch.outer,))
+@register(rule=_outer_rule, kernel=_outer_kernel, methods=("outer",), torch_fns=(torch.outer,))
 def outer(input, vec2):
     return dispatch("outer", _outer_rule, _tensors("outer", input, vec2))
 
 
-@register(torch_fns=(torch.nn.functional.linear,), functional=True)
+@register(rule=_linear_rule, kernel=_linear_kernel, torch_fns=(torch.nn.functional.linear,), functional=True)
 def linear(input, weight, bias=None):
     """``F.linear``: ``input @ weight.T + bias`` with weight ``[out, in]``. Column parallel (weight S(0))
     gives S(-1); row parallel (input S(-1), weight S(1)) gives P(sum), the bias added on one device."""
@@ -332,7 +330,7 @@ def linear(input, weight, bias=None):
     return dispatch("linear", _linear_rule, _tensors("linear", *args))
 
 
-@register(torch_fns=(torch.einsum,))
+@register(rule=_einsum_rule, kernel=_einsum_kernel, torch_fns=(torch.einsum,))
 def einsum(equation, *operands):
     """``torch.einsum`` with an equation string (``'...'`` and implicit output supported)."""
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):

@@ -26,7 +26,7 @@ from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel, per_device
 from ..spec import DTensorSpec, block_offsets
 from ..tensor import Tensor
-from .registry import TORCH_FUNCTIONS, OpPlan, dispatch, meta_call, register, replicated, spec_like, static_value, to_dtensors
+from .registry import OpPlan, dispatch, meta_call, register, replicated, spec_like, static_value, to_dtensors
 from .view import IndexOutOfRangeError
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -115,7 +115,12 @@ def _embedding_rule(specs, padding_idx):
                   {"masked": masked, "vocab": w.shape[0]}, device_args)
 
 
-@register(torch_fns=(F.embedding,), functional=True)
+def _torch_embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    return embedding(indices, weight)  # torch.embedding takes the weight first
+
+
+@register(rule=_embedding_rule, kernel=_embedding_kernel, torch_fns=(F.embedding, (torch.embedding, _torch_embedding)),
+          functional=True)
 def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False):
     """``F.embedding``: rows of ``weight`` [V, D] for the ids in ``input``.
 
@@ -204,7 +209,12 @@ def _normalized_shape(normalized_shape) -> tuple:
     return tuple(int(s) for s in normalized_shape)
 
 
-@register(torch_fns=(F.layer_norm,), functional=True)
+def _torch_layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+    return layer_norm(input, normalized_shape, weight, bias, eps)
+
+
+@register(rule=_layer_norm_rule, kernel=_layer_norm_kernel,
+          torch_fns=(F.layer_norm, (torch.layer_norm, _torch_layer_norm)), functional=True)
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps: float = 1e-5):
     """``F.layer_norm`` over the trailing ``normalized_shape`` dims."""
     ns = _normalized_shape(normalized_shape)
@@ -213,7 +223,12 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps: float = 1e-
     return dispatch("layer_norm", _layer_norm_rule, tensors, (ns, float(eps), weight is not None, bias is not None))
 
 
-@register(torch_fns=(F.rms_norm,), functional=True)
+def _torch_rms_norm(input, normalized_shape, weight=None, eps=None):
+    return rms_norm(input, normalized_shape, weight, eps)
+
+
+@register(rule=_rms_norm_rule, kernel=_rms_norm_kernel, torch_fns=(F.rms_norm, (torch.rms_norm, _torch_rms_norm)),
+          functional=True)
 def rms_norm(input, normalized_shape, weight=None, eps: float | None = None):
     """``F.rms_norm`` over the trailing ``normalized_shape`` dims (``eps=None``: float32's machine epsilon,
     float64's for double inputs, like torch)."""
@@ -248,11 +263,3 @@ def dropout(input, p: float = 0.5, training: bool = True, inplace: bool = False)
     layout = [Replicate() if isinstance(pl, Partial) else pl for pl in spec.placements]
     return mul(input, Tensor(noise, device_mesh=spec.mesh, placements=layout))
 
-
-# torch's own spellings (``torch.embedding`` takes the weight first)
-TORCH_FUNCTIONS[torch.embedding] = lambda weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False: \
-    embedding(indices, weight)
-TORCH_FUNCTIONS[torch.layer_norm] = lambda input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True: \
-    layer_norm(input, normalized_shape, weight, bias, eps)
-TORCH_FUNCTIONS[torch.rms_norm] = lambda input, normalized_shape, weight=None, eps=None: \
-    rms_norm(input, normalized_shape, weight, eps)

@@ -9,6 +9,10 @@ Rule, per mesh dim (expanded to N-D by looping over mesh dims):
     P * R, P / R, P * c  -> P      sum_d a_d * b = sum_d (a_d * b)
     P otherwise          -> R      the partial is reduced first (nonlinear ops, P * P, P + scalar)
     R with R             -> R
+
+Scalar operands (Python and numpy numbers) are kernel arguments: the plan knows each one's type (it
+decides the result dtype), the value reaches the kernel at run time, so ``x * c`` for a thousand
+values of ``c`` is one plan.
 """
 from __future__ import annotations
 
@@ -21,8 +25,7 @@ from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
-from .registry import (_PLANS, TORCH_FUNCTIONS, OpPlan, dispatch, meta_call, register, reject_out, resolve_torch,
-                       static_value, to_dtensors)
+from .registry import OpPlan, dispatch, meta_call, register, reject_out, resolve_torch, to_dtensors
 
 # op name -> how it treats partial inputs: "add" (linear in every operand), "scale" (linear in its
 # first operand when the others are replicated or scalars)
@@ -31,141 +34,100 @@ _PARTIAL_RULE = {
     "mul": "scale", "div": "scale", "true_divide": "scale",
 }
 
-
-@kernel("pointwise", align=True)
-def _pointwise_kernel(*xs, fn: str, template: tuple, kwargs: tuple):
-    args = [xs[a] if isinstance(a, int) else a[-1] for a in template]
-    return resolve_torch(fn)(*args, **_kwargs_with_tensors(kwargs, xs))
-
-
-def _kwargs_with_tensors(kwargs: tuple, xs) -> dict:
-    return {k: xs[v[1]] if isinstance(v, tuple) and len(v) == 2 and v[0] == _TENSOR_KW else v for k, v in kwargs}
+# How the torch function's arguments are made from the kernel's tensors ``xs`` and run-time ``scalars``.
+# ``template`` lists the positional arguments: n (tensor n), ("s", k) (scalar k), ("c", v) (the constant v:
+# None, a string, a dtype); ``kwargs`` the keyword ones, (name, same vocabulary). The common calls get a
+# short form the kernel runs without building argument lists: None (the tensors in order, nothing else),
+# "ts" (tensor, scalar), "st" (scalar, tensor).
+_SHORT_FORMS = {(("s", 0), 0): "st", (0, ("s", 0)): "ts"}
 
 
-# Steady-state fast path: (fn, graph, spec or scalar per operand) -> a closure that calls the torch
-# function straight on the stacked blocks. Filled after a first, fully planned call showed that the
-# plan needs no redistribution and the runtime can run the kernel directly on grids.
-_FAST: dict = {}
+def _value(ref, xs, scalars):
+    if type(ref) is int:
+        return xs[ref]
+    return scalars[ref[1]] if ref[0] == "s" else ref[1]
 
 
-def _fast_key(fn, args):
-    key = [fn]
-    for a in args:
-        if type(a) is Tensor:
-            key.append(a._spec)
-        elif type(a) in (int, float, bool):
-            key.append(type(a))
-            key.append(a)
-        else:
-            return None
-    return tuple(key)
+def _call(fn: str, template, kwargs, xs, scalars):
+    f = resolve_torch(fn)
+    if template is None:
+        return f(*xs)
+    if template == "ts":
+        return f(xs[0], scalars[0])
+    if template == "st":
+        return f(scalars[0], xs[0])
+    return f(*[_value(r, xs, scalars) for r in template], **{k: _value(r, xs, scalars) for k, r in kwargs})
+
+
+def _bind_pointwise(kw: dict, lead: int, out_shapes):
+    """Tensors only, in order: the kernel is the torch function itself (``Kernel.bind``)."""
+    return resolve_torch(kw["fn"]) if kw["template"] is None and not kw.get("kwargs") else None
+
+
+@kernel("pointwise", align=True, bind=_bind_pointwise)
+def _pointwise_kernel(*xs, fn: str, template, kwargs: tuple = (), scalars: tuple = ()):
+    return _call(fn, template, kwargs, xs, scalars)
+
+
+def _full_template(template, n_tensors: int) -> tuple:
+    if template is None:
+        return tuple(range(n_tensors))
+    if template == "ts":
+        return (0, ("s", 0))
+    if template == "st":
+        return (("s", 0), 0)
+    return template
 
 
 def pointwise(name: str, fn: str, *args, **kwargs):
-    """Run torch function ``fn`` element-wise on a mix of dtorch tensors and scalars."""
-    key = None
+    """Run torch function ``fn`` element-wise on a mix of dtorch tensors, torch tensors and scalars."""
     if not kwargs:
-        key = _fast_key(fn, args)
-        if key is not None:
-            fast = _FAST.get(key)
-            if fast is not None:
-                out = fast(*args)
-                if out is not None:
-                    return out
-    out, plan_key = _pointwise_slow(name, fn, args, kwargs)
-    if key is not None:
-        _maybe_fast(key, fn, args, out, _PLANS.get(plan_key))
-    return out
+        for a in args:
+            if type(a) is not Tensor:
+                break
+        else:  # tensors only: the short form, no argument analysis
+            return dispatch(name, _pointwise_rule, args, (name, fn, None, (), ()))
+    if any(isinstance(v, torch.Tensor) for v in args) or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+        names = list(kwargs)
+        converted = to_dtensors(name, list(args) + [kwargs[k] for k in names])
+        args, kwargs = converted[: len(args)], dict(zip(names, converted[len(args):]))
+    tensors, scalars = [], []
+
+    def ref(v):
+        if isinstance(v, Tensor):
+            tensors.append(v)
+            return len(tensors) - 1
+        if isinstance(v, numbers.Number):
+            scalars.append(v)
+            return ("s", len(scalars) - 1)
+        try:
+            hash(v)
+        except TypeError:
+            raise OpError(f"dtorch.{name}: argument {v!r} is not supported; pass tensors, numbers, None or "
+                          "strings") from None
+        return ("c", v)
+
+    template = tuple(ref(a) for a in args)
+    kw = tuple((k, ref(v)) for k, v in sorted(kwargs.items()) if v is not None)
+    if not tensors:
+        raise OpError(f"dtorch.{name} needs at least one tensor operand, got {[type(a).__name__ for a in args]}")
+    if not kw:
+        template = None if template == tuple(range(len(tensors))) else _SHORT_FORMS.get(template, template)
+    static = (name, fn, template, kw, tuple(type(s) for s in scalars))
+    return dispatch(name, _pointwise_rule, tensors, static, {"scalars": tuple(scalars)} if scalars else None)
 
 
-def _maybe_fast(key, fn, args, out, plan):
-    tensors = [a for a in args if type(a) is Tensor]
-    graph = out._graph
-    rt = graph.runtime
-    grid_direct = getattr(rt, "grid_direct", None)
-    if grid_direct is None or any(t._graph is not graph for t in tensors):
-        return
-    specs = tuple(t._spec for t in tensors)
-    if plan is None or plan.in_specs != specs or not grid_direct(plan.kernel, specs, plan.out_specs):
-        return
-    torch_fn = resolve_torch(fn)
-    _FAST[key] = _make_fast(torch_fn, args, plan.out_specs[0], graph)
-
-
-def _make_fast(torch_fn, args, out_spec, graph):
-    from ..runtime.inprocess import Shards
-
-    make = Tensor._make
-    positions = [n for n, a in enumerate(args) if type(a) is Tensor]
-    if positions == [0] and len(args) == 1:
-        def fast(a):
-            g = a._h.grid
-            return None if g is None or a._graph is not graph else make(out_spec, Shards(grid=torch_fn(g)), graph)
-    elif positions == [0, 1] and len(args) == 2:
-        def fast(a, b):
-            ga, gb = a._h.grid, b._h.grid
-            if ga is None or gb is None or a._graph is not graph or b._graph is not graph:
-                return None
-            return make(out_spec, Shards(grid=torch_fn(ga, gb)), graph)
-    elif positions == [0] and len(args) == 2:
-        def fast(a, c):
-            g = a._h.grid
-            return None if g is None or a._graph is not graph else make(out_spec, Shards(grid=torch_fn(g, c)), graph)
-    elif positions == [1] and len(args) == 2:
-        def fast(c, a):
-            g = a._h.grid
-            return None if g is None or a._graph is not graph else make(out_spec, Shards(grid=torch_fn(c, g)), graph)
-    else:
-        return None
-    return fast
-
-
-_TENSOR_KW = "__tensor__"  # a keyword argument holding tensor input number n: (_TENSOR_KW, n)
-
-
-def _pointwise_slow(name, fn, args, kwargs):
-    kw_names = [k for k, v in kwargs.items() if isinstance(v, (Tensor, torch.Tensor))]
-    converted = to_dtensors(name, list(args) + [kwargs[k] for k in kw_names])
-    args = converted[: len(args)]
-    tensors, template = [], []
-    for a in args:
-        if isinstance(a, Tensor):
-            template.append(len(tensors))
-            tensors.append(a)
-        else:
-            template.append(("c", static_value(a), a))
-    kwargs = dict(kwargs)
-    for k, t in zip(kw_names, converted[len(args):]):
-        kwargs[k] = (_TENSOR_KW, len(tensors))
-        tensors.append(t)
-    static = (fn, tuple(template), tuple(sorted((k, static_value(v), v) for k, v in kwargs.items() if v is not None)))
-    key_static = (fn, tuple(t[:2] if isinstance(t, tuple) else t for t in template),
-                  tuple((k, sv) for k, sv, _ in static[2]))
-    return dispatch(name, _rule_for(name, static), tensors, key_static), (name, tuple(t._spec for t in tensors), key_static)
-
-
-def _rule_for(name, static):
-    fn, template, kwargs = static
-    kw = tuple((k, v) for k, _, v in kwargs)
-    tmpl = tuple(t if isinstance(t, int) else ("c", t[2]) for t in template)
-
-    def rule(specs, *_):
-        return _pointwise_plan(name, fn, tmpl, kw, specs)
-
-    return rule
-
-
-def _pointwise_plan(name, fn, template, kwargs, specs) -> OpPlan:
+def _pointwise_rule(specs, name, fn, template, kwargs, scalar_types) -> OpPlan:
     mesh = specs[0].mesh
-    # output shape (the broadcast one) and dtype from torch itself, without its slow first meta call
-    def call(*ms):
-        return resolve_torch(fn)(*[ms[a] if isinstance(a, int) else a[-1] for a in template],
-                                 **_kwargs_with_tensors(kwargs, ms))
-
-    out_meta = meta_call(call, specs, out_shape="broadcast")
+    # Output shape (the broadcast one) and dtype from torch itself, without its slow first meta call. A
+    # scalar's value is not known here (plans are shared by all values): torch's result dtype depends on
+    # its type only, so 1 of that type stands in (in the domain of every op: division, log, pow).
+    stand_ins = tuple(t(1) for t in scalar_types)
+    out_meta = meta_call(lambda *ms: _call(fn, template, kwargs, ms, stand_ins), specs, out_shape="broadcast")
     out_shape = tuple(out_meta.shape)
     nout = len(out_shape)
-    has_scalar = any(not isinstance(a, int) for a in template)
+    full = _full_template(template, len(specs))
+    has_scalar = any(not isinstance(a, int) for a in full)
     partial_rule = _PARTIAL_RULE.get(name)
 
     in_pl = [list(s.placements) for s in specs]
@@ -200,7 +162,7 @@ def _pointwise_plan(name, fn, template, kwargs, specs) -> OpPlan:
                 keep = Partial(op)
                 for j in range(len(specs)):
                     in_pl[j][i] = keep  # replicated operands become partial locally
-            elif partial_rule == "scale" and len(partials) == 1 and (name == "mul" or template[0] == partials[0]):
+            elif partial_rule == "scale" and len(partials) == 1 and (name == "mul" or full[0] == partials[0]):
                 keep = Partial(op)
                 for j in range(len(specs)):
                     if j != partials[0]:
@@ -226,7 +188,44 @@ def _numel(shape) -> int:
 # ------------------------------------------------------------------------------------------------
 # the op set
 
-def _elementwise_op(name: str, fn: str, *, methods=None, torch_fn=None, functional=False):
+# what Python operators take besides dtorch tensors; anything else (None, str, list) gets NotImplemented, as
+# torch's operators do, so Python falls back: ``x == None`` is False, ``x != None`` True, ``x + None`` a TypeError
+_OPERANDS = (Tensor, torch.Tensor, numbers.Number)
+
+
+def _binop(name: str, fn: str, reflected: bool = False):
+    """``x <op> y`` (``y <op> x`` when ``reflected``): the hottest path of all, so the static part of the plan
+    key is made here once per operand type (the same key ``pointwise`` makes), not on every call."""
+    tensors_static = (name, fn, None, (), ())
+    scalar_static = {tp: (name, fn, "st" if reflected else "ts", (), (tp,)) for tp in (int, float, bool)}
+
+    def op(self, other):
+        tp = type(other)
+        if tp is Tensor:
+            if not reflected:
+                return dispatch(name, _pointwise_rule, (self, other), tensors_static)
+        else:
+            static = scalar_static.get(tp)
+            if static is not None:
+                return dispatch(name, _pointwise_rule, (self,), static, {"scalars": (other,)})
+        if not isinstance(other, _OPERANDS):
+            return NotImplemented
+        return pointwise(name, fn, other, self) if reflected else pointwise(name, fn, self, other)
+
+    op.__name__ = op.__qualname__ = f"__{'r' if reflected else ''}{name}__"
+    return op
+
+
+def _unary_dunder(name: str, fn: str):
+    static = (name, fn, None, (), ())
+
+    def op(self):
+        return dispatch(name, _pointwise_rule, (self,), static)
+
+    return op
+
+
+def _elementwise_op(name: str, fn: str, *, torch_fns=(), functional=False, methods=()):
     def op(input, *args, inplace: bool = False, out=None, **kwargs):
         if inplace:
             raise OpError(f"dtorch.{name}(inplace=True): dtorch tensors are not written in place; "
@@ -236,9 +235,16 @@ def _elementwise_op(name: str, fn: str, *, methods=None, torch_fn=None, function
 
     op.__name__ = name
     op.__doc__ = f"Element-wise ``{fn}`` on a dtorch tensor (placements pass through)."
-    tfs = (torch_fn,) if torch_fn is not None else ()
-    return register(name, methods=methods if methods is not None else (name,), torch_fns=tfs, functional=functional)(op)
+    return register(name, rule=_pointwise_rule, kernel=_pointwise_kernel, methods=(name,) + tuple(methods),
+                    torch_fns=torch_fns, functional=functional)(op)
 
+
+def _pos(self):
+    return self  # +x: the value itself (dtorch tensors are never written in place, so no copy is needed)
+
+
+# Tensor attributes beyond the method of the op's own name
+_UNARY_DUNDERS = {"neg": ("__neg__",), "abs": ("__abs__",), "bitwise_not": ("__invert__",)}
 
 _UNARY = [
     # name, torch fn, also in torch.nn.functional
@@ -263,12 +269,14 @@ _UNARY = [
 ]
 
 for _name, _fn, _functional in _UNARY:
-    _tf = getattr(torch, _name, None) if _fn.startswith("torch.") else getattr(torch.nn.functional, _name)
-    globals()[_name] = _elementwise_op(_name, _fn, torch_fn=_tf, functional=_functional)
-    if _functional:  # the other spelling too: F.tanh next to torch.tanh, torch.selu next to F.selu
-        for _other in (getattr(torch.nn.functional, _name, None), getattr(torch, _name, None)):
-            if _other is not None:
-                TORCH_FUNCTIONS.setdefault(_other, globals()[_name])
+    _own = getattr(torch, _name, None) if _fn.startswith("torch.") else getattr(torch.nn.functional, _name)
+    # a functional op also answers its other spelling: F.tanh next to torch.tanh, torch.selu next to F.selu
+    _others = (getattr(torch.nn.functional, _name, None), getattr(torch, _name, None)) if _functional else ()
+    _methods = tuple((d, _unary_dunder(_name, _fn)) for d in _UNARY_DUNDERS.get(_name, ()))
+    if _name == "positive":
+        _methods = (("__pos__", _pos),)
+    globals()[_name] = _elementwise_op(_name, _fn, functional=_functional, methods=_methods,
+                                       torch_fns=tuple(f for f in (_own,) + _others if f is not None))
 
 _BINARY = [
     ("add", "torch.add"), ("sub", "torch.sub"), ("mul", "torch.mul"), ("div", "torch.div"),
@@ -281,12 +289,36 @@ _BINARY = [
     ("bitwise_or", "torch.bitwise_or"), ("bitwise_xor", "torch.bitwise_xor"), ("lerp", "torch.lerp"),
     ("hypot", "torch.hypot"), ("copysign", "torch.copysign"), ("xlogy", "torch.xlogy"),
 ]
+# Python operators: op name -> (dunder stem, has a reflected form); comparisons reflect by swapping (x < y: y > x)
+_BINARY_DUNDERS = {
+    "add": ("add", True), "sub": ("sub", True), "mul": ("mul", True), "div": ("truediv", True),
+    "floor_divide": ("floordiv", True), "remainder": ("mod", True), "pow": ("pow", True),
+    "bitwise_and": ("and", True), "bitwise_or": ("or", True), "bitwise_xor": ("xor", True),
+    "eq": ("eq", False), "ne": ("ne", False), "lt": ("lt", False), "le": ("le", False), "gt": ("gt", False),
+    "ge": ("ge", False),
+}
+# ``torch_tensor <op> dtensor``: torch calls its own method, which hands itself to __torch_function__
+_TORCH_DUNDERS = {"pow": "__pow__", "floor_divide": "__floordiv__", "remainder": "__mod__", "div": "__truediv__",
+                  "sub": "__sub__"}
 
 for _name, _fn in _BINARY:
-    globals()[_name] = _elementwise_op(_name, _fn, torch_fn=getattr(torch, _name))
+    _methods = ()
+    if _name in _BINARY_DUNDERS:
+        _stem, _reflects = _BINARY_DUNDERS[_name]
+        _methods = ((f"__{_stem}__", _binop(_name, _fn)),)
+        if _reflects:
+            _methods += ((f"__r{_stem}__", _binop(_name, _fn, reflected=True)),)
+    _tfs = [getattr(torch, _name)] + [getattr(o, _name) for o in (torch._C.TensorBase, torch.Tensor) if hasattr(o, _name)]
+    if _name in _TORCH_DUNDERS:
+        _tfs.append(getattr(torch.Tensor, _TORCH_DUNDERS[_name]))
+    globals()[_name] = _elementwise_op(_name, _fn, methods=_methods, torch_fns=tuple(dict.fromkeys(_tfs)))
 
 
-@register(methods=("where",), torch_fns=(torch.where,))
+def _tensor_where(self, condition, other):
+    return where(condition, self, other)
+
+
+@register(rule=_pointwise_rule, kernel=_pointwise_kernel, methods=(("where", _tensor_where),), torch_fns=(torch.where,))
 def where(condition, input=None, other=None, *, out=None):
     """``torch.where(condition, input, other)``; inputs may be dtorch tensors or scalars."""
     reject_out("dtorch.where", out)
@@ -295,14 +327,7 @@ def where(condition, input=None, other=None, *, out=None):
     return pointwise("where", "torch.where", condition, input, other)
 
 
-def _tensor_where(self, condition, other):
-    return where(condition, self, other)
-
-
-Tensor.where = _tensor_where
-
-
-@register(methods=("masked_fill",), torch_fns=(torch.masked_fill,))
+@register(rule=_pointwise_rule, kernel=_pointwise_kernel, methods=("masked_fill",), torch_fns=(torch.masked_fill,))
 def masked_fill(input, mask, value):
     if isinstance(value, torch.Tensor) and value.ndim == 0:
         value = value.item()
@@ -313,7 +338,7 @@ def masked_fill(input, mask, value):
     return pointwise("masked_fill", "torch.masked_fill", input, mask, value)
 
 
-@register(methods=("addcmul",), torch_fns=(torch.addcmul,))
+@register(rule=_pointwise_rule, kernel=_pointwise_kernel, methods=("addcmul",), torch_fns=(torch.addcmul,))
 def addcmul(input, tensor1, tensor2, *, value=1, out=None):
     reject_out("dtorch.addcmul", out)
     return pointwise("addcmul", "torch.addcmul", input, tensor1, tensor2, value=value)
@@ -327,27 +352,19 @@ def clone(input, *, memory_format=None):
     return input.clone()
 
 
-TORCH_FUNCTIONS[torch.detach] = Tensor.detach
+@register(public=False, torch_fns=(torch.detach,))
+def detach(input):
+    """``torch.detach``: ``Tensor.detach``."""
+    return input.detach()
 
 
 # -- dtype casts ------------------------------------------------------------------------------------
-
-def to_dtype(input: Tensor, dtype: torch.dtype) -> Tensor:
-    if input.dtype == dtype:
-        return input
-    return pointwise("to", "Tensor.to", input, dtype)
-
 
 def _cast(dtype):
     def method(self):
         return to_dtype(self, dtype)
 
     return method
-
-
-for _m, _dt in (("float", torch.float32), ("double", torch.float64), ("half", torch.float16),
-                ("bfloat16", torch.bfloat16), ("int", torch.int32), ("long", torch.int64), ("bool", torch.bool)):
-    setattr(Tensor, _m, _cast(_dt))
 
 
 def _type_as(self, other):
@@ -360,80 +377,15 @@ def _type(self, dtype=None):
     return to_dtype(self, dtype)
 
 
-Tensor.type_as = _type_as
-Tensor.type = _type
+_CAST_METHODS = tuple((m, _cast(dt)) for m, dt in (
+    ("float", torch.float32), ("double", torch.float64), ("half", torch.float16), ("bfloat16", torch.bfloat16),
+    ("int", torch.int32), ("long", torch.int64), ("bool", torch.bool)))
 
 
-# -- Python operators -------------------------------------------------------------------------------
-
-# what Python operators take besides dtorch tensors; anything else (None, str, list) gets NotImplemented, as
-# torch's operators do, so Python falls back: ``x == None`` is False, ``x != None`` True, ``x + None`` a TypeError
-_OPERANDS = (Tensor, torch.Tensor, numbers.Number)
-
-
-def _binop(name, fn, reflected=False):
-    # Python operators are the hottest path: look the fast path up without going through pointwise()
-    scalars = (int, float, bool)
-    fast_get = _FAST.get
-
-    if reflected:
-        def op(self, other):
-            tp = type(other)
-            if tp in scalars:
-                fast = fast_get((fn, tp, other, self._spec))
-                if fast is not None:
-                    out = fast(other, self)
-                    if out is not None:
-                        return out
-            if not isinstance(other, _OPERANDS):
-                return NotImplemented
-            return pointwise(name, fn, other, self)
-    else:
-        def op(self, other):
-            tp = type(other)
-            if tp is Tensor:
-                fast = fast_get((fn, self._spec, other._spec))
-            elif tp in scalars:
-                fast = fast_get((fn, self._spec, tp, other))
-            else:
-                fast = None
-            if fast is not None:
-                out = fast(self, other)
-                if out is not None:
-                    return out
-            if not isinstance(other, _OPERANDS):
-                return NotImplemented
-            return pointwise(name, fn, self, other)
-    op.__name__ = f"__{name}__"
-    return op
-
-
-for _dunder, _name, _fn in (
-    ("add", "add", "torch.add"), ("sub", "sub", "torch.sub"), ("mul", "mul", "torch.mul"),
-    ("truediv", "div", "torch.div"), ("floordiv", "floor_divide", "torch.floor_divide"),
-    ("mod", "remainder", "torch.remainder"), ("pow", "pow", "torch.pow"),
-    ("and", "bitwise_and", "torch.bitwise_and"), ("or", "bitwise_or", "torch.bitwise_or"),
-    ("xor", "bitwise_xor", "torch.bitwise_xor"),
-):
-    setattr(Tensor, f"__{_dunder}__", _binop(_name, _fn))
-    setattr(Tensor, f"__r{_dunder}__", _binop(_name, _fn, reflected=True))
-
-for _dunder, _name, _fn in (("eq", "eq", "torch.eq"), ("ne", "ne", "torch.ne"), ("lt", "lt", "torch.lt"),
-                            ("le", "le", "torch.le"), ("gt", "gt", "torch.gt"), ("ge", "ge", "torch.ge")):
-    setattr(Tensor, f"__{_dunder}__", _binop(_name, _fn))
-
-# ``torch_tensor + dtensor``: torch calls its own method, which hands itself to __torch_function__
-for _name, _fn in _BINARY + [("div", "torch.div")]:
-    for _owner in (torch._C.TensorBase, torch.Tensor):
-        _method = getattr(_owner, _name, None)
-        if _method is not None:
-            TORCH_FUNCTIONS.setdefault(_method, globals()[_name])
-for _dunder, _name in (("__pow__", "pow"), ("__floordiv__", "floor_divide"), ("__mod__", "remainder"),
-                       ("__truediv__", "div"), ("__sub__", "sub")):
-    TORCH_FUNCTIONS.setdefault(getattr(torch.Tensor, _dunder), globals()[_name])
-
-Tensor.__neg__ = lambda self: pointwise("neg", "torch.neg", self)
-Tensor.__pos__ = lambda self: self
-Tensor.__abs__ = lambda self: pointwise("abs", "torch.abs", self)
-Tensor.__invert__ = lambda self: pointwise("bitwise_not", "torch.bitwise_not", self)
-Tensor.__hash__ = lambda self: id(self)
+@register(public=False, rule=_pointwise_rule, kernel=_pointwise_kernel,
+          methods=_CAST_METHODS + (("type_as", _type_as), ("type", _type)))
+def to_dtype(input: Tensor, dtype: torch.dtype) -> Tensor:
+    """The cast behind ``Tensor.to(dtype)``, ``.float()``, ``.type_as(other)``."""
+    if input.dtype == dtype:
+        return input
+    return pointwise("to", "Tensor.to", input, dtype)

@@ -223,10 +223,10 @@ def _unpartial(x: Tensor) -> Tensor:
     return x.redistribute(x.device_mesh, pl) if pl != x.placements else x
 
 
-def _named(name, fn, methods=None, torch_fns=(), functional=False):
+def _named(name, fn, methods=None, torch_fns=(), functional=False, rule=_reduce_rule, kernel=_reduce_kernel):
     fn.__name__ = fn.__qualname__ = name
-    return register(name, methods=(name,) if methods is None else methods, torch_fns=torch_fns,
-                    functional=functional)(fn)
+    return register(name, rule=rule, kernel=kernel, methods=(name,) if methods is None else methods,
+                    torch_fns=torch_fns, functional=functional)(fn)
 
 
 # -- the op set --------------------------------------------------------------------------------------
@@ -428,6 +428,8 @@ def log_softmax(input, dim=None, _stacklevel=3, dtype=None):
     return _scan("log_softmax", x, _implicit_dim(x.ndim) if dim is None else dim, dtype)
 
 
-_named("cumsum", cumsum, torch_fns=(torch.cumsum,))
-_named("softmax", softmax, torch_fns=(torch.softmax, torch.nn.functional.softmax), functional=True)
-_named("log_softmax", log_softmax, torch_fns=(torch.log_softmax, torch.nn.functional.log_softmax), functional=True)
+_SCAN = {"rule": _scan_rule, "kernel": _scan_kernel}
+_named("cumsum", cumsum, torch_fns=(torch.cumsum,), **_SCAN)
+_named("softmax", softmax, torch_fns=(torch.softmax, torch.nn.functional.softmax), functional=True, **_SCAN)
+_named("log_softmax", log_softmax, torch_fns=(torch.log_softmax, torch.nn.functional.log_softmax), functional=True,
+       **_SCAN)

@@ -1,18 +1,29 @@
-"""The one operator registry and the dispatch path every op takes.
+"""The op table and the one dispatch path every op takes.
+
+Every operator is one ``Op`` entry in ``TABLE`` (``register``): its public function, the rule and
+kernel it dispatches with, the Tensor attributes and torch functions that lead to it. Nothing else
+attaches operators anywhere: ``dtorch.Tensor._install_ops`` binds the Tensor methods from the table
+(once, from ``dtorch/__init__``), ``dtorch.<name>`` and ``dtorch.nn.functional.<name>`` are read from
+it, and ``__torch_function__`` routes torch functions with it.
 
 An op call is: specs of the tensor inputs + hashable static arguments -> ``OpPlan`` (computed once by
-the op family's rule, then a dict lookup) -> redistribute the inputs the plan asks to move -> run the
-plan's kernel on every device -> wrap the outputs. Rules see specs only, never data.
+the op family's rule, then a dict lookup) together with the runtime's ``Executable`` for it ->
+redistribute the inputs the plan asks to move (none in the steady state of most code: then the
+handles go straight to the executable) -> run the kernel on every device -> wrap the outputs. Rules
+see specs only, never data. Scalar operands are not part of the plan key: their values travel to the
+kernel as run-time keyword arguments (``dispatch(..., kwargs=)``), only their types shape the plan.
 """
 from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from .._lru import LRU
 from ..errors import DTorchError, OpError
 from ..graph import check_one_graph
 from ..placement import Replicate
@@ -21,7 +32,25 @@ from ..runtime.kernels import Kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor, as_torch
 
-# public name -> function (exported as dtorch.<name>); torch function -> dtorch function
+
+@dataclass(frozen=True)
+class Op:
+    """One operator: everything dtorch knows about where it is reachable from and how it runs."""
+    name: str
+    fn: Callable  # the public function (dtorch.<name> when ``public``)
+    rule: Callable | None = None  # specs (+ static arguments) -> OpPlan; None: built from other ops
+    kernel: Kernel | None = None  # what each device runs; None: built from other ops (or several kernels)
+    # Tensor attributes: "name" binds ``fn`` as a method; ("name", value) binds ``value`` (a dunder, a property)
+    methods: tuple = ()
+    # torch callables routed here by __torch_function__: f calls ``fn``; (f, adapter) calls ``adapter``
+    torch_fns: tuple = ()
+    functional: bool = False  # also dtorch.nn.functional.<name>
+    public: bool = True
+
+
+TABLE: dict[str, Op] = {}
+# derived from TABLE by ``register`` (lookups on hot paths): public name -> function (dtorch.<name>),
+# nn.functional name -> function, torch function -> dtorch function
 PUBLIC: dict[str, Callable] = {}
 FUNCTIONAL: dict[str, Callable] = {}
 TORCH_FUNCTIONS: dict[Callable, Callable] = {}
@@ -37,55 +66,137 @@ class OpPlan:
     multi_output: bool = False
 
 
-_PLANS: dict = {}
-stats = {"plan_hits": 0, "plan_misses": 0}
+class _Compiled:
+    """A cached plan, whether its inputs arrive as they are (no redistribution), and the executable of
+    the runtime that ran it last, with that runtime: ``rt`` when its handles are plain tensors of this
+    process (nothing to release), else weakly in ``runtime`` (a cache must not keep worker processes
+    alive)."""
+
+    # the plan's fields the steady state reads are copied here: one attribute lookup each
+    __slots__ = ("plan", "direct", "kwargs", "device_args", "out_spec", "rt", "runtime", "executable")
+
+    def __init__(self, plan: OpPlan, direct: bool):
+        self.plan = plan
+        self.direct = direct
+        self.kwargs = plan.kwargs
+        self.device_args = plan.device_args
+        self.out_spec = None if plan.multi_output else plan.out_specs[0]
+        self.rt = None
+        self.runtime = _dead_ref
+        self.executable = None
 
 
-def register(name: str | None = None, *, methods=(), torch_fns=(), functional: bool = False, public: bool = True):
-    """Expose ``fn`` as ``dtorch.<name>``, as Tensor methods, and as the target of torch functions."""
+def _dead_ref():
+    return None
+
+
+# (op name, input specs, static arguments) -> _Compiled. Bounded: shapes that change every step (a decode
+# loop) would otherwise add plans forever.
+_PLANS = LRU("ops.plans", 8192)
+_plans_fast_get = _PLANS.fast_get
+_LAST: dict = {}  # op name -> (_Compiled, specs, static) of its last call (one entry per op name: bounded)
+_last_get = _LAST.get
+stats = {"plan_misses": 0}
+
+
+def register(name: str | None = None, *, rule=None, kernel=None, methods=(), torch_fns=(), functional: bool = False,
+             public: bool = True):
+    """Record ``fn`` in the op table (see ``Op`` for the fields); returns ``fn`` unchanged."""
 
     def deco(fn):
         n = name or fn.__name__
+        if n in TABLE:
+            raise RuntimeError(f"op {n!r} registered twice ({TABLE[n].fn} and {fn})")
+        op = TABLE[n] = Op(n, fn, rule, kernel, tuple(methods), tuple(torch_fns), functional, public)
         if public:
             PUBLIC[n] = _refusing_out(n, fn)
         if functional:
             FUNCTIONAL[n] = fn
-        for m in methods:
-            setattr(Tensor, m, fn)
-        for tf in torch_fns:
-            TORCH_FUNCTIONS[tf] = fn
+        for tf in op.torch_fns:
+            f, target = tf if isinstance(tf, tuple) else (tf, fn)
+            TORCH_FUNCTIONS.setdefault(f, target)  # first registration wins (F.tanh and torch.tanh: one op)
         return fn
 
     return deco
 
 
-def dispatch(name: str, rule: Callable, tensors, static: tuple = ()):
-    """Run op ``name`` on dtorch tensors; ``rule(specs, *static) -> OpPlan``."""
-    graph = tensors[0]._graph
-    for t in tensors:
-        if t._graph is not graph:  # plans are cached by specs alone: the graphs are checked on every call
+def dispatch(name: str, rule: Callable, tensors, static: tuple = (), kwargs: dict | None = None):
+    """Run op ``name`` on dtorch tensors; ``rule(specs, *static) -> OpPlan``.
+
+    ``kwargs`` are run-time keyword arguments for the kernel, on top of the plan's (scalar operand
+    values): they never key a plan, so they must not change the output specs.
+    """
+    # Every element-wise op and view goes through here: one and two inputs are spelled out (a list
+    # comprehension costs as much as the rest of a cache hit).
+    t0 = tensors[0]
+    graph = t0._graph
+    n = len(tensors)
+    if n == 1:
+        specs = (t0._spec,)
+    elif n == 2:
+        t1 = tensors[1]
+        if t1._graph is not graph:  # plans are cached by specs alone: the graphs are checked on every call
             check_one_graph(name, tensors)
-            break
-    specs = tuple(t._spec for t in tensors)
-    key = (name, specs, static)
-    plan = _PLANS.get(key)
-    if plan is None:
-        stats["plan_misses"] += 1
-        plan = _PLANS[key] = make_plan(name, rule, specs, static)
+        specs = (t0._spec, t1._spec)
     else:
-        stats["plan_hits"] += 1
-    ins = [t if t._spec == s else redistribute_spec(t, s) for t, s in zip(tensors, plan.in_specs)]
+        for t in tensors:
+            if t._graph is not graph:
+                check_one_graph(name, tensors)
+                break
+        specs = tuple([t._spec for t in tensors])
+    # The plan: the one this op used last when the specs and statics are the same again (identity
+    # compares, no hashing: the steady state of a loop), else the bounded cache, else the rule.
+    last = _last_get(name)
+    if last is not None and last[1] == specs and last[2] == static:
+        c = last[0]
+    else:
+        key = (name, specs, static)
+        c = _plans_fast_get(key) or _PLANS.get(key)
+        if c is None:
+            stats["plan_misses"] += 1  # (hits are not counted: that would cost a tenth of a tiny op)
+            c = _PLANS[key] = _compile(name, rule, specs, static)
+        _LAST[name] = (c, specs, static)
+    rt = graph.runtime
+    ex = c.executable if c.rt is rt or c.runtime() is rt else _executable(c, rt, name, specs)
+    if not c.direct:
+        tensors = [t if t._spec == s else redistribute_spec(t, s) for t, s in zip(tensors, c.plan.in_specs)]
+        handles = [t._h for t in tensors]
+    elif n == 1:  # the steady state: every input already has the spec the plan wants
+        handles = [t0._h]
+    elif n == 2:
+        handles = [t0._h, t1._h]
+    else:
+        handles = [t._h for t in tensors]
     try:
-        handles = graph.runtime.run_local(plan.kernel, [t._h for t in ins], plan.in_specs, plan.out_specs,
-                                          plan.kwargs, plan.device_args)
+        outs = ex.run(handles, c.kwargs if kwargs is None else {**c.kwargs, **kwargs}, c.device_args)
     except DTorchError:
         raise
     except Exception as exc:
         raise OpError(f"dtorch.{name} failed on inputs {describe(specs)}: {type(exc).__name__}: {exc}") from exc
-    make = Tensor._make
-    if plan.multi_output:
-        return tuple(make(s, h, graph) for s, h in zip(plan.out_specs, handles))
-    return make(plan.out_specs[0], handles[0], graph)
+    if c.out_spec is None:  # several outputs
+        make = Tensor._make
+        return tuple(make(s, h, graph) for s, h in zip(c.plan.out_specs, outs))
+    return Tensor._make(c.out_spec, outs[0], graph)
+
+
+def _compile(name, rule, specs, static) -> _Compiled:
+    plan = make_plan(name, rule, specs, static)
+    return _Compiled(plan, plan.in_specs == specs)
+
+
+def _executable(c: _Compiled, rt, name, specs):
+    """The runtime's executable for ``c``'s plan (the runtime caches it too: several plans share one)."""
+    plan = c.plan
+    try:
+        ex = rt.executable(plan.kernel, plan.in_specs, plan.out_specs)
+    except DTorchError:
+        raise
+    except Exception as exc:
+        raise OpError(f"dtorch.{name} cannot run on inputs {describe(specs)}: {type(exc).__name__}: {exc}") from exc
+    c.executable = ex
+    c.rt = rt if rt.handles_in_process else None
+    c.runtime = weakref.ref(rt)
+    return ex
 
 
 def make_plan(name, rule, specs, static) -> OpPlan:
@@ -301,7 +412,7 @@ def torch_function_dispatch(func, args, kwargs):
     return target(*args, **kwargs)
 
 
-def _missing_attribute(self, attr: str):
+def missing_attribute(self, attr: str):
     """``Tensor.__getattr__`` (reached only when normal lookup fails): say whether torch has ``attr`` and what
     dtorch offers instead, rather than a bare "no attribute"."""
     if attr.startswith("_") or not hasattr(torch.Tensor, attr):
@@ -309,9 +420,6 @@ def _missing_attribute(self, attr: str):
     raise AttributeError(unsupported_message(f"torch.Tensor.{attr}",
                                              f"dtorch.Tensor has no attribute '{attr}': torch.Tensor.{attr} is "
                                              "not supported on dtorch tensors"), name=attr, obj=self)
-
-
-Tensor.__getattr__ = _missing_attribute
 
 
 def resolve_torch(path: str) -> Callable:
@@ -326,4 +434,4 @@ def resolve_torch(path: str) -> Callable:
     return fn
 
 
-_RESOLVED: dict = {}
+_RESOLVED = LRU("ops.resolved_torch_functions", 1024)

@@ -25,6 +25,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from .._lru import LRU
 from ..errors import OpError
 from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel, per_device
@@ -255,29 +256,47 @@ def _map_plan(spec: DTensorSpec, dmap, kern, **kwargs) -> OpPlan:
 # kernels: ``lead`` grid dims in front, local output shapes derived from the local input
 
 
-_LOCAL_OUT: dict = {}  # (id(dim_map), local input shape) -> (dim_map, local output shape)
+# (id(dim_map), local input shape) -> (dim_map, local output shape); the stored map guards against id reuse
+_LOCAL_OUT = LRU("ops.view.local_out_shapes", 4096)
 
 
 def _local_out_shape(dim_map, local) -> tuple:
     """The block's output shape under ``dim_map``; memoised: the per-call walk of the map costs more
-    than the reshape itself (dim maps live in cached plans; the stored map guards against id reuse)."""
+    than the reshape itself (dim maps live in cached plans)."""
     key = (id(dim_map), tuple(local))
     hit = _LOCAL_OUT.get(key)
     if hit is None or hit[0] is not dim_map:
-        if len(_LOCAL_OUT) > 65536:  # shapes that keep changing: start over rather than grow without bound
-            _LOCAL_OUT.clear()
         hit = _LOCAL_OUT[key] = (dim_map, tuple(ds.size(local) for ds in dim_map))
     return hit[1]
 
 
-@kernel("view.reshape")
-def _reshape_kernel(x, *, dim_map, lead=0):
-    return x.reshape(tuple(x.shape[:lead]) + _local_out_shape(dim_map, x.shape[lead:]))
+# Kernel.bind: the kernel for one plan's arguments and one layout of the blocks, as a C-level callable
+# (sizes as varargs: torch parses those faster than a tuple)
+
+def _bind_reshape(kw: dict, lead: int, out_shapes):
+    (shape,) = out_shapes
+    return operator.methodcaller("reshape", *shape)
 
 
-@kernel("view.permute")
+@kernel("view.reshape", bind=_bind_reshape)
+def _reshape_kernel(x, *, dim_map, shape=None, lead=0):
+    # ``shape``: every block's output shape, when the output spec is even (all blocks alike)
+    if shape is None:
+        shape = _local_out_shape(dim_map, x.shape[lead:])
+    return x.reshape(x.shape[:lead] + shape)
+
+
+def _full_perm(perm: tuple, lead: int) -> tuple:
+    return tuple(range(lead)) + tuple(lead + p for p in perm)
+
+
+def _bind_permute(kw: dict, lead: int, out_shapes):
+    return operator.methodcaller("permute", *_full_perm(kw["perm"], lead))
+
+
+@kernel("view.permute", bind=_bind_permute)
 def _permute_kernel(x, *, perm, lead=0):
-    return x.permute(tuple(range(lead)) + tuple(lead + p for p in perm))
+    return x.permute(_full_perm(perm, lead))
 
 
 @kernel("view.expand")
@@ -298,7 +317,11 @@ def _interleave_kernel(x, *, repeats, dim, lead=0):
     return torch.repeat_interleave(x, repeats, dim=lead + dim)
 
 
-@kernel("view.index")
+def _bind_index(kw: dict, lead: int, out_shapes):
+    return operator.itemgetter((slice(None),) * lead + _as_index(kw["items"]))
+
+
+@kernel("view.index", bind=_bind_index)
 def _index_kernel(x, *, items, lead=0):
     return x[(slice(None),) * lead + _as_index(items)]
 
@@ -345,7 +368,10 @@ def _reshape_rule(specs, shape):
     spec = specs[0]
     out_shape = tuple(meta_call(lambda t: t.reshape(shape), specs).shape)
     dim_map = view_map(spec.shape, out_shape)
-    return _map_plan(spec, dim_map, _reshape_kernel, dim_map=dim_map)
+    plan = _map_plan(spec, dim_map, _reshape_kernel, dim_map=dim_map)
+    if plan.out_specs[0].is_even():
+        plan.kwargs["shape"] = plan.out_specs[0].even_local_shape()
+    return plan
 
 
 def _permute_rule(specs, perm):
@@ -450,6 +476,8 @@ def _tri_rule(specs, upper, diagonal):
 
 
 def _tensor(name, x) -> Tensor:
+    if type(x) is Tensor:
+        return x
     x = to_dtensors(name, [x])[0]
     if not isinstance(x, Tensor):
         raise OpError(f"dtorch.{name} expects a tensor, got {type(x).__name__}")
@@ -460,6 +488,11 @@ def _sizes(args, name) -> tuple:
     """Sizes given as varargs or as one tuple / list / torch.Size."""
     if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
         args = args[0]
+    for a in args:
+        if type(a) is not int:
+            break
+    else:  # plain ints, the usual case: no conversion
+        return args if type(args) is tuple else tuple(args)
     try:
         return tuple(operator.index(a) for a in args)
     except TypeError:
@@ -468,6 +501,8 @@ def _sizes(args, name) -> tuple:
 
 def _dim(dim, ndim, name, extra=0) -> int:
     n = max(ndim + extra, 1)  # like torch, a 0-D tensor accepts dims -1 and 0
+    if type(dim) is int and -n <= dim < n:  # the usual case, first
+        return dim % n
     d = operator.index(dim)
     if not -n <= d < n:
         raise IndexOutOfRangeError(f"dtorch.{name}: dim {dim} is out of range for a {ndim}-D tensor; "
@@ -480,9 +515,10 @@ def _reshape(name, x, shape):
 
 
 def _permute(name, x, perm):
-    if perm == tuple(range(x.ndim)):
-        return x
-    return dispatch(name, _permute_rule, [x], (perm,))
+    for k, p in enumerate(perm):
+        if k != p:
+            return dispatch(name, _permute_rule, (x,), (perm,))
+    return x  # the identity permutation: the tensor itself, as torch gives a view of the same data
 
 
 def _index(name, x, items):
@@ -533,19 +569,6 @@ def _index_items(shape, index) -> tuple:
 # the op set
 
 
-@register(methods=("view",), public=False)
-def view(input, *shape):
-    if len(shape) == 1 and isinstance(shape[0], torch.dtype):
-        raise OpError("Tensor.view(dtype) (reinterpreting bits) is not supported by dtorch; "
-                      "use .to(dtype) to convert values")
-    return _reshape("view", input, _sizes(shape, "view"))
-
-
-@register(methods=("reshape",), torch_fns=(torch.reshape,))
-def reshape(input, *shape, **kw):
-    return _reshape("reshape", _tensor("reshape", input), _sizes(shape or (kw.get("shape", ()),), "reshape"))
-
-
 def _view_as(self, other):
     return _reshape("view", self, tuple(other.shape))
 
@@ -554,7 +577,21 @@ def _reshape_as(self, other):
     return _reshape("reshape", self, tuple(other.shape))
 
 
-@register(methods=("flatten",), torch_fns=(torch.flatten,))
+@register(public=False, rule=_reshape_rule, kernel=_reshape_kernel, methods=("view", ("view_as", _view_as)))
+def view(input, *shape):
+    if len(shape) == 1 and isinstance(shape[0], torch.dtype):
+        raise OpError("Tensor.view(dtype) (reinterpreting bits) is not supported by dtorch; "
+                      "use .to(dtype) to convert values")
+    return _reshape("view", input, _sizes(shape, "view"))
+
+
+@register(rule=_reshape_rule, kernel=_reshape_kernel, methods=("reshape", ("reshape_as", _reshape_as)),
+          torch_fns=(torch.reshape,))
+def reshape(input, *shape, **kw):
+    return _reshape("reshape", _tensor("reshape", input), _sizes(shape or (kw.get("shape", ()),), "reshape"))
+
+
+@register(rule=_reshape_rule, kernel=_reshape_kernel, methods=("flatten",), torch_fns=(torch.flatten,))
 def flatten(input, start_dim=0, end_dim=-1):
     x = _tensor("flatten", input)
     if x.ndim == 0:
@@ -566,7 +603,7 @@ def flatten(input, start_dim=0, end_dim=-1):
     return _reshape("flatten", x, shape[:s] + (_prod(shape[s:e + 1]),) + shape[e + 1:])
 
 
-@register(methods=("unflatten",), torch_fns=(torch.unflatten,))
+@register(rule=_reshape_rule, kernel=_reshape_kernel, methods=("unflatten",), torch_fns=(torch.unflatten,))
 def unflatten(input, dim, sizes):
     x = _tensor("unflatten", input)
     d = _dim(dim, x.ndim, "unflatten")
@@ -578,7 +615,7 @@ def unflatten(input, dim, sizes):
     return _reshape("unflatten", x, shape[:d] + sizes + shape[d + 1:])
 
 
-@register(methods=("squeeze",), torch_fns=(torch.squeeze,))
+@register(rule=_reshape_rule, kernel=_reshape_kernel, methods=("squeeze",), torch_fns=(torch.squeeze,))
 def squeeze(input, dim=None):
     x = _tensor("squeeze", input)
     shape = tuple(x.shape)
@@ -590,54 +627,12 @@ def squeeze(input, dim=None):
     return x if new == shape else _reshape("squeeze", x, new)
 
 
-@register(methods=("unsqueeze",), torch_fns=(torch.unsqueeze,))
+@register(rule=_reshape_rule, kernel=_reshape_kernel, methods=("unsqueeze",), torch_fns=(torch.unsqueeze,))
 def unsqueeze(input, dim):
     x = _tensor("unsqueeze", input)
     d = _dim(dim, x.ndim, "unsqueeze", extra=1)
     shape = tuple(x.shape)
     return _reshape("unsqueeze", x, shape[:d] + (1,) + shape[d:])
-
-
-@register(methods=("transpose", "swapaxes", "swapdims"), torch_fns=(torch.transpose, torch.swapaxes, torch.swapdims))
-def transpose(input, dim0, dim1):
-    x = _tensor("transpose", input)
-    a, b = _dim(dim0, x.ndim, "transpose"), _dim(dim1, x.ndim, "transpose")
-    perm = list(range(x.ndim))
-    if x.ndim:
-        perm[a], perm[b] = perm[b], perm[a]
-    return _permute("transpose", x, tuple(perm))
-
-
-@register(methods=("t",), torch_fns=(torch.t,))
-def t(input):
-    x = _tensor("t", input)
-    if x.ndim > 2:
-        raise OpError(f"dtorch.t expects a tensor with at most 2 dims, got shape {list(x.shape)}; "
-                      "use transpose(dim0, dim1) or .mT")
-    return _permute("t", x, (1, 0)) if x.ndim == 2 else x
-
-
-@register(methods=("permute",), torch_fns=(torch.permute,))
-def permute(input, *dims):
-    x = _tensor("permute", input)
-    perm = tuple(_dim(d, x.ndim, "permute") for d in _sizes(dims, "permute"))
-    if sorted(perm) != list(range(x.ndim)):
-        raise OpError(f"dtorch.permute: dims {list(_sizes(dims, 'permute'))} are not a permutation of the "
-                      f"{x.ndim} dims of a tensor of shape {list(x.shape)}")
-    return _permute("permute", x, perm)
-
-
-@register(methods=("movedim", "moveaxis"), torch_fns=(torch.movedim, torch.moveaxis))
-def movedim(input, source, destination):
-    x = _tensor("movedim", input)
-    src = [_dim(d, x.ndim, "movedim") for d in (source if isinstance(source, (tuple, list)) else (source,))]
-    dst = [_dim(d, x.ndim, "movedim") for d in (destination if isinstance(destination, (tuple, list)) else (destination,))]
-    if len(src) != len(dst) or len(set(src)) != len(src) or len(set(dst)) != len(dst):
-        raise OpError(f"dtorch.movedim: source {source} and destination {destination} must be the same number "
-                      "of distinct dims")
-    rest = iter(d for d in range(x.ndim) if d not in src)
-    where = dict(zip(dst, src))
-    return _permute("movedim", x, tuple(where[o] if o in where else next(rest) for o in range(x.ndim)))
 
 
 def _T(self):
@@ -650,30 +645,83 @@ def _mT(self):
     return transpose(self, -2, -1)
 
 
-def _contiguous(self, memory_format=None):
-    return self  # blocks have no strides to fix: dtorch tensors are always "contiguous"
+@register(rule=_permute_rule, kernel=_permute_kernel,
+          methods=("transpose", "swapaxes", "swapdims", ("mT", property(_mT))),
+          torch_fns=(torch.transpose, torch.swapaxes, torch.swapdims))
+def transpose(input, dim0, dim1):
+    x = _tensor("transpose", input)
+    n = len(x._spec.shape)
+    # (int dims in range: checked inline, the per-call cost of a view is the point of this function)
+    a = dim0 % n if type(dim0) is int and -n <= dim0 < n else _dim(dim0, n, "transpose")
+    b = dim1 % n if type(dim1) is int and -n <= dim1 < n else _dim(dim1, n, "transpose")
+    if a == b:
+        return x
+    return dispatch("transpose", _permute_rule, (x,), (_swap(n, a, b),))
 
 
-@register(methods=("expand",), public=False)
-def expand(input, *sizes):
-    return dispatch("expand", _expand_rule, [input], (_sizes(sizes, "expand"),))
+@lru_cache(maxsize=1024)
+def _swap(n: int, a: int, b: int) -> tuple:
+    """The permutation of ``n`` dims that swaps dims ``a`` and ``b``."""
+    perm = list(range(n))
+    perm[a], perm[b] = b, a
+    return tuple(perm)
+
+
+@register(rule=_permute_rule, kernel=_permute_kernel, methods=("t",), torch_fns=(torch.t,))
+def t(input):
+    x = _tensor("t", input)
+    if x.ndim > 2:
+        raise OpError(f"dtorch.t expects a tensor with at most 2 dims, got shape {list(x.shape)}; "
+                      "use transpose(dim0, dim1) or .mT")
+    return _permute("t", x, (1, 0)) if x.ndim == 2 else x
+
+
+@register(rule=_permute_rule, kernel=_permute_kernel, methods=("permute", ("T", property(_T))),
+          torch_fns=(torch.permute,))
+def permute(input, *dims):
+    x = _tensor("permute", input)
+    perm = tuple(_dim(d, x.ndim, "permute") for d in _sizes(dims, "permute"))
+    if sorted(perm) != list(range(x.ndim)):
+        raise OpError(f"dtorch.permute: dims {list(_sizes(dims, 'permute'))} are not a permutation of the "
+                      f"{x.ndim} dims of a tensor of shape {list(x.shape)}")
+    return _permute("permute", x, perm)
+
+
+@register(rule=_permute_rule, kernel=_permute_kernel, methods=("movedim", "moveaxis"),
+          torch_fns=(torch.movedim, torch.moveaxis))
+def movedim(input, source, destination):
+    x = _tensor("movedim", input)
+    src = [_dim(d, x.ndim, "movedim") for d in (source if isinstance(source, (tuple, list)) else (source,))]
+    dst = [_dim(d, x.ndim, "movedim") for d in (destination if isinstance(destination, (tuple, list)) else (destination,))]
+    if len(src) != len(dst) or len(set(src)) != len(src) or len(set(dst)) != len(dst):
+        raise OpError(f"dtorch.movedim: source {source} and destination {destination} must be the same number "
+                      "of distinct dims")
+    rest = iter(d for d in range(x.ndim) if d not in src)
+    where = dict(zip(dst, src))
+    return _permute("movedim", x, tuple(where[o] if o in where else next(rest) for o in range(x.ndim)))
 
 
 def _expand_as(self, other):
     return expand(self, tuple(other.shape))
 
 
-@register(torch_fns=(torch.broadcast_to,))
+@register(public=False, rule=_expand_rule, kernel=_expand_kernel, methods=("expand", ("expand_as", _expand_as)))
+def expand(input, *sizes):
+    return dispatch("expand", _expand_rule, [input], (_sizes(sizes, "expand"),))
+
+
+@register(rule=_expand_rule, kernel=_expand_kernel, torch_fns=(torch.broadcast_to,))
 def broadcast_to(input, size):
     return expand(_tensor("broadcast_to", input), size)
 
 
-@register(methods=("repeat",), public=False)
+@register(public=False, rule=_repeat_rule, kernel=_repeat_kernel, methods=("repeat",))
 def repeat(input, *sizes):
     return dispatch("repeat", _repeat_rule, [input], (_sizes(sizes, "repeat"),))
 
 
-@register(methods=("repeat_interleave",), torch_fns=(torch.repeat_interleave,))
+@register(rule=_interleave_rule, kernel=_interleave_kernel, methods=("repeat_interleave",),
+          torch_fns=(torch.repeat_interleave,))
 def repeat_interleave(input, repeats=None, dim=None, *, output_size=None):
     x = _tensor("repeat_interleave", input)
     if isinstance(repeats, (Tensor, torch.Tensor)) and repeats.numel() != 1 or repeats is None:
@@ -691,7 +739,7 @@ def repeat_interleave(input, repeats=None, dim=None, *, output_size=None):
     return dispatch("repeat_interleave", _interleave_rule, [x], (r, d))
 
 
-@register(methods=("narrow",), torch_fns=(torch.narrow,))
+@register(rule=_index_rule, kernel=_index_kernel, methods=("narrow",), torch_fns=(torch.narrow,))
 def narrow(input, dim, start, length):
     x = _tensor("narrow", input)
     d = _dim(dim, x.ndim, "narrow")
@@ -703,8 +751,10 @@ def narrow(input, dim, start, length):
     return _index("narrow", x, (("all",),) * d + (item,) + (("all",),) * (x.ndim - d - 1))
 
 
-def _getitem(self, index):
-    return _index("getitem", self, _index_items(tuple(self.shape), index))
+@register(public=False, rule=_index_rule, kernel=_index_kernel, methods=("__getitem__",))
+def getitem(input, index):
+    """``x[index]``: ints, slices, None and Ellipsis."""
+    return _index("getitem", input, _index_items(tuple(input.shape), index))
 
 
 def _split(name, x, dim, sizes, squeeze=False):
@@ -728,14 +778,14 @@ def _cut(name, x, d, cut):
     return tuple(narrow(x, d, start, n) for start, n in pieces)
 
 
-@register(methods=("chunk",), torch_fns=(torch.chunk,))
+@register(rule=_split_rule, kernel=_split_kernel, methods=("chunk",), torch_fns=(torch.chunk,))
 def chunk(input, chunks, dim=0):
     x = _tensor("chunk", input)
     d = _dim(dim, x.ndim, "chunk")
     return _cut("chunk", x, d, lambda m: torch.chunk(m, chunks))
 
 
-@register(methods=("split",), torch_fns=(torch.split,))
+@register(rule=_split_rule, kernel=_split_kernel, methods=("split",), torch_fns=(torch.split,))
 def split(tensor, split_size_or_sections, dim=0):
     x = _tensor("split", tensor)
     d = _dim(dim, x.ndim, "split")
@@ -744,7 +794,7 @@ def split(tensor, split_size_or_sections, dim=0):
     return _cut("split", x, d, lambda m: torch.split(m, arg))
 
 
-@register(methods=("tensor_split",), torch_fns=(torch.tensor_split,))
+@register(rule=_split_rule, kernel=_split_kernel, methods=("tensor_split",), torch_fns=(torch.tensor_split,))
 def tensor_split(input, indices_or_sections, dim=0):
     x = _tensor("tensor_split", input)
     d = _dim(dim, x.ndim, "tensor_split")
@@ -758,7 +808,13 @@ def tensor_split(input, indices_or_sections, dim=0):
     return _cut("tensor_split", x, d, lambda m: torch.tensor_split(m, arg))
 
 
-@register(methods=("unbind",), torch_fns=(torch.unbind,))
+def _iter(self):
+    if self.ndim == 0:
+        raise TypeError("iteration over a 0-d tensor")
+    return iter(unbind(self, 0))
+
+
+@register(rule=_split_rule, kernel=_split_kernel, methods=("unbind", ("__iter__", _iter)), torch_fns=(torch.unbind,))
 def unbind(input, dim=0):
     x = _tensor("unbind", input)
     d = _dim(dim, x.ndim, "unbind")
@@ -767,12 +823,6 @@ def unbind(input, dim=0):
             raise OpError("dtorch.unbind: a 0-D tensor has no dim to unbind")
         return ()
     return _split("unbind", x, d, (1,) * x.shape[d], squeeze=True)
-
-
-def _iter(self):
-    if self.ndim == 0:
-        raise TypeError("iteration over a 0-d tensor")
-    return iter(unbind(self, 0))
 
 
 def _cat_inputs(name, tensors):
@@ -787,7 +837,7 @@ def _cat_inputs(name, tensors):
     return xs
 
 
-@register(torch_fns=(torch.cat,))
+@register(rule=_cat_rule, kernel=_cat_kernel, torch_fns=(torch.cat,))
 def cat(tensors, dim=0, *, axis=None):
     xs = _cat_inputs("cat", tensors)
     dim = axis if axis is not None else dim
@@ -796,36 +846,27 @@ def cat(tensors, dim=0, *, axis=None):
     return dispatch("cat", _cat_rule, kept, (operator.index(dim), False))
 
 
-@register(torch_fns=(torch.concat,))
+@register(rule=_cat_rule, kernel=_cat_kernel, torch_fns=(torch.concat,))
 def concat(tensors, dim=0, *, axis=None):
     return cat(tensors, dim, axis=axis)
 
 
-@register(torch_fns=(torch.concatenate,))
+@register(rule=_cat_rule, kernel=_cat_kernel, torch_fns=(torch.concatenate,))
 def concatenate(tensors, axis=0, *, dim=None):
     return cat(tensors, axis if dim is None else dim)
 
 
-@register(torch_fns=(torch.stack,))
+@register(rule=_cat_rule, kernel=_cat_kernel, torch_fns=(torch.stack,))
 def stack(tensors, dim=0):
     return dispatch("stack", _cat_rule, _cat_inputs("stack", tensors), (operator.index(dim), True))
 
 
-@register(methods=("tril",), torch_fns=(torch.tril,))
+@register(rule=_tri_rule, kernel=_tri_kernel, methods=("tril",), torch_fns=(torch.tril,))
 def tril(input, diagonal=0):
     return dispatch("tril", _tri_rule, [_tensor("tril", input)], (False, operator.index(diagonal)))
 
 
-@register(methods=("triu",), torch_fns=(torch.triu,))
+@register(rule=_tri_rule, kernel=_tri_kernel, methods=("triu",), torch_fns=(torch.triu,))
 def triu(input, diagonal=0):
     return dispatch("triu", _tri_rule, [_tensor("triu", input)], (True, operator.index(diagonal)))
 
-
-Tensor.view_as = _view_as
-Tensor.reshape_as = _reshape_as
-Tensor.expand_as = _expand_as
-Tensor.contiguous = _contiguous
-Tensor.T = property(_T)
-Tensor.mT = property(_mT)
-Tensor.__getitem__ = _getitem
-Tensor.__iter__ = _iter

@@ -16,18 +16,21 @@ order, cutting and assembling global values) is ``runtime/blocks.py``.
 """
 from __future__ import annotations
 
+import functools
 import inspect
+import weakref
 from functools import lru_cache
 
 import numpy as np
 import torch
 
+from .._lru import LRU
 from ..errors import RuntimeBackendError
 from ..placement import Partial, Replicate, Shard
 from ..spec import DTensorSpec
 from .blocks import assemble, cut_global, cut_shard, dim_groups, reduce_dim, reduce_list
 from .devices import DeviceConfig, read_device_config, torch_devices
-from .interface import Runtime
+from .interface import Executable, Runtime
 from .kernels import Kernel
 
 
@@ -135,7 +138,7 @@ class InProcessRuntime(Runtime):
 
     def __init__(self, device_config: DeviceConfig | None = None):
         self.config = device_config or read_device_config()
-        self._exec_cache: dict = {}
+        self._exec_cache = LRU("inprocess.executables", 4096)  # (kernel, in specs, out specs) -> _Executable
 
     # -- devices ---------------------------------------------------------------------------------
     def devices(self, mesh) -> tuple[torch.device, ...]:
@@ -204,20 +207,12 @@ class InProcessRuntime(Runtime):
         return assemble(h.blocks, spec, self.devices(spec.mesh)[0])
 
     # -- local kernels ---------------------------------------------------------------------------
-    def run_local(self, kernel: Kernel, inputs, in_specs, out_specs, kwargs, device_args=None):
+    def executable(self, kernel: Kernel, in_specs, out_specs) -> "_Executable":
         key = (kernel.name, tuple(in_specs), tuple(out_specs))
         ex = self._exec_cache.get(key)
         if ex is None:
-            ex = self._exec_cache[key] = _ExecPlan(self, kernel, in_specs, out_specs)
-        return ex.run(self, inputs, kwargs, device_args)
-
-    def grid_direct(self, kernel: Kernel, in_specs, out_specs) -> bool:
-        """Can callers run this kernel straight on the grid tensors (no reshapes, no output fixes)?
-
-        True once a first run showed the outputs come out in exactly their specs' grid shapes.
-        """
-        ex = self._exec_cache.get((kernel.name, tuple(in_specs), tuple(out_specs)))
-        return bool(ex is not None and ex.grid and ex.exact and ex.in_reshape is None and not ex.wants_lead)
+            ex = self._exec_cache[key] = _Executable(self, kernel, key[1], key[2])
+        return ex
 
     # -- redistribution primitives: one mesh dim each (CommLog is the executor's, not ours) ------------
     def _grids(self, h: Shards, before: DTensorSpec, after: DTensorSpec):
@@ -325,23 +320,35 @@ def _grid_device(devs: tuple) -> torch.device | None:
     return first if all(d == first for d in devs) else None
 
 
-class _ExecPlan:
-    """How to run one kernel on one combination of input/output specs (cached)."""
+class _Executable(Executable):
+    """One kernel on one combination of input/output specs (cached by the runtime, shared by every plan
+    with that kernel and those specs).
 
-    __slots__ = ("kernel", "grid", "nd", "in_reshape", "out_fix", "mesh", "coords", "wants_lead", "grid_dev",
-                 "in_specs", "out_specs", "exact", "grid_args")
+    Grid mode (every spec even, the mesh on one torch device): the kernel runs once on the stacked
+    grid tensors. A first run checks what comes out: local shapes must be the specs', and grid dims
+    the kernel left at 1 (or broadcast) are fixed. When that run needed no fix, no input reshape and
+    no per-device arguments, the executable becomes *direct*: later runs hand the grids to the kernel
+    and wrap what it returns, nothing else. When the same kwargs dict (a plan's own) comes twice in a
+    row, the kernel is bound to it (``Kernel.bind``, e.g. ``torch.add`` itself), so the steady state of
+    element-wise and view ops is the torch call on the grids. Otherwise the kernel runs once per device
+    on its block.
+    """
 
-    def __init__(self, rt: InProcessRuntime, kernel: Kernel, in_specs, out_specs):
+    def __init__(self, rt: InProcessRuntime, kernel: Kernel, in_specs: tuple, out_specs: tuple):
         self.kernel = kernel
-        self.exact = None  # outputs needed no reshaping on every run so far (grid mode)
+        self.fn = kernel.fn
+        self.runtime = weakref.ref(rt)  # the runtime caches us: no cycle
+        self.direct = False
+        self.seen_kwargs = self.bound_kwargs = self.bound = None
+        self.exact = None  # outputs needed no reshaping on every grid run so far
         self.grid_args = (None, None)  # (the plan's device_args, as grid-shaped tensors)
-        self.in_specs = tuple(in_specs)
-        self.out_specs = tuple(out_specs)
+        self.in_specs = in_specs
+        self.out_specs = out_specs
         mesh = out_specs[0].mesh if out_specs else in_specs[0].mesh
         self.mesh = mesh
         self.nd = mesh.ndim
         self.grid_dev = rt.grid_device(mesh)
-        self.grid = self.grid_dev is not None and all(s.is_even() for s in list(in_specs) + list(out_specs))
+        self.grid = self.grid_dev is not None and all(s.is_even() for s in in_specs + out_specs)
         self.wants_lead = "lead" in inspect.signature(kernel.fn).parameters
         self.coords = mesh.coordinates()
         self.in_reshape = None
@@ -356,10 +363,42 @@ class _ExecPlan:
         # each output's expected (grid shape, local shape)
         self.out_fix = [(s.grid_shape(), s.even_local_shape()) for s in out_specs] if self.grid else None
 
-    def run(self, rt: InProcessRuntime, inputs, kwargs, device_args):
+    def run(self, handles, kwargs, device_args=None):
+        if self.direct and not device_args:
+            xs = []
+            for h in handles:
+                g = h.grid
+                if g is None:  # a blocks-form handle of an even spec: the general path stacks it
+                    return self._run(handles, kwargs, device_args)
+                xs.append(g)
+            if kwargs is self.bound_kwargs:
+                out = self.bound(*xs)
+            else:
+                out = self.fn(*xs, lead=self.nd, **kwargs) if self.wants_lead else self.fn(*xs, **kwargs)
+                self._bind(kwargs)
+            if type(out) is tuple:
+                return [Shards(y) for y in out]
+            return [Shards(out)]
+        return self._run(handles, kwargs, device_args)
+
+    def _bind(self, kwargs) -> None:
+        """Bind the kernel to ``kwargs`` the second time in a row they come (calls with run-time values,
+        scalars, bring a new dict every time and stay generic)."""
+        if kwargs is not self.seen_kwargs:
+            self.seen_kwargs = kwargs
+            return
+        lead = self.nd if self.wants_lead else 0
+        out_shapes = tuple(tuple(g) + local for g, local in self.out_fix)
+        f = self.kernel.bind(kwargs, lead, out_shapes) if self.kernel.bind is not None else None
+        if f is None:
+            f = functools.partial(self.fn, lead=lead, **kwargs) if self.wants_lead else functools.partial(self.fn, **kwargs)
+        self.bound_kwargs, self.bound = kwargs, f
+
+    def _run(self, handles, kwargs, device_args):
+        rt = self.runtime()
         kernel = self.kernel
         if self.grid:
-            xs = [h.grid if h.grid is not None else rt.as_grid(h, s) for h, s in zip(inputs, self.in_specs)]
+            xs = [h.grid if h.grid is not None else rt.as_grid(h, s) for h, s in zip(handles, self.in_specs)]
             if self.in_reshape is not None:
                 xs = [x if shp is None else x.reshape(shp) for x, shp in zip(xs, self.in_reshape)]
             if device_args:
@@ -387,10 +426,12 @@ class _ExecPlan:
                         y = y.expand(tuple(g) + tuple(y.shape[self.nd:]))
                 res.append(Shards(grid=y))
             self.exact = exact if self.exact is None else (self.exact and exact)
+            if self.exact and self.in_reshape is None and len(outs) == len(self.out_specs):
+                self.direct = True
             return res
         # one call per device
         per_dev = []
-        blocks_in = [rt.local_blocks(h, s) for h, s in zip(inputs, self.in_specs)]
+        blocks_in = [rt.local_blocks(h, s) for h, s in zip(handles, self.in_specs)]
         for n, coord in enumerate(self.coords):
             kw = kwargs
             if device_args:

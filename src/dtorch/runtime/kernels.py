@@ -27,16 +27,22 @@ class Kernel:
     # Pad every tensor input's local rank to the same length (after the grid dims) so torch's
     # right-aligned broadcasting lines up local dims, not grid dims (element-wise ops, matmul).
     align: bool = False
+    # Optional ``bind(kwargs, lead, out_shapes) -> callable | None``: the kernel with these keyword
+    # arguments as a plain function of its input tensors (``lead`` leading grid dims; ``out_shapes``: the
+    # full shapes its outputs have), e.g. ``torch.add`` itself. A runtime that calls one kernel many times
+    # with the same arguments and input shapes (the in-process grid) calls that instead, skipping the
+    # argument handling; None: no such shortcut for these arguments.
+    bind: Callable | None = None
 
     def __call__(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
 
 
-def kernel(name: str, *, align: bool = False):
+def kernel(name: str, *, align: bool = False, bind: Callable | None = None):
     def deco(fn):
         if name in _REGISTRY and _REGISTRY[name].fn is not fn:
             raise RuntimeError(f"kernel {name!r} registered twice")
-        k = Kernel(name, fn, align)
+        k = Kernel(name, fn, align, bind)
         _REGISTRY[name] = k
         return k
 

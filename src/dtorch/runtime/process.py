@@ -48,7 +48,8 @@ from ..spec import DTensorSpec
 from . import process_plan as pp
 from .blocks import assemble, cut_global
 from .devices import mesh_problems, read_device_config, simulation_device
-from .interface import Runtime
+from .._lru import LRU
+from .interface import Executable, Runtime
 from .process_pool import Pool, WorkerError, heartbeat_timeout
 
 __all__ = ["ProcessRuntime", "WorkerError"]
@@ -122,6 +123,7 @@ class ProcessRuntime(Runtime):
         self._lost = None  # why the previous epoch's tensors are gone
         self.stats = {"ops": 0, "records": 0, "flushes": 0, "bytes_pushed": 0}
         self._sink: list = []  # (id, ranks, epoch) of dead handles, appended by Handle.__del__
+        self._executables = LRU("process.executables", 4096)  # (kernel, in specs, out specs) -> _Executable
         self._reset()
         _LIVE.add(self)
 
@@ -435,27 +437,12 @@ class ProcessRuntime(Runtime):
         return self._collect(req, ranks, pool, spec)
 
     # -- local kernels ---------------------------------------------------------------------------
-    def run_local(self, kernel, inputs, in_specs, out_specs, kwargs, device_args=None):
-        mesh = out_specs[0].mesh if out_specs else in_specs[0].mesh
-        self._ensure(mesh)
-        in_specs, out_specs = tuple(in_specs), tuple(out_specs)
-        ranks = tuple(mesh.device_ids)
-        pid = self._define(("k", kernel.name, in_specs, out_specs),
-                           ("defk", kernel.name, kernel.fn.__module__, in_specs, out_specs), ranks)
-        in_ids = tuple(self._id(h) for h in inputs)
-        outs = [self._new(ranks) for _ in out_specs]
-        out_ids = tuple(h.id for h in outs)
-        seq = self._note(("kernel", kernel.name, kwargs, in_specs))
-        if device_args:
-            per = self._per_rank(mesh, device_args)
-            for r in ranks:
-                self._buf[r].append(("k", seq, pid, in_ids, out_ids, kwargs, per[r]))
-            self._counted(len(ranks))
-        else:
-            self._emit(ranks, ("k", seq, pid, in_ids, out_ids, kwargs, None))
-        if self.sync_every_op:
-            self.sync()
-        return outs
+    def executable(self, kernel, in_specs, out_specs) -> "_Executable":
+        key = (kernel.name, tuple(in_specs), tuple(out_specs))
+        ex = self._executables.get(key)
+        if ex is None:
+            ex = self._executables[key] = _Executable(self, kernel, key[1], key[2])
+        return ex
 
     def _per_rank(self, mesh, device_args: dict) -> dict:
         """rank -> {name: python number} (cached per device_args object: plans reuse theirs)."""
@@ -647,6 +634,41 @@ class ProcessRuntime(Runtime):
         except Exception:  # noqa: BLE001
             pass
 
+
+
+class _Executable(Executable):
+    """One kernel on one combination of specs: each run queues one kernel record per worker (the plan,
+    the handles' ids, the call's kwargs, each rank's per-device values); the workers run it on their
+    blocks."""
+
+    def __init__(self, rt: ProcessRuntime, kernel, in_specs: tuple, out_specs: tuple):
+        self.runtime = weakref.ref(rt)  # the runtime caches us: no cycle (its __del__ stops the workers)
+        self.kernel = kernel
+        self.in_specs, self.out_specs = in_specs, out_specs
+        self.mesh = out_specs[0].mesh if out_specs else in_specs[0].mesh
+        self.ranks = tuple(self.mesh.device_ids)
+        self.plan_key = ("k", kernel.name, in_specs, out_specs)
+        self.plan_rec = ("defk", kernel.name, kernel.fn.__module__, in_specs, out_specs)
+
+    def run(self, handles, kwargs, device_args=None):
+        rt = self.runtime()
+        mesh, ranks = self.mesh, self.ranks
+        rt._ensure(mesh)
+        pid = rt._define(self.plan_key, self.plan_rec, ranks)  # per pool of workers: defined once each
+        in_ids = tuple(rt._id(h) for h in handles)
+        outs = [rt._new(ranks) for _ in self.out_specs]
+        out_ids = tuple(h.id for h in outs)
+        seq = rt._note(("kernel", self.kernel.name, kwargs, self.in_specs))
+        if device_args:
+            per = rt._per_rank(mesh, device_args)
+            for r in ranks:
+                rt._buf[r].append(("k", seq, pid, in_ids, out_ids, kwargs, per[r]))
+            rt._counted(len(ranks))
+        else:
+            rt._emit(ranks, ("k", seq, pid, in_ids, out_ids, kwargs, None))
+        if rt.sync_every_op:
+            rt.sync()
+        return outs
 
 @atexit.register
 def _shutdown_all() -> None:
