@@ -115,6 +115,8 @@ def _process_global_caches():
 
 
 def test_every_process_global_cache_is_bounded():
+    # an in-process runtime alive: its executable cache is one of them, whatever backend --backend chose
+    inprocess = dtorch.Graph(backend="inprocess")  # noqa: F841
     lrus, fcaches = _process_global_caches()
     names = {c.name for c in lrus}
     assert {"ops.plans", "ops.resolved_torch_functions", "ops.view.local_out_shapes",
@@ -138,7 +140,8 @@ def test_decode_loop_keeps_caches_bounded_and_memory_flat(monkeypatch):
     # entries, are emptied before each measurement).
     mesh = dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["tp"])
     row_full = torch.randn(1, 8)
-    row = dtorch.Tensor(row_full, device_mesh=mesh, placements=[Shard(1)])
+    with dtorch.Graph(backend="inprocess"):  # that backend's executable cache, whatever --backend runs
+        row = dtorch.Tensor(row_full, device_mesh=mesh, placements=[Shard(1)])
     kv = row
     runtime = kv.graph.runtime
     small = [registry._PLANS, runtime._exec_cache]
