@@ -25,7 +25,7 @@ from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
-from .registry import OpPlan, dispatch, meta_call, register, reject_out, resolve_torch, to_dtensors
+from .registry import _RESOLVED, OpPlan, dispatch, meta_call, register, reject_out, resolve_torch, to_dtensors
 
 # op name -> how it treats partial inputs: "add" (linear in every operand), "scale" (linear in its
 # first operand when the others are replicated or scalars)
@@ -59,6 +59,9 @@ def _call(fn: str, template, kwargs, xs, scalars):
     return f(*[_value(r, xs, scalars) for r in template], **{k: _value(r, xs, scalars) for k, r in kwargs})
 
 
+_resolved_fast_get = _RESOLVED.fast_get
+
+
 def _bind_pointwise(kw: dict, lead: int, out_shapes):
     """Tensors only, in order: the kernel is the torch function itself (``Kernel.bind``)."""
     return resolve_torch(kw["fn"]) if kw["template"] is None and not kw.get("kwargs") else None
@@ -66,6 +69,8 @@ def _bind_pointwise(kw: dict, lead: int, out_shapes):
 
 @kernel("pointwise", align=True, bind=_bind_pointwise)
 def _pointwise_kernel(*xs, fn: str, template, kwargs: tuple = (), scalars: tuple = ()):
+    if template == "ts":  # x * c: the common scalar call, without building argument lists
+        return (_resolved_fast_get(fn) or resolve_torch(fn))(xs[0], scalars[0])
     return _call(fn, template, kwargs, xs, scalars)
 
 

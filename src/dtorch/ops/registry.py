@@ -94,7 +94,8 @@ def _dead_ref():
 # loop) would otherwise add plans forever.
 _PLANS = LRU("ops.plans", 8192)
 _plans_fast_get = _PLANS.fast_get
-_LAST: dict = {}  # op name -> (_Compiled, specs, static) of its last call (one entry per op name: bounded)
+_make = Tensor._make  # (bound once: the classmethod lookup is a measurable part of a tiny op)
+_LAST: dict = {}  # op name -> (_Compiled, static, *specs) of its last call (one entry per op name: bounded)
 _last_get = _LAST.get
 stats = {"plan_misses": 0}
 
@@ -126,57 +127,63 @@ def dispatch(name: str, rule: Callable, tensors, static: tuple = (), kwargs: dic
     ``kwargs`` are run-time keyword arguments for the kernel, on top of the plan's (scalar operand
     values): they never key a plan, so they must not change the output specs.
     """
-    # Every element-wise op and view goes through here: one and two inputs are spelled out (a list
-    # comprehension costs as much as the rest of a cache hit).
+    # Every element-wise op and view goes through here. The plan: the one this op used last when the
+    # specs (the same objects) and statics are the same again: no hashing, the steady state of a loop;
+    # else the bounded cache; else the rule. One and two inputs are spelled out (a comprehension costs
+    # as much as the rest of a cache hit).
     t0 = tensors[0]
     graph = t0._graph
     n = len(tensors)
+    last = _last_get(name)
     if n == 1:
-        specs = (t0._spec,)
+        s0 = t0._spec
+        if last is not None and len(last) == 3 and last[2] is s0 and (last[1] is static or last[1] == static):
+            c = last[0]
+        else:
+            c = _plan(name, rule, (s0,), static)
+        handles = [t0._h]
     elif n == 2:
         t1 = tensors[1]
         if t1._graph is not graph:  # plans are cached by specs alone: the graphs are checked on every call
             check_one_graph(name, tensors)
-        specs = (t0._spec, t1._spec)
+        s0, s1 = t0._spec, t1._spec
+        if (last is not None and len(last) == 4 and last[2] is s0 and last[3] is s1
+                and (last[1] is static or last[1] == static)):
+            c = last[0]
+        else:
+            c = _plan(name, rule, (s0, s1), static)
+        handles = [t0._h, t1._h]
     else:
         for t in tensors:
             if t._graph is not graph:
                 check_one_graph(name, tensors)
                 break
-        specs = tuple([t._spec for t in tensors])
-    # The plan: the one this op used last when the specs and statics are the same again (identity
-    # compares, no hashing: the steady state of a loop), else the bounded cache, else the rule.
-    last = _last_get(name)
-    if last is not None and last[1] == specs and last[2] == static:
-        c = last[0]
-    else:
-        key = (name, specs, static)
-        c = _plans_fast_get(key) or _PLANS.get(key)
-        if c is None:
-            stats["plan_misses"] += 1  # (hits are not counted: that would cost a tenth of a tiny op)
-            c = _PLANS[key] = _compile(name, rule, specs, static)
-        _LAST[name] = (c, specs, static)
+        c = _plan(name, rule, tuple([t._spec for t in tensors]), static)
+        handles = [t._h for t in tensors]
     rt = graph.runtime
-    ex = c.executable if c.rt is rt or c.runtime() is rt else _executable(c, rt, name, specs)
-    if not c.direct:
-        tensors = [t if t._spec == s else redistribute_spec(t, s) for t, s in zip(tensors, c.plan.in_specs)]
-        handles = [t._h for t in tensors]
-    elif n == 1:  # the steady state: every input already has the spec the plan wants
-        handles = [t0._h]
-    elif n == 2:
-        handles = [t0._h, t1._h]
-    else:
-        handles = [t._h for t in tensors]
+    ex = c.executable if c.rt is rt or c.runtime() is rt else _executable(c, rt, name, tensors)
+    if not c.direct:  # some input must be laid out as the plan says first
+        handles = [(t if t._spec == s else redistribute_spec(t, s))._h for t, s in zip(tensors, c.plan.in_specs)]
     try:
         outs = ex.run(handles, c.kwargs if kwargs is None else {**c.kwargs, **kwargs}, c.device_args)
     except DTorchError:
         raise
     except Exception as exc:
-        raise OpError(f"dtorch.{name} failed on inputs {describe(specs)}: {type(exc).__name__}: {exc}") from exc
+        raise OpError(f"dtorch.{name} failed on inputs {describe([t._spec for t in tensors])}: "
+                      f"{type(exc).__name__}: {exc}") from exc
     if c.out_spec is None:  # several outputs
-        make = Tensor._make
-        return tuple(make(s, h, graph) for s, h in zip(c.plan.out_specs, outs))
-    return Tensor._make(c.out_spec, outs[0], graph)
+        return tuple(_make(s, h, graph) for s, h in zip(c.plan.out_specs, outs))
+    return _make(c.out_spec, outs[0], graph)
+
+
+def _plan(name, rule, specs, static) -> _Compiled:
+    key = (name, specs, static)
+    c = _plans_fast_get(key) or _PLANS.get(key)
+    if c is None:
+        stats["plan_misses"] += 1  # (hits are not counted: that would cost a tenth of a tiny op)
+        c = _PLANS[key] = _compile(name, rule, specs, static)
+    _LAST[name] = (c, static) + specs
+    return c
 
 
 def _compile(name, rule, specs, static) -> _Compiled:
@@ -184,7 +191,7 @@ def _compile(name, rule, specs, static) -> _Compiled:
     return _Compiled(plan, plan.in_specs == specs)
 
 
-def _executable(c: _Compiled, rt, name, specs):
+def _executable(c: _Compiled, rt, name, tensors):
     """The runtime's executable for ``c``'s plan (the runtime caches it too: several plans share one)."""
     plan = c.plan
     try:
@@ -192,7 +199,8 @@ def _executable(c: _Compiled, rt, name, specs):
     except DTorchError:
         raise
     except Exception as exc:
-        raise OpError(f"dtorch.{name} cannot run on inputs {describe(specs)}: {type(exc).__name__}: {exc}") from exc
+        raise OpError(f"dtorch.{name} cannot run on inputs {describe([t._spec for t in tensors])}: "
+                      f"{type(exc).__name__}: {exc}") from exc
     c.executable = ex
     c.rt = rt if rt.handles_in_process else None
     c.runtime = weakref.ref(rt)

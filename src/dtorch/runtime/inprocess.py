@@ -371,28 +371,28 @@ class _Executable(Executable):
                 if g is None:  # a blocks-form handle of an even spec: the general path stacks it
                     return self._run(handles, kwargs, device_args)
                 xs.append(g)
-            if kwargs is self.bound_kwargs:
+            if kwargs is self.bound_kwargs:  # (only ever set once direct)
                 out = self.bound(*xs)
             else:
                 out = self.fn(*xs, lead=self.nd, **kwargs) if self.wants_lead else self.fn(*xs, **kwargs)
-                self._bind(kwargs)
+                if kwargs is self.seen_kwargs:  # the same dict a second time in a row: a plan's own, bind it
+                    self._bind(kwargs)
+                else:  # (calls with run-time values, scalars, bring a new dict every time: they stay generic)
+                    self.seen_kwargs = kwargs
             if type(out) is tuple:
                 return [Shards(y) for y in out]
             return [Shards(out)]
         return self._run(handles, kwargs, device_args)
 
     def _bind(self, kwargs) -> None:
-        """Bind the kernel to ``kwargs`` the second time in a row they come (calls with run-time values,
-        scalars, bring a new dict every time and stay generic)."""
-        if kwargs is not self.seen_kwargs:
-            self.seen_kwargs = kwargs
-            return
         lead = self.nd if self.wants_lead else 0
         out_shapes = tuple(tuple(g) + local for g, local in self.out_fix)
         f = self.kernel.bind(kwargs, lead, out_shapes) if self.kernel.bind is not None else None
         if f is None:
             f = functools.partial(self.fn, lead=lead, **kwargs) if self.wants_lead else functools.partial(self.fn, **kwargs)
         self.bound_kwargs, self.bound = kwargs, f
+        if len(self.in_specs) in (1, 2):  # the executable specialises itself: run is the bound call from now on
+            self.run = _bound_run(self, f, kwargs, len(self.in_specs))
 
     def _run(self, handles, kwargs, device_args):
         rt = self.runtime()
@@ -441,3 +441,29 @@ class _Executable(Executable):
             out = kernel.fn(*[b[n] for b in blocks_in], **kw)
             per_dev.append(out if isinstance(out, tuple) else (out,))
         return [rt._make(s, blocks=[d[j] for d in per_dev]) for j, s in enumerate(self.out_specs)]
+
+
+def _bound_run(ex: _Executable, f, bound_kwargs: dict, n_in: int):
+    """``ex.run`` once bound, for one or two inputs: ``f`` (the bound kernel, e.g. ``torch.add``) straight on
+    the grids when the call brings the bound kwargs again; anything else goes to the generic run."""
+    generic = _Executable.run
+
+    if n_in == 1:
+        def run(handles, kwargs, device_args=None):
+            if kwargs is bound_kwargs and not device_args:
+                g = handles[0].grid
+                if g is not None:
+                    out = f(g)
+                    return [Shards(out)] if type(out) is not tuple else [Shards(y) for y in out]
+            return generic(ex, handles, kwargs, device_args)
+    else:
+        def run(handles, kwargs, device_args=None):
+            if kwargs is bound_kwargs and not device_args:
+                a, b = handles
+                a, b = a.grid, b.grid
+                if a is not None and b is not None:
+                    out = f(a, b)
+                    return [Shards(out)] if type(out) is not tuple else [Shards(y) for y in out]
+            return generic(ex, handles, kwargs, device_args)
+
+    return run
