@@ -1,4 +1,4 @@
-"""Per-op overhead: a tiny add and a (1024, 1024) matmul on 1-, 8- and 64-device meshes.
+"""Per-op overhead: a tiny add, views and a (1024, 1024) matmul on 1-, 8- and 64-device meshes.
 
 Baselines run in the same process: plain torch on the whole tensor, and PyTorch DTensor's
 single-process simulation (``LocalTensorMode`` over a fake process group) of the same layout.
@@ -75,10 +75,12 @@ def main(argv=None):
     cases = {
         "tiny add [64, 8] S(0)+S(0)": (lambda: a + b, lambda dist: _add_case(dist, a, b)),
         "view [64, 8] -> [64, 2, 4] S(0)": (lambda: a.view(64, 2, 4), lambda dist: _view_case(dist, a)),
+        "reshape [64, 8] -> [64, 2, 4] S(0)": (lambda: a.reshape(64, 2, 4), lambda dist: _reshape_case(dist, a)),
+        "transpose [64, 8] S(0)": (lambda: a.transpose(0, 1), lambda dist: _transpose_case(dist, a)),
         "matmul [1024,1024] S(0)@R": (lambda: x @ w, lambda dist: _mm_case(dist, x, w)),
     }
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-    header = f"{'case':30} {'devices':>7} {'torch us':>9} {'dtorch us':>10} {'x torch':>8} {'PT DTensor us':>14} {'PT/dtorch':>9}"
+    header = f"{'case':34} {'devices':>7} {'torch us':>9} {'dtorch us':>10} {'x torch':>8} {'PT DTensor us':>14} {'PT/dtorch':>9}"
     print(header)
     print("-" * len(header))
     for name, (torch_fn, make_case) in cases.items():
@@ -87,14 +89,14 @@ def main(argv=None):
             mesh = dtorch.init_device_mesh("cpu", (n_dev,))
             fn = make_case(lambda t, p: dtorch.Tensor(t, device_mesh=mesh, placements=[Shard(0) if p == "S0" else Replicate()]))
             if fn is None:
-                print(f"{name:30} {n_dev:7d} {base:9.2f} {'n/a':>10}")
+                print(f"{name:34} {n_dev:7d} {base:9.2f} {'n/a':>10}")
                 continue
             fn()  # first call plans; the timed calls must not
             miss0 = registry.stats["plan_misses"]
             ours = per_call_us(fn, min_time)
             pt = None if args.no_pytorch_dtensor else pytorch_dtensor_us(n_dev, make_case, min_time)
             pt_s = f"{pt:14.1f} {pt / ours:9.1f}" if pt else f"{'n/a':>14} {'':>9}"
-            print(f"{name:30} {n_dev:7d} {base:9.2f} {ours:10.2f} {ours / base:8.2f} {pt_s}")
+            print(f"{name:34} {n_dev:7d} {base:9.2f} {ours:10.2f} {ours / base:8.2f} {pt_s}")
             new_misses = registry.stats["plan_misses"] - miss0
             assert new_misses == 0, f"steady state re-planned {new_misses} times"
     print(f"\nplans made: {registry.stats['plan_misses']}; cached plans: {len(registry._PLANS)}")
@@ -108,6 +110,16 @@ def _add_case(dist, a, b):
 def _view_case(dist, a):
     da = dist(a, "S0")
     return lambda: da.view(64, 2, 4)
+
+
+def _reshape_case(dist, a):
+    da = dist(a, "S0")
+    return lambda: da.reshape(64, 2, 4)
+
+
+def _transpose_case(dist, a):
+    da = dist(a, "S0")
+    return lambda: da.transpose(0, 1)
 
 
 def _mm_case(dist, x, w):

@@ -85,6 +85,19 @@ def test_scalar_values_are_kernel_arguments_not_plan_keys():
         assert torch.equal((ints * c).to_torch(), _ints((7, 4)) * c)
 
 
+def test_repeated_and_changing_scalars_give_torch_results():
+    # a loop repeating its scalar gets the kernel bound to that value; a new value must never see the old one
+    full = torch.randn(7, 4)
+    x = dtorch.Tensor(full, device_mesh=MESH, placements=[Shard(0)])
+    values = [0.5] * 4 + [2.0] * 4 + [0.5, 2.0] * 3 + [-1.0] * 3
+    same = [lambda t, c: t * c, lambda t, c: c - t, lambda t, c: t.abs() ** c,
+            lambda t, c: torch.nn.functional.leaky_relu(t, c)]  # (F.leaky_relu: no Tensor method to bind)
+    spellings = [(fn, fn) for fn in same] + [(lambda t, c: dtorch.xlogy(t.abs(), c), lambda t, c: torch.xlogy(t.abs(), c))]
+    for dt_fn, torch_fn in spellings:
+        for c in values:
+            torch.testing.assert_close(dt_fn(x, c).to_torch(), torch_fn(full, c), equal_nan=True)
+
+
 # -- bounded caches ---------------------------------------------------------------------------------------
 
 def test_lru_keeps_what_was_used_lately_and_never_more_than_maxsize():

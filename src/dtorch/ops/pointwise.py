@@ -16,7 +16,9 @@ values of ``c`` is one plan.
 """
 from __future__ import annotations
 
+import functools
 import numbers
+import operator
 
 import torch
 
@@ -63,8 +65,20 @@ _resolved_fast_get = _RESOLVED.fast_get
 
 
 def _bind_pointwise(kw: dict, lead: int, out_shapes):
-    """Tensors only, in order: the kernel is the torch function itself (``Kernel.bind``)."""
-    return resolve_torch(kw["fn"]) if kw["template"] is None and not kw.get("kwargs") else None
+    """``Kernel.bind``: tensors only, in order: the torch function itself; one tensor and one scalar (a
+    loop repeating ``x * 0.5``): the torch function with the scalar bound."""
+    template, f = kw["template"], resolve_torch(kw["fn"])
+    if template is None:
+        return f
+    if template == "st":
+        return functools.partial(f, kw["scalars"][0])
+    if template == "ts":
+        method = kw["fn"].partition("torch.")[2]
+        if method and getattr(torch.Tensor, method, None) is not None:  # x.mul(c): a C-level call
+            return operator.methodcaller(method, kw["scalars"][0])
+        c = kw["scalars"][0]
+        return lambda x: f(x, c)
+    return None
 
 
 @kernel("pointwise", align=True, bind=_bind_pointwise)
@@ -203,16 +217,17 @@ def _binop(name: str, fn: str, reflected: bool = False):
     key is made here once per operand type (the same key ``pointwise`` makes), not on every call."""
     tensors_static = (name, fn, None, (), ())
     scalar_static = {tp: (name, fn, "st" if reflected else "ts", (), (tp,)) for tp in (int, float, bool)}
+    rule = _pointwise_rule
 
     def op(self, other):
         tp = type(other)
         if tp is Tensor:
             if not reflected:
-                return dispatch(name, _pointwise_rule, (self, other), tensors_static)
+                return dispatch(name, rule, (self, other), tensors_static)
         else:
             static = scalar_static.get(tp)
             if static is not None:
-                return dispatch(name, _pointwise_rule, (self,), static, {"scalars": (other,)})
+                return dispatch(name, rule, (self,), static, {"scalars": (other,)})
         if not isinstance(other, _OPERANDS):
             return NotImplemented
         return pointwise(name, fn, other, self) if reflected else pointwise(name, fn, self, other)

@@ -73,7 +73,7 @@ class _Compiled:
     alive)."""
 
     # the plan's fields the steady state reads are copied here: one attribute lookup each
-    __slots__ = ("plan", "direct", "kwargs", "device_args", "out_spec", "rt", "runtime", "executable")
+    __slots__ = ("plan", "direct", "kwargs", "device_args", "out_spec", "rt", "runtime", "executable", "last_kwargs")
 
     def __init__(self, plan: OpPlan, direct: bool):
         self.plan = plan
@@ -84,6 +84,9 @@ class _Compiled:
         self.rt = None
         self.runtime = _dead_ref
         self.executable = None
+        # (run-time kwargs, the kwargs dict made from them) of the last call that had some: a loop that
+        # repeats its scalars (x * 0.5) hands the executable the same dict again, which it can bind
+        self.last_kwargs = (None, None)
 
 
 def _dead_ref():
@@ -95,8 +98,9 @@ def _dead_ref():
 _PLANS = LRU("ops.plans", 8192)
 _plans_fast_get = _PLANS.fast_get
 _make = Tensor._make  # (bound once: the classmethod lookup is a measurable part of a tiny op)
-_LAST: dict = {}  # op name -> (_Compiled, static, *specs) of its last call (one entry per op name: bounded)
-_last_get = _LAST.get
+# number of inputs (1, 2) -> op name -> (_Compiled, static, *specs) of its last call: one entry per op name
+_LAST: dict = {1: {}, 2: {}}
+_last1_get, _last2_get = _LAST[1].get, _LAST[2].get
 stats = {"plan_misses": 0}
 
 
@@ -134,25 +138,25 @@ def dispatch(name: str, rule: Callable, tensors, static: tuple = (), kwargs: dic
     t0 = tensors[0]
     graph = t0._graph
     n = len(tensors)
-    last = _last_get(name)
-    if n == 1:
-        s0 = t0._spec
-        if last is not None and len(last) == 3 and last[2] is s0 and (last[1] is static or last[1] == static):
-            c = last[0]
-        else:
-            c = _plan(name, rule, (s0,), static)
-        handles = [t0._h]
-    elif n == 2:
+    if n == 2:
         t1 = tensors[1]
         if t1._graph is not graph:  # plans are cached by specs alone: the graphs are checked on every call
             check_one_graph(name, tensors)
         s0, s1 = t0._spec, t1._spec
-        if (last is not None and len(last) == 4 and last[2] is s0 and last[3] is s1
-                and (last[1] is static or last[1] == static)):
+        last = _last2_get(name)
+        if last is not None and last[2] is s0 and last[3] is s1 and (last[1] is static or last[1] == static):
             c = last[0]
         else:
             c = _plan(name, rule, (s0, s1), static)
         handles = [t0._h, t1._h]
+    elif n == 1:
+        s0 = t0._spec
+        last = _last1_get(name)
+        if last is not None and last[2] is s0 and (last[1] is static or last[1] == static):
+            c = last[0]
+        else:
+            c = _plan(name, rule, (s0,), static)
+        handles = [t0._h]
     else:
         for t in tensors:
             if t._graph is not graph:
@@ -164,8 +168,18 @@ def dispatch(name: str, rule: Callable, tensors, static: tuple = (), kwargs: dic
     ex = c.executable if c.rt is rt or c.runtime() is rt else _executable(c, rt, name, tensors)
     if not c.direct:  # some input must be laid out as the plan says first
         handles = [(t if t._spec == s else redistribute_spec(t, s))._h for t, s in zip(tensors, c.plan.in_specs)]
+    if kwargs is None:
+        kwargs = c.kwargs
+    else:
+        last = c.last_kwargs  # (one read: another thread may replace the pair, never half of it)
+        if kwargs == last[0]:
+            kwargs = last[1]
+        else:
+            merged = {**c.kwargs, **kwargs}
+            c.last_kwargs = (kwargs, merged)
+            kwargs = merged
     try:
-        outs = ex.run(handles, c.kwargs if kwargs is None else {**c.kwargs, **kwargs}, c.device_args)
+        outs = ex.run(handles, kwargs, c.device_args)
     except DTorchError:
         raise
     except Exception as exc:
@@ -182,7 +196,8 @@ def _plan(name, rule, specs, static) -> _Compiled:
     if c is None:
         stats["plan_misses"] += 1  # (hits are not counted: that would cost a tenth of a tiny op)
         c = _PLANS[key] = _compile(name, rule, specs, static)
-    _LAST[name] = (c, static) + specs
+    if len(specs) <= 2:
+        _LAST[len(specs)][name] = (c, static) + specs
     return c
 
 

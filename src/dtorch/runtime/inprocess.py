@@ -376,7 +376,7 @@ class _Executable(Executable):
             else:
                 out = self.fn(*xs, lead=self.nd, **kwargs) if self.wants_lead else self.fn(*xs, **kwargs)
                 if kwargs is self.seen_kwargs:  # the same dict a second time in a row: a plan's own, bind it
-                    self._bind(kwargs)
+                    self._bind(kwargs, type(out) is tuple)
                 else:  # (calls with run-time values, scalars, bring a new dict every time: they stay generic)
                     self.seen_kwargs = kwargs
             if type(out) is tuple:
@@ -384,15 +384,15 @@ class _Executable(Executable):
             return [Shards(out)]
         return self._run(handles, kwargs, device_args)
 
-    def _bind(self, kwargs) -> None:
+    def _bind(self, kwargs, tuple_out: bool) -> None:
         lead = self.nd if self.wants_lead else 0
         out_shapes = tuple(tuple(g) + local for g, local in self.out_fix)
         f = self.kernel.bind(kwargs, lead, out_shapes) if self.kernel.bind is not None else None
         if f is None:
             f = functools.partial(self.fn, lead=lead, **kwargs) if self.wants_lead else functools.partial(self.fn, **kwargs)
         self.bound_kwargs, self.bound = kwargs, f
-        if len(self.in_specs) in (1, 2):  # the executable specialises itself: run is the bound call from now on
-            self.run = _bound_run(self, f, kwargs, len(self.in_specs))
+        if self.in_specs:  # the executable specialises itself: run is the bound call from now on
+            self.run = _bound_run(self, f, kwargs, len(self.in_specs), tuple_out)
 
     def _run(self, handles, kwargs, device_args):
         rt = self.runtime()
@@ -443,27 +443,36 @@ class _Executable(Executable):
         return [rt._make(s, blocks=[d[j] for d in per_dev]) for j, s in enumerate(self.out_specs)]
 
 
-def _bound_run(ex: _Executable, f, bound_kwargs: dict, n_in: int):
+def _bound_run(ex: _Executable, f, bound_kwargs: dict, n_in: int, tuple_out: bool):
     """``ex.run`` once bound, for one or two inputs: ``f`` (the bound kernel, e.g. ``torch.add``) straight on
-    the grids when the call brings the bound kwargs again; anything else goes to the generic run."""
+    the grids when the call brings the bound kwargs again; anything else goes to the generic run.
+    ``tuple_out``: the kernel returns a tuple of outputs (split), else one tensor."""
     generic = _Executable.run
 
-    if n_in == 1:
+    def wrap(out):
+        return [Shards(y) for y in out] if tuple_out else [Shards(out)]
+
+    if n_in == 1 and not tuple_out:  # the hot cases are spelled out: one Python call less
         def run(handles, kwargs, device_args=None):
             if kwargs is bound_kwargs and not device_args:
                 g = handles[0].grid
                 if g is not None:
-                    out = f(g)
-                    return [Shards(out)] if type(out) is not tuple else [Shards(y) for y in out]
+                    return [Shards(f(g))]
             return generic(ex, handles, kwargs, device_args)
-    else:
+    elif n_in == 2 and not tuple_out:
         def run(handles, kwargs, device_args=None):
             if kwargs is bound_kwargs and not device_args:
                 a, b = handles
                 a, b = a.grid, b.grid
                 if a is not None and b is not None:
-                    out = f(a, b)
-                    return [Shards(out)] if type(out) is not tuple else [Shards(y) for y in out]
+                    return [Shards(f(a, b))]
+            return generic(ex, handles, kwargs, device_args)
+    else:
+        def run(handles, kwargs, device_args=None):
+            if kwargs is bound_kwargs and not device_args:
+                xs = [h.grid for h in handles]
+                if all(x is not None for x in xs):
+                    return wrap(f(*xs))
             return generic(ex, handles, kwargs, device_args)
 
     return run
