@@ -2,7 +2,8 @@
 
 Baselines run in the same process: plain torch on the whole tensor, and PyTorch DTensor's
 single-process simulation (``LocalTensorMode`` over a fake process group) of the same layout.
-Prints time per op and ratios; the steady state must not redo propagation work (cache counters).
+Prints time per op and ratios (torch and dtorch timed in alternating rounds, best of 5); the steady
+state must not redo propagation work (cache counters).
 
     .venv/bin/python bench/op_overhead.py [--quick]
 """
@@ -18,25 +19,41 @@ from dtorch import Replicate, Shard
 from dtorch.ops import registry
 
 
-def per_call_us(fn, min_time: float) -> float:
+def _calls_for(fn, min_time: float) -> int:
+    """How many calls one timed round makes (about min_time / 5 seconds)."""
     for _ in range(20):
         fn()
-    n, best = 10, float("inf")
+    n = 10
     while True:
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
-        dt = time.perf_counter() - t0
-        if dt > min_time / 5:
-            best = min(best, dt / n)
-            break
+        if time.perf_counter() - t0 > min_time / 5:
+            return n
         n *= 4
-    for _ in range(4):  # best of 5 repeats: the machine is noisy
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / n)
-    return best * 1e6
+
+
+def _round(fn, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def per_call_us(fn, min_time: float) -> float:
+    n = _calls_for(fn, min_time)
+    return min(_round(fn, n) for _ in range(5)) * 1e6  # best of 5 rounds: the machine is noisy
+
+
+def paired_us(torch_fn, fn, min_time: float) -> tuple[float, float]:
+    """Best time per call of torch's op and dtorch's, in alternating rounds: a burst of load from other
+    processes slows both sides of a ratio alike."""
+    nt, nd = _calls_for(torch_fn, min_time), _calls_for(fn, min_time)
+    best_t = best_d = float("inf")
+    for _ in range(5):
+        best_t = min(best_t, _round(torch_fn, nt))
+        best_d = min(best_d, _round(fn, nd))
+    return best_t * 1e6, best_d * 1e6
 
 
 def pytorch_dtensor_us(n_dev: int, make_case, min_time: float):
@@ -84,16 +101,15 @@ def main(argv=None):
     print(header)
     print("-" * len(header))
     for name, (torch_fn, make_case) in cases.items():
-        base = per_call_us(torch_fn, min_time)
         for n_dev in (1, 8, 64):
             mesh = dtorch.init_device_mesh("cpu", (n_dev,))
             fn = make_case(lambda t, p: dtorch.Tensor(t, device_mesh=mesh, placements=[Shard(0) if p == "S0" else Replicate()]))
             if fn is None:
-                print(f"{name:34} {n_dev:7d} {base:9.2f} {'n/a':>10}")
+                print(f"{name:34} {n_dev:7d} {per_call_us(torch_fn, min_time):9.2f} {'n/a':>10}")
                 continue
             fn()  # first call plans; the timed calls must not
             miss0 = registry.stats["plan_misses"]
-            ours = per_call_us(fn, min_time)
+            base, ours = paired_us(torch_fn, fn, min_time)
             pt = None if args.no_pytorch_dtensor else pytorch_dtensor_us(n_dev, make_case, min_time)
             pt_s = f"{pt:14.1f} {pt / ours:9.1f}" if pt else f"{'n/a':>14} {'':>9}"
             print(f"{name:34} {n_dev:7d} {base:9.2f} {ours:10.2f} {ours / base:8.2f} {pt_s}")

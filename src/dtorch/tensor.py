@@ -20,6 +20,7 @@ from .placement import Placement, Replicate, Shard, fmt_placements, normalize_pl
 from .spec import DTensorSpec
 
 _REPLICATE = Replicate()
+_new_object = object.__new__
 
 
 class Tensor:
@@ -50,7 +51,7 @@ class Tensor:
 
     @classmethod
     def _make(cls, spec: DTensorSpec, handle, graph: Graph) -> "Tensor":
-        t = object.__new__(cls)
+        t = _new_object(cls)  # (every op's output comes through here: no attribute lookup for object.__new__)
         t._spec = spec
         t._h = handle
         t._graph = graph

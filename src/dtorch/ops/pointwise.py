@@ -246,7 +246,11 @@ def _unary_dunder(name: str, fn: str):
 
 
 def _elementwise_op(name: str, fn: str, *, torch_fns=(), functional=False, methods=()):
+    unary_static = (name, fn, None, (), ())  # x.exp(): the key pointwise() would make, made once
+
     def op(input, *args, inplace: bool = False, out=None, **kwargs):
+        if type(input) is Tensor and not args and not kwargs and not inplace and out is None:
+            return dispatch(name, _pointwise_rule, (input,), unary_static)
         if inplace:
             raise OpError(f"dtorch.{name}(inplace=True): dtorch tensors are not written in place; "
                           f"use the returned tensor (inplace=False)")
