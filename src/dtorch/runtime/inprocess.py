@@ -29,6 +29,7 @@ from ..errors import RuntimeBackendError
 from ..placement import Partial, Replicate, Shard
 from ..spec import DTensorSpec
 from .blocks import assemble, cut_global, cut_shard, dim_groups, reduce_dim, reduce_list
+from .cow import private_copy, writable
 from .devices import DeviceConfig, read_device_config, torch_devices
 from .interface import Executable, Runtime
 from .kernels import Kernel
@@ -205,6 +206,46 @@ class InProcessRuntime(Runtime):
         # Partial terms reduce in mesh-dim order, outer first, exactly as the planner's all_reduce steps
         # (and the grid form) do: with mixed reduce ops the order is part of the meaning.
         return assemble(h.blocks, spec, self.devices(spec.mesh)[0])
+
+    # -- in place ----------------------------------------------------------------------------------
+    def write(self, kernel: Kernel, target: Shards, target_spec: DTensorSpec, inputs, in_specs, kwargs,
+              device_args=None) -> Shards:
+        """The in-place kernel on ``target``'s own blocks; a block anyone else can see is copied first."""
+        specs = (target_spec,) + tuple(in_specs)
+        if target.grid is not None:
+            if not writable(target.grid):
+                target = Shards(grid=private_copy(target.grid))
+            self.executable(kernel, specs, ()).run([target] + list(inputs), kwargs, device_args)
+            return target
+        # blocks form: replicas may hold one tensor object; each distinct block is written once, with the
+        # inputs of the first device holding it (replicas' inputs are equal: the plan laid them out so)
+        blocks = target.blocks
+        slots: dict = {}
+        for n in range(len(blocks)):  # no loop variable may keep a block referenced: writable() counts them
+            slots.setdefault(id(blocks[n]), []).append(n)
+        if not all(writable(blocks[ns[0]], holder_refs=len(ns)) for ns in slots.values()):
+            copies = {key: private_copy(blocks[ns[0]]) for key, ns in slots.items()}
+            target = Shards(blocks=[copies[id(blocks[n])] for n in range(len(blocks))])
+            blocks = target.blocks
+        ins = [self.local_blocks(h, s) for h, s in zip(inputs, in_specs)]
+        wants_lead = "lead" in inspect.signature(kernel.fn).parameters
+        coords = target_spec.mesh.coordinates()
+        for ns in slots.values():
+            n = ns[0]
+            kw = kwargs
+            if device_args:
+                kw = dict(kw, **{k: np.asarray(v)[coords[n]].item() for k, v in device_args.items()})
+            if wants_lead:
+                kw = dict(kw, lead=0)
+            kernel.fn(blocks[n], *[b[n] for b in ins], **kw)
+        return target
+
+    def alias(self, h: Shards, spec: DTensorSpec) -> Shards:
+        # views: new tensor objects on the same storage, so copy-on-write sees the second holder
+        if h.grid is not None:
+            return Shards(grid=h.grid.view(h.grid.shape))
+        views: dict = {}
+        return Shards(blocks=[views.setdefault(id(b), b.view(b.shape)) for b in h.blocks])
 
     # -- local kernels ---------------------------------------------------------------------------
     def executable(self, kernel: Kernel, in_specs, out_specs) -> "_Executable":

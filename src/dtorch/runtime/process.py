@@ -444,6 +444,32 @@ class ProcessRuntime(Runtime):
             ex = self._executables[key] = _Executable(self, kernel, key[1], key[2])
         return ex
 
+    def write(self, kernel, target: Handle, target_spec: DTensorSpec, inputs, in_specs, kwargs, device_args=None):
+        """Each worker runs the in-place kernel on its block of ``target`` under the same id; a block that
+        another id shares (an alias, an identity kernel's output) is copied first on the worker."""
+        mesh = target_spec.mesh
+        self._ensure(mesh)
+        specs = (target_spec,) + tuple(in_specs)
+        ranks = tuple(mesh.device_ids)
+        pid = self._define(("k", kernel.name, specs, ()), ("defk", kernel.name, kernel.fn.__module__, specs, ()), ranks)
+        tid = self._id(target)
+        in_ids = tuple(self._id(h) for h in inputs)
+        seq = self._note(("kernel", kernel.name, kwargs, specs))
+        per = self._per_rank(mesh, device_args) if device_args else None
+        for r in ranks:
+            self._buf[r].append(("w", seq, pid, tid, in_ids, kwargs, per[r] if per else None))
+        self._counted(len(ranks))
+        if self.sync_every_op:
+            self.sync()
+        return target
+
+    def alias(self, h: Handle, spec: DTensorSpec) -> Handle:
+        self._ensure(spec.mesh)
+        hid = self._id(h)
+        out = self._new(h.ranks)
+        self._emit(h.ranks, ("alias", hid, out.id))
+        return out
+
     def _per_rank(self, mesh, device_args: dict) -> dict:
         """rank -> {name: python number} (cached per device_args object: plans reuse theirs)."""
         hit = self._dev_args.get(id(device_args))
@@ -594,7 +620,7 @@ class ProcessRuntime(Runtime):
             try:
                 pickle.dumps(rec)
             except Exception:  # noqa: BLE001
-                what = self._describe(rec[1], rec[0]) if rec[0] in ("k", "s", "r", "put") else f"record {rec[0]}"
+                what = self._describe(rec[1], rec[0]) if rec[0] in ("k", "w", "s", "r", "put") else f"record {rec[0]}"
                 return (f"dtorch process backend: cannot send {what} to the workers: {exc}. Kernel arguments "
                         "must be picklable (numbers, strings, tuples, dtypes, torch tensors).")
         return f"dtorch process backend: cannot send records to the workers: {exc}"

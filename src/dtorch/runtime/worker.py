@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from . import process_plan as pp
 from .blocks import cut_shard, reduce_list
+from .cow import private_copy, writable
 from .kernels import get_kernel
 
 _NATIVE_REDUCE = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
@@ -42,7 +43,7 @@ _NATIVE = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.co
            torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8}
 _HALF = (torch.float16, torch.bfloat16)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_NUMBERED = ("put", "zeros", "get", "k", "s", "r")  # records whose second field is the op's number
+_NUMBERED = ("put", "zeros", "get", "k", "w", "s", "r")  # records whose second field is the op's number
 
 
 def connect(address: str, timeout_s: float) -> dist.TCPStore:
@@ -219,6 +220,19 @@ class Worker:
             if tuple(y.shape) != shape:
                 raise RuntimeError(f"kernel {k.name} produced local shape {tuple(y.shape)}, expected {shape}")
             self.t[i] = y
+
+    def op_w(self, seq, pid, tid, in_ids, kwargs, dev_kw):
+        """In place into block ``tid``; copy-on-write when another id holds the same tensor or storage."""
+        k, lead, _ = self.defs[pid]
+        kw = dict(kwargs, **dev_kw) if dev_kw else kwargs
+        if lead:
+            kw = dict(kw, lead=0)
+        if not writable(self.t[tid]):
+            self.t[tid] = private_copy(self.t[tid])
+        k.fn(self.t[tid], *[self.t[i] for i in in_ids], **kw)
+
+    def op_alias(self, hid, new_id):
+        self.t[new_id] = self.t[hid]
 
     # -- redistribution primitives: one handler each ------------------------------------------------
     def op_defp(self, pid, primitive, before, after, arg):
