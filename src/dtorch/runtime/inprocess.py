@@ -484,6 +484,12 @@ class _Executable(Executable):
         return [rt._make(s, blocks=[d[j] for d in per_dev]) for j, s in enumerate(self.out_specs)]
 
 
+_new_shards = object.__new__
+# The bound runs make their output handles without a call to Shards.__init__ (a measurable part of a tiny
+# op), which is only right while a grid handle is exactly these slots; otherwise they call Shards().
+_BARE_SHARDS = Shards.__slots__ == ("grid", "blocks", "__weakref__")
+
+
 def _bound_run(ex: _Executable, f, bound_kwargs: dict, n_in: int, tuple_out: bool):
     """``ex.run`` once bound, for one or two inputs: ``f`` (the bound kernel, e.g. ``torch.add``) straight on
     the grids when the call brings the bound kwargs again; anything else goes to the generic run.
@@ -493,20 +499,26 @@ def _bound_run(ex: _Executable, f, bound_kwargs: dict, n_in: int, tuple_out: boo
     def wrap(out):
         return [Shards(y) for y in out] if tuple_out else [Shards(out)]
 
-    if n_in == 1 and not tuple_out:  # the hot cases are spelled out: one Python call less
+    if n_in == 1 and not tuple_out and _BARE_SHARDS:  # the hot cases are spelled out: no call but f's
         def run(handles, kwargs, device_args=None):
             if kwargs is bound_kwargs and not device_args:
                 g = handles[0].grid
                 if g is not None:
-                    return [Shards(f(g))]
+                    h = _new_shards(Shards)
+                    h.grid = f(g)
+                    h.blocks = None
+                    return [h]
             return generic(ex, handles, kwargs, device_args)
-    elif n_in == 2 and not tuple_out:
+    elif n_in == 2 and not tuple_out and _BARE_SHARDS:
         def run(handles, kwargs, device_args=None):
             if kwargs is bound_kwargs and not device_args:
                 a, b = handles
                 a, b = a.grid, b.grid
                 if a is not None and b is not None:
-                    return [Shards(f(a, b))]
+                    h = _new_shards(Shards)
+                    h.grid = f(a, b)
+                    h.blocks = None
+                    return [h]
             return generic(ex, handles, kwargs, device_args)
     else:
         def run(handles, kwargs, device_args=None):
