@@ -32,7 +32,9 @@ class Tensor:
             src = data.to(dtype) if dtype is not None else data
             mesh = device_mesh or src.device_mesh
             out = src.redistribute(mesh, placements if placements is not None else (src.placements if mesh == src.device_mesh else None))
-            self._init(out._spec, out._h, out._graph)
+            # a handle of its own (writes to either tensor copy first: neither sees the other's)
+            handle = out._graph.runtime.alias(out._h, out._spec) if out._h is data._h else out._h
+            self._init(out._spec, handle, out._graph)
             return
         full = as_torch(data, dtype or None, graph)
         mesh = graph.default_device_mesh if device_mesh is None else device_mesh
@@ -299,13 +301,14 @@ class Tensor:
         return out
 
     def detach(self) -> "Tensor":
-        """A new Tensor object with the same value, like torch (no autograd history to cut here)."""
-        return type(self)._make(self._spec, self._h, self._graph)
+        """A new Tensor object with the same value (no autograd history to cut here). Unlike torch, an
+        in-place write to one does not show in the other (they share blocks copy-on-write)."""
+        return type(self)._make(self._spec, self._graph.runtime.alias(self._h, self._spec), self._graph)
 
     def clone(self, *, memory_format=None) -> "Tensor":
-        """A new Tensor object with the same value. It shares the blocks: dtorch never writes into a block
-        (kernels return new tensors, out= is refused, __setitem__ raises), so sharing cannot leak a change."""
-        return type(self)._make(self._spec, self._h, self._graph)
+        """A new Tensor object with the same value. The blocks are copied lazily: an in-place write to
+        either tensor copies first (the runtime's copy-on-write), so neither sees the other's."""
+        return type(self)._make(self._spec, self._graph.runtime.alias(self._h, self._spec), self._graph)
 
     def __hash__(self):
         return id(self)

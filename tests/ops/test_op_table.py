@@ -31,6 +31,7 @@ class Case:
     values: bool = True  # compare values (off for empty: torch leaves them undefined)
     factory: bool = False  # no tensor input: dtorch gets device_mesh= and placements= for its output
     tol: dict = field(default_factory=dict)
+    inplace: bool = False  # writes into its first argument: the result must be that very object, its layout kept
 
 
 def _gen():
@@ -230,6 +231,37 @@ SAMPLES["scaled_dot_product_attention"] = [
     Case(lambda: ((f(2, 4, 5, 6), g(2, 4, 3, 6), pos(2, 4, 3, 6)), {"is_causal": True}), tol={"rtol": 1e-4, "atol": 1e-4}),
 ]
 
+# -- in place: the out-of-place op's cases whose first operand can take the result (torch decides) -----------
+def _inplace_ref(method: str):
+    def ref(x, *args, **kwargs):
+        out = getattr(x, method)(*args, **kwargs)
+        assert out is x
+        return out
+    return ref
+
+
+def _torch_takes_inplace(method: str, case: Case) -> bool:
+    args, kwargs = case.make()
+    if not args or not isinstance(args[0], torch.Tensor):
+        return False
+    try:
+        getattr(args[0], method)(*args[1:], **kwargs)
+    except (RuntimeError, TypeError):  # another shape or an uncastable dtype: torch refuses it too
+        return False
+    return True
+
+
+for _n in [n for n in TABLE if n.endswith("_") and n[:-1] in SAMPLES]:
+    SAMPLES[_n] = [Case(cs.make, ref=_inplace_ref(_n), partial=cs.partial, tol=cs.tol, inplace=True)
+                   for cs in SAMPLES[_n[:-1]] if _torch_takes_inplace(_n, cs)]
+SAMPLES["copy_"] = [Case(lambda: ((f(5, 6), g(5, 6)), {}), ref=_inplace_ref("copy_"), inplace=True),
+                    Case(lambda: ((f(5, 6), g(6).double()), {}), ref=_inplace_ref("copy_"), inplace=True)]
+SAMPLES["fill_"] = [Case(one(X, 2.5), ref=_inplace_ref("fill_"), inplace=True),
+                    Case(one(lambda: ints(5, 6), 3), ref=_inplace_ref("fill_"), inplace=True)]
+SAMPLES["zero_"] = [Case(one(X), ref=_inplace_ref("zero_"), inplace=True)]
+SAMPLES["masked_fill_"] = [Case(lambda: ((f(5, 6), bools(5, 6), 1.5), {}), ref=_inplace_ref("masked_fill_"),
+                                inplace=True)]
+
 
 # ------------------------------------------------------------------------------------------------------
 # the sweep
@@ -305,6 +337,9 @@ def _run_case(name: str, case: Case, mesh, k: int) -> int:
         except Exception as exc:
             raise AssertionError(f"dtorch.{name} on {mesh} with layouts {[list(map(str, p)) for p in layout]} "
                                  f"raised {type(exc).__name__}: {exc}") from exc
+        if case.inplace:
+            assert got is dargs[0] and tuple(got.placements) == tuple(layout[0]), \
+                f"dtorch.{name} must return its first argument with its placements {layout[0]}, got {got.placements}"
         try:
             _compare(got, expected, case, tol)
         except AssertionError as exc:
@@ -332,6 +367,10 @@ def test_op_matches_torch(name):
         for mesh in (MESH_1D, MESH_2D):
             runs += _run_case(name, case, mesh, k)
     assert runs >= 2 * len(SAMPLES[name])
+
+
+def test_every_op_has_a_case():
+    assert not [n for n, cases in SAMPLES.items() if not cases], "ops whose cases were all filtered out"
 
 
 def test_samples_name_only_ops_of_the_table():

@@ -555,3 +555,25 @@ def test_graph_as_context_manager_doc_snippet(ref):
         finally:
             if "graph" in ns:
                 ns["graph"].runtime.shutdown()
+
+
+@pytest.mark.parametrize("shape", [(8, 4), (7, 3)])
+def test_in_place_writes_and_copy_on_write_on_the_workers(proc, shape):
+    mesh = dtorch.init_device_mesh("cpu", (2, 2))
+    full = torch.randn(shape)
+    with using(proc):
+        x = dtorch.Tensor(full, device_mesh=mesh, placements=[Shard(0), Replicate()])
+        c = x.clone()  # an alias on the workers: the write below must copy first there
+        handle = x._h
+        x.add_(torch.ones(shape[-1]))
+        x.mul_(2.0)
+        x += 1
+        assert x._h is handle  # written under the same block ids
+        torch.testing.assert_close(x.to_torch(), (full + 1) * 2 + 1)
+        torch.testing.assert_close(c.to_torch(), full)
+        p = dtorch.Tensor(full, device_mesh=mesh, placements=[Partial(), Shard(1)])
+        p.exp_()  # not linear: computed out of place, laid out like p again
+        assert p.placements == [Partial(), Shard(1)]
+        torch.testing.assert_close(p.to_torch(), full.exp())
+        x.copy_(torch.arange(shape[-1], dtype=torch.float64))
+        assert torch.equal(x.to_torch(), torch.arange(shape[-1], dtype=torch.float32).expand(shape))

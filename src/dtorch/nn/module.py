@@ -39,7 +39,8 @@ class Parameter(Tensor):
     def _set(self, value: Tensor) -> None:
         """Take ``value``'s storage and layout in place, so every holder of this parameter sees it."""
         # the old storage is freed (and leaves the memory stats) when its last holder lets go of it
-        self._init(value._spec, value._h, value._graph)
+        # a handle of its own on value's blocks: an in-place write to either copies first
+        self._init(value._spec, value._graph.runtime.alias(value._h, value._spec), value._graph)
 
     def __repr__(self):
         return "Parameter containing:\n" + super().__repr__()

@@ -106,6 +106,12 @@ def pointwise(name: str, fn: str, *args, **kwargs):
                 break
         else:  # tensors only: the short form, no argument analysis
             return dispatch(name, _pointwise_rule, args, (name, fn, None, (), ()))
+    return dispatch(name, _pointwise_rule, *analyse(name, fn, args, kwargs))
+
+
+def analyse(name: str, fn: str, args, kwargs) -> tuple:
+    """(tensor operands, static plan key, run-time kwargs) of ``fn(*args, **kwargs)``: what ``dispatch``
+    takes for an element-wise call (the in-place ops use it too)."""
     if any(isinstance(v, torch.Tensor) for v in args) or any(isinstance(v, torch.Tensor) for v in kwargs.values()):
         names = list(kwargs)
         converted = to_dtensors(name, list(args) + [kwargs[k] for k in names])
@@ -133,7 +139,7 @@ def pointwise(name: str, fn: str, *args, **kwargs):
     if not kw:
         template = None if template == tuple(range(len(tensors))) else _SHORT_FORMS.get(template, template)
     static = (name, fn, template, kw, tuple(type(s) for s in scalars))
-    return dispatch(name, _pointwise_rule, tensors, static, {"scalars": tuple(scalars)} if scalars else None)
+    return tensors, static, ({"scalars": tuple(scalars)} if scalars else None)
 
 
 def _pointwise_rule(specs, name, fn, template, kwargs, scalar_types) -> OpPlan:

@@ -1,0 +1,189 @@
+"""In-place ops: ``x.add_(y)``, ``x += y``, ``x.copy_(src)``, ``x.fill_(v)``, ``x.zero_()``.
+
+The result is written into ``x``'s own storage: the runtime runs an in-place kernel on ``x``'s blocks
+(``Runtime.write``), copying first when anyone else can see a block (copy-on-write), so the Python
+object keeps its identity and placements and no other tensor sees the change. Views do not write
+through to their base (each tensor is a value; torch would show the change in the view).
+
+How: the op's ordinary plan with ``x`` as its first operand. When that plan takes ``x`` as it lies and
+leaves the result in ``x``'s placements, every device writes its own block, with the other operands
+laid out as the plan asks (a Replicate operand is cut locally to meet a sharded ``x``, no communication).
+Otherwise (a Partial ``x`` under a nonlinear op, a sharded operand meeting a replicated ``x``) the result
+is computed out of place, laid out like ``x`` and becomes ``x``'s storage: same value, same placements.
+"""
+from __future__ import annotations
+
+import inspect
+import numbers
+
+import torch
+
+from ..errors import OpError
+from ..placement import Replicate
+from ..redistribute import redistribute_spec
+from ..runtime.kernels import get_kernel, kernel
+from ..spec import DTensorSpec
+from ..tensor import Tensor
+from . import pointwise as pw
+from .registry import OpPlan, _plan, describe, dispatch, register, to_dtensors
+
+
+class InplaceError(OpError, RuntimeError):
+    """An in-place op torch refuses too (a result of another shape or an uncastable dtype)."""
+
+
+@kernel("inplace", align=True)
+def _inplace_kernel(target, *xs, inner: str, inner_kw: dict, lead: int = 0, **device_kw):
+    """Run the op's own kernel on (target, *xs), then copy the result into ``target`` (cast to its dtype)."""
+    k = get_kernel(inner)
+    kw = dict(inner_kw, **device_kw)
+    if "lead" in inspect.signature(k.fn).parameters:
+        kw["lead"] = lead
+    target.copy_(k.fn(target, *xs, **kw))
+
+
+def dispatch_inplace(name: str, rule, tensors, static: tuple, kwargs: dict | None = None, *,
+                     writes: bool = False) -> Tensor:
+    """``tensors[0] <- op(*tensors)`` in place; the plan is the out-of-place op's (same cache).
+
+    ``writes``: the plan's kernel is itself an in-place kernel (``copy_``), run as it is.
+    """
+    target = tensors[0]
+    tspec = target._spec
+    for t in tensors[1:]:
+        if t._graph is not target._graph or t.device_mesh != tspec.mesh:
+            # the out-of-place path says it clearly (two graphs, two meshes)
+            dispatch(name, rule, tensors, static, kwargs)
+    c = _plan(name, rule, tuple(t._spec for t in tensors), static)
+    plan = c.plan
+    out = plan.out_specs[0]
+    if out.shape != tspec.shape:
+        raise InplaceError(f"dtorch.{name}_: output with shape {list(tspec.shape)} doesn't match the broadcast "
+                           f"shape {list(out.shape)}; use the out-of-place x = dtorch.{name}(...) instead")
+    if out.dtype != tspec.dtype and not torch.can_cast(out.dtype, tspec.dtype):
+        raise InplaceError(f"dtorch.{name}_: result type {_dtype_name(out.dtype)} can't be cast to the desired "
+                           f"output type {_dtype_name(tspec.dtype)}; cast x first or use the out-of-place op")
+    graph = target._graph
+    if plan.in_specs[0] == tspec and out.placements == tspec.placements:
+        others = [t if t._spec == s else redistribute_spec(t, s) for t, s in zip(tensors[1:], plan.in_specs[1:])]
+        kw = dict(plan.kwargs, **kwargs) if kwargs else plan.kwargs
+        k, kw = (plan.kernel, kw) if writes else (_inplace_kernel, {"inner": plan.kernel.name, "inner_kw": kw})
+        try:
+            handle = graph.runtime.write(k, target._h, tspec, [o._h for o in others], plan.in_specs[1:], kw,
+                                         plan.device_args)
+        except OpError:
+            raise
+        except Exception as exc:
+            raise OpError(f"dtorch.{name}_ failed on inputs {describe([t._spec for t in tensors])}: "
+                          f"{type(exc).__name__}: {exc}") from exc
+    else:
+        if writes:  # (its rule always keeps the target as it lies)
+            raise AssertionError(f"in-place kernel {plan.kernel.name} planned to move its target")
+        result = dispatch(name, rule, tensors, static, kwargs)
+        if result.dtype != tspec.dtype:
+            result = pw.to_dtype(result, tspec.dtype)
+        handle = redistribute_spec(result, tspec)._h
+    target._h = handle
+    return target
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "Float", torch.float64: "Double", torch.int64: "Long", torch.int32: "Int",
+            torch.bool: "Bool", torch.float16: "Half", torch.bfloat16: "BFloat16"}.get(dtype, str(dtype))
+
+
+def elementwise_(name: str, fn: str, target: Tensor, *args, **kwargs) -> Tensor:
+    """``target.<name>_(*args)``: the element-wise op ``fn(target, *args)`` written into ``target``."""
+    if not isinstance(target, Tensor):
+        raise OpError(f"dtorch.{name}_ expects a dtorch.Tensor to write into, got {type(target).__name__}")
+    tensors, static, run_kw = pw.analyse(name, fn, (target,) + args, kwargs)
+    if tensors[0] is not target:  # the template puts operands in order: target is operand 0
+        raise OpError(f"dtorch.{name}_: the tensor written into must be the first operand")
+    return dispatch_inplace(name, pw._pointwise_rule, tensors, static, run_kw)
+
+
+def _inplace_method(name: str, fn: str):
+    def method(self, *args, **kwargs):
+        return elementwise_(name, fn, self, *args, **kwargs)
+
+    method.__name__ = f"{name}_"
+    method.__doc__ = f"In-place ``{name}``: the result is written into this tensor's own storage."
+    return method
+
+
+# ops whose torch method has an in-place form (x.add_(y)); Python's augmented operators map to them
+_AUGMENTED = {"add": "__iadd__", "sub": "__isub__", "mul": "__imul__", "div": "__itruediv__",
+              "floor_divide": "__ifloordiv__", "remainder": "__imod__", "pow": "__ipow__",
+              "bitwise_and": "__iand__", "bitwise_or": "__ior__", "bitwise_xor": "__ixor__"}
+
+for _name, _fn, *_ in pw._UNARY + pw._BINARY:
+    if getattr(torch.Tensor, f"{_name}_", None) is None:
+        continue
+    _method = _inplace_method(_name, _fn)
+    _methods = (f"{_name}_",) + ((_AUGMENTED[_name],) if _name in _AUGMENTED else ())
+    register(f"{_name}_", rule=pw._pointwise_rule, kernel=_inplace_kernel, public=False,
+             methods=tuple((m, _method) for m in _methods))(_method)
+
+
+@register("masked_fill_", rule=pw._pointwise_rule, kernel=_inplace_kernel, public=False, methods=("masked_fill_",))
+def masked_fill_(self, mask, value):
+    if isinstance(value, torch.Tensor) and value.ndim == 0:
+        value = value.item()
+    if isinstance(value, Tensor):
+        return copy_(self, pw.masked_fill(self, mask, value))
+    return elementwise_("masked_fill", "torch.masked_fill", self, mask, value)
+
+
+# -- copy_, fill_, zero_ --------------------------------------------------------------------------------
+
+@kernel("copy_into")
+def _copy_kernel(target, src):
+    target.copy_(src)
+
+
+def _copy_rule(specs):
+    target, src = specs
+    # src arrives in target's shape and placements (the caller broadcast it); its dtype is cast by copy_
+    return OpPlan((target, DTensorSpec(target.mesh, target.placements, target.shape, src.dtype)), (target,),
+                     _copy_kernel)
+
+
+@register("copy_", rule=_copy_rule, kernel=_copy_kernel, public=False, methods=("copy_",))
+def copy_(self: Tensor, src, non_blocking: bool = False) -> Tensor:
+    """``x.copy_(src)``: ``src`` (broadcast to x's shape, cast to its dtype) written into x's own storage."""
+    if isinstance(src, (bool, numbers.Number)):
+        src = torch.tensor(src)
+    if not isinstance(src, (Tensor, torch.Tensor)):
+        raise OpError(f"dtorch copy_: src must be a tensor, got {type(src).__name__}")
+    (src,) = to_dtensors("copy_", [src], mesh_from=self.device_mesh)
+    if src.device_mesh != self.device_mesh:
+        src = src.redistribute(self.device_mesh, [Replicate()] * self.device_mesh.ndim)
+    if tuple(src.shape) != tuple(self.shape):
+        try:
+            torch.broadcast_shapes(tuple(src.shape), tuple(self.shape))
+            ok = torch.Size(torch.broadcast_shapes(tuple(src.shape), tuple(self.shape))) == self.shape
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise InplaceError(f"dtorch copy_: src of shape {list(src.shape)} cannot be broadcast to the "
+                               f"destination's shape {list(self.shape)}")
+        src = src.expand(tuple(self.shape))
+    src = redistribute_spec(src, DTensorSpec(self.device_mesh, self._spec.placements, self._spec.shape, src.dtype))
+    return dispatch_inplace("copy", _copy_rule, (self, src), (), writes=True)
+
+
+@register("fill_", public=False, methods=("fill_",))
+def fill_(self: Tensor, value) -> Tensor:
+    """``x.fill_(v)``: every element set to ``v`` (a number or a 0-d tensor)."""
+    if isinstance(value, Tensor):
+        value = value.item()
+    elif isinstance(value, torch.Tensor):
+        if value.ndim != 0:
+            raise OpError(f"fill_ only supports 0-dimension value tensor but got tensor with {value.ndim} dimensions.")
+        value = value.item()
+    return copy_(self, torch.tensor(value, dtype=self.dtype) if self.dtype != torch.bool else torch.tensor(bool(value)))
+
+
+@register("zero_", public=False, methods=("zero_",))
+def zero_(self: Tensor) -> Tensor:
+    return fill_(self, 0)
