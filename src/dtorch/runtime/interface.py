@@ -68,15 +68,16 @@ class Runtime(ABC):
         """Every device's block, in mesh order (for tests, visualisation and debugging; do not write)."""
 
     # -- compute ---------------------------------------------------------------------------------
+    @abstractmethod
     def executable(self, kernel: Kernel, in_specs: Sequence[DTensorSpec], out_specs: Sequence[DTensorSpec]) -> Executable:
         """The prepared form of ``kernel`` for these specs (the runtime caches it, bounded)."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement executable")
 
     def run_local(self, kernel: Kernel, inputs: Sequence, in_specs: Sequence[DTensorSpec],
                   out_specs: Sequence[DTensorSpec], kwargs: dict, device_args: dict | None = None) -> list:
         """Run ``kernel`` on every device of the mesh on its blocks; returns one handle per output."""
         return self.executable(kernel, in_specs, out_specs).run(inputs, kwargs, device_args)
 
+    @abstractmethod
     def write(self, kernel: Kernel, target, target_spec: DTensorSpec, inputs: Sequence,
               in_specs: Sequence[DTensorSpec], kwargs: dict, device_args: dict | None = None):
         """Run the in-place kernel ``fn(target_block, *input_blocks, **kw)`` on every device.
@@ -87,12 +88,11 @@ class Runtime(ABC):
         else sees the change. Returns the handle now holding the result: ``target`` itself when it was
         written in place, else a new handle.
         """
-        raise NotImplementedError(f"{type(self).__name__} does not implement write")
 
+    @abstractmethod
     def alias(self, handle, spec: DTensorSpec):
         """A second handle on the same blocks (``detach``, ``Tensor(t)``, parameters): no copy now; a
         later ``write`` to either copies first, so the other never sees it."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement alias")
 
     # -- redistribution primitives (one mesh dim each) --------------------------------------------
     @abstractmethod
