@@ -392,3 +392,17 @@ def test_tensor_attributes_come_from_the_table():
             declared.setdefault(f_, []).append(target)
     assert all(TORCH_FUNCTIONS[f_] is targets[0] for f_, targets in declared.items())
     assert set(TORCH_FUNCTIONS) == set(declared)  # nothing is routed from outside the table
+
+
+def test_install_refuses_an_attribute_defined_twice():
+    from dtorch.ops import TENSOR_HOOKS
+    from dtorch.ops.registry import Op
+
+    def fn(x):
+        return x
+
+    for table in ({"probe": Op("probe", fn, methods=("to",))},  # tensor.py's own Tensor.to
+                  {"probe": Op("probe", fn, methods=("__add__",))}):  # op add's
+        with pytest.raises(RuntimeError, match="Tensor"):
+            dtorch.Tensor._install_ops(table, **TENSOR_HOOKS)
+    assert dtorch.Tensor.to is not fn and dtorch.Tensor.__add__ is TABLE["add"].methods[1][1]

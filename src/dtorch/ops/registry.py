@@ -68,12 +68,10 @@ class OpPlan:
 
 class _Compiled:
     """A cached plan, whether its inputs arrive as they are (no redistribution), and the executable of
-    the runtime that ran it last, with that runtime: ``rt`` when its handles are plain tensors of this
-    process (nothing to release), else weakly in ``runtime`` (a cache must not keep worker processes
-    alive)."""
+    the runtime that ran it last."""
 
     # the plan's fields the steady state reads are copied here: one attribute lookup each
-    __slots__ = ("plan", "direct", "kwargs", "device_args", "out_spec", "rt", "runtime", "executable", "last_kwargs")
+    __slots__ = ("plan", "direct", "kwargs", "device_args", "out_spec", "executable", "last_kwargs")
 
     def __init__(self, plan: OpPlan, direct: bool):
         self.plan = plan
@@ -81,9 +79,11 @@ class _Compiled:
         self.kwargs = plan.kwargs
         self.device_args = plan.device_args
         self.out_spec = None if plan.multi_output else plan.out_specs[0]
-        self.rt = None
-        self.runtime = _dead_ref
-        self.executable = None
+        # (runtime, weakref to it, its executable), one attribute so that threads running the plan on two
+        # runtimes never pair one's runtime with the other's executable. The runtime itself only when its
+        # handles are plain tensors of this process (nothing to release), else None and weakly: a cache
+        # must not keep worker processes alive.
+        self.executable = (None, _dead_ref, None)
         # (run-time kwargs, the kwargs dict made from them) of the last call that had some: a loop that
         # repeats its scalars (x * 0.5) hands the executable the same dict again, which it can bind
         self.last_kwargs = (None, None)
@@ -165,7 +165,8 @@ def dispatch(name: str, rule: Callable, tensors, static: tuple = (), kwargs: dic
         c = _plan(name, rule, tuple([t._spec for t in tensors]), static)
         handles = [t._h for t in tensors]
     rt = graph.runtime
-    ex = c.executable if c.rt is rt or c.runtime() is rt else _executable(c, rt, name, tensors)
+    e = c.executable
+    ex = e[2] if e[0] is rt or e[1]() is rt else _executable(c, rt, name, tensors)
     if not c.direct:  # some input must be laid out as the plan says first
         handles = [(t if t._spec == s else redistribute_spec(t, s))._h for t, s in zip(tensors, c.plan.in_specs)]
     if kwargs is None:
@@ -216,9 +217,7 @@ def _executable(c: _Compiled, rt, name, tensors):
     except Exception as exc:
         raise OpError(f"dtorch.{name} cannot run on inputs {describe([t._spec for t in tensors])}: "
                       f"{type(exc).__name__}: {exc}") from exc
-    c.executable = ex
-    c.rt = rt if rt.handles_in_process else None
-    c.runtime = weakref.ref(rt)
+    c.executable = (rt if rt.handles_in_process else None, weakref.ref(rt), ex)
     return ex
 
 

@@ -380,7 +380,9 @@ class _Executable(Executable):
         self.fn = kernel.fn
         self.runtime = weakref.ref(rt)  # the runtime caches us: no cycle
         self.direct = False
-        self.seen_kwargs = self.bound_kwargs = self.bound = None
+        self.seen_kwargs = None
+        # (kwargs, the kernel bound to them): one attribute, so another thread never sees half of a new pair
+        self.binding = (None, None)
         self.exact = None  # outputs needed no reshaping on every grid run so far
         self.grid_args = (None, None)  # (the plan's device_args, as grid-shaped tensors)
         self.in_specs = in_specs
@@ -412,8 +414,9 @@ class _Executable(Executable):
                 if g is None:  # a blocks-form handle of an even spec: the general path stacks it
                     return self._run(handles, kwargs, device_args)
                 xs.append(g)
-            if kwargs is self.bound_kwargs:  # (only ever set once direct)
-                out = self.bound(*xs)
+            binding = self.binding
+            if kwargs is binding[0]:  # (only ever set once direct)
+                out = binding[1](*xs)
             else:
                 out = self.fn(*xs, lead=self.nd, **kwargs) if self.wants_lead else self.fn(*xs, **kwargs)
                 if kwargs is self.seen_kwargs:  # the same dict a second time in a row: a plan's own, bind it
@@ -431,7 +434,7 @@ class _Executable(Executable):
         f = self.kernel.bind(kwargs, lead, out_shapes) if self.kernel.bind is not None else None
         if f is None:
             f = functools.partial(self.fn, lead=lead, **kwargs) if self.wants_lead else functools.partial(self.fn, **kwargs)
-        self.bound_kwargs, self.bound = kwargs, f
+        self.binding = (kwargs, f)
         if self.in_specs:  # the executable specialises itself: run is the bound call from now on
             self.run = _bound_run(self, f, kwargs, len(self.in_specs), tuple_out)
 
@@ -443,10 +446,11 @@ class _Executable(Executable):
             if self.in_reshape is not None:
                 xs = [x if shp is None else x.reshape(shp) for x, shp in zip(xs, self.in_reshape)]
             if device_args:
-                if self.grid_args[0] is not device_args:  # plans keep their device_args: convert once
-                    self.grid_args = (device_args, {k: torch.as_tensor(v, device=self.grid_dev).reshape(self.mesh.shape)
-                                                    for k, v in device_args.items()})
-                kwargs = dict(kwargs, **self.grid_args[1])
+                grid_args = self.grid_args
+                if grid_args[0] is not device_args:  # plans keep their device_args: convert once
+                    grid_args = self.grid_args = (device_args, {
+                        k: torch.as_tensor(v, device=self.grid_dev).reshape(self.mesh.shape) for k, v in device_args.items()})
+                kwargs = dict(kwargs, **grid_args[1])
             if self.wants_lead:
                 kwargs = dict(kwargs, lead=self.nd)
             out = kernel.fn(*xs, **kwargs)
