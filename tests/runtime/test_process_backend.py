@@ -577,3 +577,14 @@ def test_in_place_writes_and_copy_on_write_on_the_workers(proc, shape):
         torch.testing.assert_close(p.to_torch(), full.exp())
         x.copy_(torch.arange(shape[-1], dtype=torch.float64))
         assert torch.equal(x.to_torch(), torch.arange(shape[-1], dtype=torch.float32).expand(shape))
+
+
+def test_an_empty_strided_block_is_fetched(proc):
+    # a column of a [5, 3] tensor sharded 2,2,1,0 over 4 devices: device 3's block is empty with stride 3
+    mesh = dtorch.init_device_mesh("cpu", (4,))
+    full = torch.arange(15.0).reshape(5, 3)
+    with using(proc):
+        x = dtorch.Tensor(full, device_mesh=mesh, placements=[Shard(0)])
+        col = x.unbind(1)[1]
+        assert torch.equal(col.to_torch(), full[:, 1])
+        assert [tuple(b.shape) for b in col.local_blocks()] == [(2,), (2,), (1,), (0,)]

@@ -70,7 +70,9 @@ def grid_coords(spec: DTensorSpec) -> tuple:
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of ``t``'s values (collectives and the store move bytes of any dtype)."""
     flat = t.reshape(-1)
-    if flat.numel() and flat.stride(0) != 1:  # e.g. one element of a strided view: "contiguous", stride 4
+    if not flat.numel():  # an empty block may keep its view's stride, which .view(uint8) refuses
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    if flat.stride(0) != 1:  # e.g. one element of a strided view: "contiguous", stride 4
         flat = flat.clone(memory_format=torch.contiguous_format)
     return flat.view(torch.uint8)
 
