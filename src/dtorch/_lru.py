@@ -10,6 +10,11 @@ None): new entries go to the recent generation; when that holds ``maxsize // 2``
 the old generation and the previous old one is dropped; a hit in the old generation moves the entry
 back to the recent one. An entry used at least once per ``maxsize // 2`` insertions is therefore never
 dropped, and the size never exceeds ``maxsize``.
+
+``on_evict(dropped)``, if given, is called with the dict of the entries dropped to make room (a whole
+old generation at once), before the new entry goes in: a cache whose entries stand for state held
+elsewhere (the process backend's plan ids, defined on its workers) releases that state there.
+``clear()`` does not call it.
 """
 from __future__ import annotations
 
@@ -20,13 +25,14 @@ _ALL: "weakref.WeakSet[LRU]" = weakref.WeakSet()
 
 
 class LRU:
-    __slots__ = ("name", "maxsize", "_recent", "_old", "fast_get", "__weakref__")
+    __slots__ = ("name", "maxsize", "on_evict", "_recent", "_old", "fast_get", "__weakref__")
 
-    def __init__(self, name: str, maxsize: int):
+    def __init__(self, name: str, maxsize: int, on_evict=None):
         if maxsize < 2:
             raise ValueError(f"LRU {name!r}: maxsize must be at least 2, got {maxsize}")
         self.name = name
         self.maxsize = maxsize
+        self.on_evict = on_evict
         self._recent: dict = {}  # the same dict object for the cache's life: fast_get is its bound get
         self._old: dict = {}
         self.fast_get = self._recent.get
@@ -44,11 +50,14 @@ class LRU:
 
     def __setitem__(self, key, value) -> None:
         recent = self._recent
-        if key not in recent and len(recent) >= self.maxsize // 2:
-            self._old = dict(recent)
-            recent.clear()
+        if key not in recent:
+            self._old.pop(key, None)  # a key lives in one generation; it is not dropped below
+            if len(recent) >= self.maxsize // 2:
+                dropped, self._old = self._old, dict(recent)
+                recent.clear()
+                if dropped and self.on_evict is not None:
+                    self.on_evict(dropped)
         recent[key] = value
-        self._old.pop(key, None)
 
     def __contains__(self, key) -> bool:
         return key in self._recent or key in self._old

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import functools
 import itertools
 import os
 import pickle
@@ -59,6 +60,7 @@ FLUSH_AFTER_S = 0.002  # ... or this long after the first one
 INLINE_BYTES = 256 << 10  # blocks up to this size travel inside the op record
 BATCH_LIMIT = 6 << 20  # larger batches go to the store by key (the store caps values at 8 MiB)
 _TAG_SPAN = 1 << 24
+PLAN_IDS = 4096  # plan ids the workers hold at most (a decode loop makes new ones every step)
 
 _LIVE: "weakref.WeakSet[ProcessRuntime]" = weakref.WeakSet()
 
@@ -124,6 +126,7 @@ class ProcessRuntime(Runtime):
         self.stats = {"ops": 0, "records": 0, "flushes": 0, "bytes_pushed": 0}
         self._sink: list = []  # (id, ranks, epoch) of dead handles, appended by Handle.__del__
         self._executables = LRU("process.executables", 4096)  # (kernel, in specs, out specs) -> _Executable
+        self._pid_seq = itertools.count(1)  # plan ids are never reused (a worker may still hold a forgotten one)
         self._reset()
         _LIVE.add(self)
 
@@ -133,8 +136,9 @@ class ProcessRuntime(Runtime):
         self._nrec = 0
         self._t_first = 0.0
         self._ready: set = set()  # meshes whose workers run
-        self._defined: set = set()  # plan ids the workers know
-        self._pids: dict = {}
+        # plan key -> (plan id, the ranks its definition went to). Bounded: the ids it drops are
+        # forgotten by those ranks (``_forget``: queued after every record that used them)
+        self._plans = LRU("process.plan_ids", PLAN_IDS, on_evict=functools.partial(self._forget, self._buf))
         self._groups: set = set()  # (mesh, dim) whose process groups exist
         self._dev_args: dict = {}
         self._ops: dict = {}  # seq -> what it was, for error messages
@@ -210,7 +214,7 @@ class ProcessRuntime(Runtime):
         self._world, self._cuda = world, cuda
         for r in range(world):
             self._buf.setdefault(r, [])
-        self._defined.clear()
+        # the plans stay defined: running workers keep theirs across a re-form, and no plan names a new rank
         self._groups.clear()
 
     # -- records ---------------------------------------------------------------------------------
@@ -248,16 +252,30 @@ class ProcessRuntime(Runtime):
             self.flush()
 
     def _define(self, key, rec: tuple, ranks) -> int:
-        """The plan id of ``key``; its definition is queued for ``ranks`` the first time."""
-        pid = self._pids.get(key)
-        if pid is None:
-            pid = self._pids[key] = len(self._pids) + 1
-        if pid not in self._defined:
-            full = (rec[0], pid) + rec[1:]
+        """The plan id of ``key``; its definition is queued for ``ranks`` the first time (and again, under
+        a fresh id, if the id was dropped from the table since)."""
+        hit = self._plans.fast_get(key)  # the common case: one dict lookup
+        if hit is None:
+            hit = self._plans.get(key)
+            if hit is None:
+                hit = (next(self._pid_seq), ranks)
+                self._plans[key] = hit  # may drop old ids: their forget records go before this definition
+                full = (rec[0], hit[0]) + rec[1:]
+                for r in ranks:
+                    self._buf[r].append(full)
+        return hit[0]
+
+    @staticmethod
+    def _forget(buf: dict, dropped: dict) -> None:
+        """The plan table dropped these ids: the ranks that got their definitions drop them too. Every
+        record that used one is already queued (a record is queued right after its id is looked up), and
+        records run in order per worker. (``buf``, not ``self``: the table must not keep the runtime alive.)"""
+        per: dict = {}
+        for pid, ranks in dropped.values():
             for r in ranks:
-                self._buf[r].append(full)
-            self._defined.add(pid)
-        return pid
+                per.setdefault(r, []).append(pid)
+        for r, pids in per.items():
+            buf[r].append(("forget", pids))
 
     def _make_groups(self, mesh: DeviceMesh, dim: int) -> None:
         """new_group is collective over all workers: every worker creates every group, in our order."""
@@ -575,7 +593,8 @@ class ProcessRuntime(Runtime):
                 self.flush()
 
     def worker_stats(self, collectives: bool = False) -> dict:
-        """rank -> {"blocks": live blocks, "bytes": their bytes}, after the queued work (for tests and debugging).
+        """rank -> {"blocks": live blocks, "bytes": their bytes, "defs": plan definitions held}, after the
+        queued work (for tests and debugging).
 
         ``collectives=True`` adds "collectives": {kind: torch.distributed calls this worker made so far}."""
         with self._lock:

@@ -62,7 +62,7 @@ class Worker:
         self.device_index = device_index
         self.parent_pid = parent_pid
         self.t: dict = {}  # handle id -> local block
-        self.defs: dict = {}  # plan id -> what this rank does for it
+        self.defs: dict = {}  # plan id -> what this rank does for it (until a forget record drops it)
         self.groups: dict = {}  # sorted ranks -> process group
         self.calls: Counter = Counter()  # torch.distributed calls by kind (worker_stats(collectives=True))
         self.failed = False
@@ -160,12 +160,18 @@ class Worker:
         for i in ids:
             self.t.pop(i, None)
 
+    def op_forget(self, pids):
+        """The controller's plan table dropped these ids; no later record uses them (new ids replace them)."""
+        for pid in pids:
+            self.defs.pop(pid, None)
+
     def op_empty_cache(self):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     def op_stats(self, req, collectives=False):
-        stats = {"blocks": len(self.t), "bytes": sum(x.numel() * x.element_size() for x in self.t.values())}
+        stats = {"blocks": len(self.t), "bytes": sum(x.numel() * x.element_size() for x in self.t.values()),
+                 "defs": len(self.defs)}
         if collectives:
             stats["collectives"] = dict(self.calls)
         self.store.set(f"st/{req}/{self.rank}", pickle.dumps(stats))
