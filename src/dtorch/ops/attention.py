@@ -35,7 +35,7 @@ from ..redistribute.executor import ring_shift
 from ..runtime.kernels import Kernel, kernel
 from ..spec import DTensorSpec, block_offsets, chunk_size
 from ..tensor import Tensor
-from .registry import OpPlan, describe, dispatch, register, spec_like, to_dtensors
+from .registry import OpPlan, _broadcast_shape, describe, dispatch, register, spec_like, to_dtensors
 
 _NAME = "scaled_dot_product_attention"
 _ULYSSES = ("ulysess_cp", "ulysses_cp")
@@ -69,7 +69,7 @@ def _take(x: torch.Tensor, idx: torch.Tensor, dim: int, lead: int) -> torch.Tens
     """``x.index_select(dim, idx)`` where ``idx`` may differ per device (leading grid dims ``[*g, n]``)."""
     if idx.ndim == 1:
         return x.index_select(dim, idx.to(x.device))
-    g = torch.broadcast_shapes(tuple(x.shape[:lead]), tuple(idx.shape[:lead]))
+    g = _broadcast_shape([tuple(x.shape[:lead]), tuple(idx.shape[:lead])])  # (not torch's: it imports sympy)
     x = x.expand(g + tuple(x.shape[lead:]))
     d = dim % x.ndim
     shape = [1] * x.ndim

@@ -25,7 +25,7 @@ from ..runtime.kernels import get_kernel, kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
 from . import pointwise as pw
-from .registry import OpPlan, _plan, describe, dispatch, register, to_dtensors
+from .registry import OpPlan, _broadcast_shape, _plan, describe, dispatch, register, to_dtensors
 
 
 class InplaceError(OpError, RuntimeError):
@@ -159,12 +159,8 @@ def copy_(self: Tensor, src, non_blocking: bool = False) -> Tensor:
     if src.device_mesh != self.device_mesh:
         src = src.redistribute(self.device_mesh, [Replicate()] * self.device_mesh.ndim)
     if tuple(src.shape) != tuple(self.shape):
-        try:
-            torch.broadcast_shapes(tuple(src.shape), tuple(self.shape))
-            ok = torch.Size(torch.broadcast_shapes(tuple(src.shape), tuple(self.shape))) == self.shape
-        except RuntimeError:
-            ok = False
-        if not ok:
+        # (registry's broadcast, not torch.broadcast_shapes: that one imports sympy on its first call)
+        if _broadcast_shape([tuple(src.shape), tuple(self.shape)]) != tuple(self.shape):
             raise InplaceError(f"dtorch copy_: src of shape {list(src.shape)} cannot be broadcast to the "
                                f"destination's shape {list(self.shape)}")
         src = src.expand(tuple(self.shape))

@@ -174,16 +174,25 @@ def _rms_norm_kernel(x, *w, k: int, eps: float):
 
 def _norm_rule(name, specs, normalized_shape, kw):
     x = specs[0]
-    # torch on meta tensors validates shapes (with torch's messages) and gives the output dtype
+    # The output has x's shape, and its dtype comes from torch on small tensors (meta_call's out_shape):
+    # those are cut to at most 2 per dim, so the norm runs over their own trailing sizes. Shapes torch
+    # refuses go to the meta run with the given normalized_shape instead, which raises torch's error.
+    k = len(normalized_shape)
+    fits = k <= x.ndim and x.shape[x.ndim - k:] == normalized_shape and all(
+        s.shape == normalized_shape for s in specs[1:])
+
+    def shape_of(xi):
+        return tuple(xi.shape[xi.ndim - k:]) if fits else normalized_shape
+
     if name == "layer_norm":
         def meta(xi, *wb):
             w = wb[0] if kw["has_weight"] else None
             b = wb[-1] if kw["has_bias"] else None
-            return F.layer_norm(xi, normalized_shape, w, b)
+            return F.layer_norm(xi, shape_of(xi), w, b)
     else:
         def meta(xi, *w):
-            return F.rms_norm(xi, normalized_shape, *w)
-    out_meta = meta_call(meta, specs)
+            return F.rms_norm(xi, shape_of(xi), *w)
+    out_meta = meta_call(meta, specs, out_shape=x.shape if fits else None)
     first_norm = x.ndim - len(normalized_shape)
     # dims before the normalized ones keep their shards; everything else must be whole
     pl = [p if isinstance(p, Shard) and p.dim < first_norm else Replicate() for p in x.placements]

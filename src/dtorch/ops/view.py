@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, reduce
 
 import numpy as np
 import torch
@@ -389,7 +389,8 @@ def _expand_rule(specs, sizes):
 
 def _repeat_rule(specs, reps):
     spec = specs[0]
-    meta_call(lambda t: t.repeat(reps), specs)  # torch's checks and messages
+    if len(reps) < spec.ndim or any(r < 0 for r in reps):
+        meta_call(lambda t: t.repeat(reps), specs)  # raises, with torch's message (the meta run is slow only once)
     new = len(reps) - spec.ndim
     dim_map = tuple(NewDim(r) for r in reps[:new]) + tuple(
         InputDim(d) if r == 1 else Repeat(InputDim(d), r) for d, r in enumerate(reps[new:]))
@@ -429,8 +430,26 @@ def _split_rule(specs, dim, sizes, squeeze):
                   {"dim": dim, "sizes": sizes, "squeeze": squeeze}, multi_output=True)
 
 
+def _cat_shape(shapes, dim, stack) -> tuple | None:
+    """torch's output shape of cat / stack of ``shapes`` along ``dim``, or None where torch refuses them
+    (the meta run then raises torch's error). The front end has dropped cat's legacy 1-D empty inputs."""
+    first = shapes[0]
+    nd = len(first) + stack
+    if nd == 0 or not -nd <= dim < nd:  # (cat refuses zero-dim tensors)
+        return None
+    d = dim % nd
+    if stack:
+        return first[:d] + (len(shapes),) + first[d:] if all(s == first for s in shapes) else None
+    for s in shapes:
+        if len(s) != nd or any(a != b for k, (a, b) in enumerate(zip(s, first)) if k != d):
+            return None
+    return first[:d] + (sum(s[d] for s in shapes),) + first[d + 1:]
+
+
 def _cat_rule(specs, dim, stack):
-    out_meta = meta_call(lambda *ts: (torch.stack if stack else torch.cat)(ts, dim), specs)
+    # the dtype (type promotion over the inputs) from torch on small tensors, the shape from _cat_shape
+    out_meta = meta_call(lambda *ts: (torch.stack if stack else torch.cat)(ts, dim), specs,
+                         out_shape=_cat_shape([s.shape for s in specs], dim, stack))
     d = dim % out_meta.ndim
     to_out = (lambda e: e + 1 if e >= d else e) if stack else (lambda e: e)
     to_in = (lambda o: o - 1 if o > d else o) if stack else (lambda o: o)
@@ -843,6 +862,9 @@ def cat(tensors, dim=0, *, axis=None):
     dim = axis if axis is not None else dim
     # torch skips 1-D empty tensors when concatenating higher-rank ones (legacy behavior)
     kept = [t for t in xs if not (tuple(t.shape) == (0,) and any(u.ndim > 1 for u in xs))]
+    if len(kept) < len(xs):  # the dropped ones still take part in torch's type promotion
+        dtype = reduce(torch.promote_types, [t.dtype for t in xs])
+        kept = [t if t.dtype == dtype else t.to(dtype) for t in kept]
     return dispatch("cat", _cat_rule, kept, (operator.index(dim), False))
 
 
