@@ -6,6 +6,7 @@ import numbers
 import torch
 
 from ..graph import Graph
+from ..ops.nn import check_token_ids
 from ..placement import Replicate, Shard
 from . import functional as F
 from ._layout import init_enabled, make_param, module_mesh, on_mesh, placements_on, with_placement
@@ -47,6 +48,8 @@ class Embedding(Module):
         self.weight = make_param(w, mesh, placements_on(mesh, tp_dim, Shard(0 if vocab_parallel else 1)))
 
     def redistribute_input(self, ids, *args, **kwargs):
+        if isinstance(ids, torch.Tensor) and ids.device.type == "cpu":
+            check_token_ids(ids, self.num_embeddings)  # still on the controller: no device waits for it
         # token ids are never split over tp: every tp device needs every token for its feature slice
         ids = with_placement(on_mesh(ids, self.weight.device_mesh), self.tp_dim, Replicate())
         return (ids, *args), kwargs

@@ -34,7 +34,7 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 # -- embedding -------------------------------------------------------------------------------------
 
-def _check_ids(ids: torch.Tensor, vocab: int) -> None:
+def check_token_ids(ids: torch.Tensor, vocab: int) -> None:
     """Token ids must lie in [0, vocab), as torch requires (a vocab-sharded lookup would give zero rows).
 
     Where ids live on the CPU this is a plain check with a clear error. On an accelerator it is an
@@ -59,7 +59,7 @@ def _check_ids(ids: torch.Tensor, vocab: int) -> None:
 def _embedding_kernel(ids, weight, *, lead, masked: bool, vocab: int, vocab_off=0):
     vl, d = weight.shape[-2], weight.shape[-1]
     idx = ids.long()
-    _check_ids(idx, vocab)
+    check_token_ids(idx, vocab)
     if masked:
         idx = idx - per_device(vocab_off, idx, lead)
         valid = (idx >= 0) & (idx < vl)
@@ -126,11 +126,11 @@ def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, sca
 
     ``padding_idx``, ``scale_grad_by_freq`` and ``sparse`` only change gradients in torch, so the
     forward value ignores them. Ids outside [0, V) raise, like torch, whatever the weight's layout:
-    torch ids on the CPU are checked here, before anything runs; others by the kernel (``_check_ids``).
+    torch ids on the CPU are checked here, before anything runs; others by the kernel (``check_token_ids``).
     """
     if isinstance(input, torch.Tensor) and input.device.type == "cpu" and isinstance(weight, (Tensor, torch.Tensor)) \
             and weight.ndim == 2 and not (input.is_floating_point() or input.is_complex()):
-        _check_ids(input, weight.shape[0])  # the ids are on the controller already: no device is waited for
+        check_token_ids(input, weight.shape[0])  # the ids are on the controller already: no device is waited for
     if max_norm is not None:
         raise OpError("dtorch.embedding: max_norm renormalizes the weight in place, which dtorch never does; "
                       "renormalize the weight explicitly and call embedding without max_norm")
