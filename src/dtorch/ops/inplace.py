@@ -145,7 +145,7 @@ def _copy_rule(specs):
     target, src = specs
     # src arrives in target's shape and placements (the caller broadcast it); its dtype is cast by copy_
     return OpPlan((target, DTensorSpec(target.mesh, target.placements, target.shape, src.dtype)), (target,),
-                     _copy_kernel)
+                  _copy_kernel)
 
 
 @register("copy_", rule=_copy_rule, kernel=_copy_kernel, public=False, methods=("copy_",))
