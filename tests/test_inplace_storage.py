@@ -159,3 +159,25 @@ def test_reference_backend_writes_and_copies_on_write():
         x.copy_(x * 2)
         torch.testing.assert_close(x.to_torch(), (full + 1) * 2)
         torch.testing.assert_close(c.to_torch(), full)
+
+
+def test_version_counts_writes_and_memory_stats_follow_a_copy_on_write():
+    g = dtorch.Graph.default_graph()
+    g.track_memory()
+    try:
+        x = dtorch.Tensor(torch.zeros(8, 4), device_mesh=MESH, placements=[Shard(0), Replicate()])
+        assert x._version == 0
+        c = x.clone()
+        # the clone's handle counts as its own storage from the start (an upper bound until a write copies)
+        before = g.get_memory_stats(MESH)
+        x.add_(1.0)  # shared with c: x's blocks are copied first; x's old handle dies, its copy is counted
+        after = g.get_memory_stats(MESH)
+        assert x._version == 1 and c._version == 0
+        assert after == before
+        x.add_(1.0)  # now its own: in place, nothing new
+        assert g.get_memory_stats(MESH) == after and x._version == 2
+        del c
+        per_device = 8 * 4 * 4 // 2  # [4, 4] float32 per device (Shard(0) over 2, Replicate over 2)
+        assert all(g.get_memory_stats(MESH)[k]["allocated"] == after[k]["allocated"] - per_device for k in after)
+    finally:
+        g.track_memory(False)

@@ -24,7 +24,8 @@ _new_object = object.__new__
 
 
 class Tensor:
-    __slots__ = ("_spec", "_h", "_graph", "__weakref__")
+    # _writes: in-place writes so far (unset until the first; read through ``_version``)
+    __slots__ = ("_spec", "_h", "_graph", "_writes", "__weakref__")
 
     def __init__(self, data, *, device_mesh: DeviceMesh | None = None, placements=None, dtype: torch.dtype | None = None):
         graph = Graph.default_graph()
@@ -60,6 +61,21 @@ class Tensor:
         if graph.tracks_memory:
             graph._on_handle(handle, spec)
         return t
+
+    def _written(self, handle) -> None:
+        """An in-place op wrote this tensor: ``handle`` holds its value now (its own handle, or the
+        runtime's copy-on-write copy)."""
+        if handle is not self._h:
+            self._h = handle
+            if self._graph.tracks_memory:
+                self._graph._on_handle(handle, self._spec)
+        self._writes = self._version + 1
+
+    @property
+    def _version(self) -> int:
+        """How many in-place writes this tensor has had (torch's ``Tensor._version``): a cache of its
+        value (a copy on another mesh) is stale when this moved."""
+        return getattr(self, "_writes", 0)
 
     @classmethod
     def from_blocks(cls, blocks, *, device_mesh: DeviceMesh, placements, shape) -> "Tensor":

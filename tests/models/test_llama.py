@@ -567,6 +567,13 @@ def test_tied_embeddings_are_one_parameter(dims):
     torch.testing.assert_close(model.model.embed_tokens.weight.to_torch(), other.model.embed_tokens.weight.detach())
     with torch.no_grad():
         torch.testing.assert_close(model(ids), other(ids).logits, rtol=RTOL, atol=ATOL)
+    # in-place writes (the first may copy on write; later ones keep the parameter's handle): the pp copy
+    # must notice them all the same
+    for scale in (0.5, 3.0):
+        model.model.embed_tokens.weight.mul_(scale)
+        with torch.no_grad():
+            other.model.embed_tokens.weight.mul_(scale)
+            torch.testing.assert_close(model(ids), other(ids).logits, rtol=RTOL, atol=ATOL)
 
 
 # -- the documented script: the same matrix on simulated "cuda" meshes -------------------------------

@@ -38,3 +38,26 @@ def test_layout_matches_inprocess_and_hugging_face(proc, ref, layout):
     assert (p_counts, p_bytes) == (counts, nbytes)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+
+
+def test_tied_weight_copy_follows_in_place_writes(proc):
+    # on workers the last stage's copy of a tied weight is real memory: an in-place write keeps the
+    # parameter's handle, so only its _version tells the copy is stale
+    import transformers
+
+    from dtorch.models.llama import LlamaForCausalLM
+    from tests.models.test_llama import make_config
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(make_config(tie_word_embeddings=True)).eval()
+    ids = torch.randint(0, 160, (2, 6))
+    with using(proc):
+        mesh = dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["pp"])
+        model = LlamaForCausalLM(hf.config, mesh)
+        model.load_state_dict(hf.state_dict())
+        w = model.model.embed_tokens.weight
+        for scale in (0.5, 3.0):
+            w.mul_(scale)
+            with torch.no_grad():
+                hf.model.embed_tokens.weight.mul_(scale)
+                torch.testing.assert_close(model(ids), hf(ids).logits, rtol=RTOL, atol=ATOL)

@@ -367,18 +367,18 @@ class TiedLMHead(nn.Module):
         self.weight = weight
         self.out_features, self.in_features = weight.shape
         self.device_mesh = device_mesh  # where it runs (the last pipeline stage)
-        self._copy = (None, None)  # (the parameter's storage handle it was made from, the copy)
+        self._copy = (None, None)  # ((the parameter's handle, its _version) it was made from, the copy)
 
     def _weight_here(self) -> Tensor:
         w = self.weight
         if w.device_mesh == self.device_mesh:
             return w
         source, copy = self._copy
-        # every change of a parameter's values gives it a new storage handle (Parameter._set: loading,
-        # casting); dtorch writes nothing in place, so an unchanged handle means unchanged values
-        if source is not w._h:
+        # a parameter's values change with a new storage handle (Parameter._set: loading, casting) or an
+        # in-place write (which counts in its _version): either makes the copy stale
+        if source != (w._h, w._version):
             copy = w.redistribute(self.device_mesh, w.placements)  # stage meshes share their dim names
-            self._copy = (w._h, copy)
+            self._copy = ((w._h, w._version), copy)
         return copy
 
     def redistribute_input(self, x, *args, **kwargs):

@@ -83,7 +83,7 @@ def dispatch_inplace(name: str, rule, tensors, static: tuple, kwargs: dict | Non
         if result.dtype != tspec.dtype:
             result = pw.to_dtype(result, tspec.dtype)
         handle = redistribute_spec(result, tspec)._h
-    target._h = handle
+    target._written(handle)
     return target
 
 
