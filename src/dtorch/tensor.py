@@ -330,10 +330,10 @@ class Tensor:
         return id(self)
 
     def __setitem__(self, index, value):
-        # Blocks may be shared by replicas and views, so dtorch never writes in place.
         raise TypeError(
-            "dtorch tensors are not written in place; build the new value instead, e.g. "
-            "x = dtorch.where(mask, value, x), x.masked_fill(mask, value) or dtorch.cat([...])"
+            "item assignment (x[index] = value) is not supported on dtorch tensors yet; write in place with a "
+            "mask instead, e.g. x.masked_fill_(mask, value) or x.copy_(dtorch.where(mask, value, x)), or build "
+            "the new value with dtorch.cat([...])"
         )
 
     def contiguous(self, memory_format=None) -> "Tensor":

@@ -181,8 +181,12 @@ def test_torch_tensor_on_the_left_tensor_keywords_and_torch_spellings():
     check(dtorch.maximum(x, other=y), torch.maximum(A, B))
     check(x.masked_fill(x > 0, torch.tensor(1.5)), A.masked_fill(A > 0, 1.5))  # 0-d tensor value
     check(F.relu(x, inplace=False), F.relu(A))
-    with pytest.raises(dtorch.OpError, match="not written in place"):
-        F.relu(x, inplace=True)
+    for fn in (F.relu, F.silu, lambda t, inplace: F.leaky_relu(t, 0.1, inplace=inplace)):  # inplace=True: x written
+        xi, Ai = x.clone(), A.clone()
+        out, expected = fn(xi, inplace=True), fn(Ai, inplace=True)
+        assert out is xi and xi.placements == x.placements
+        check(xi, expected)
+        check(x, A)  # the clone's source is untouched
 
 
 # -- out= and comparisons with non-tensors -------------------------------------------------------

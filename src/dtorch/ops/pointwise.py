@@ -257,10 +257,11 @@ def _elementwise_op(name: str, fn: str, *, torch_fns=(), functional=False, metho
     def op(input, *args, inplace: bool = False, out=None, **kwargs):
         if type(input) is Tensor and not args and not kwargs and not inplace and out is None:
             return dispatch(name, _pointwise_rule, (input,), unary_static)
-        if inplace:
-            raise OpError(f"dtorch.{name}(inplace=True): dtorch tensors are not written in place; "
-                          f"use the returned tensor (inplace=False)")
         reject_out(f"dtorch.{name}", out)  # else the kernel would write into out's shared blocks
+        if inplace:  # F.relu(x, inplace=True): the result written into x's own storage, x returned
+            if not isinstance(input, Tensor):
+                raise OpError(f"dtorch.{name}(inplace=True) writes into a dtorch.Tensor, got {type(input).__name__}")
+            return input.copy_(pointwise(name, fn, input, *args, **kwargs))
         return pointwise(name, fn, input, *args, **kwargs)
 
     op.__name__ = name
@@ -270,7 +271,7 @@ def _elementwise_op(name: str, fn: str, *, torch_fns=(), functional=False, metho
 
 
 def _pos(self):
-    return self  # +x: the value itself (dtorch tensors are never written in place, so no copy is needed)
+    return self  # +x: the tensor itself, as in torch
 
 
 # Tensor attributes beyond the method of the op's own name
