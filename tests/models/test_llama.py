@@ -375,8 +375,31 @@ def test_head_and_layer_counts_a_layout_cannot_serve(dims, config, message):
 def test_ulysses_needs_a_sequence_it_can_split():
     mesh = dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["ulysess_cp"])
     model = LlamaForCausalLM(make_config(), mesh)
+    ids = torch.randint(0, 160, (2, 5), generator=torch.Generator().manual_seed(0))
+    # dtorch ids keep their layout: the uneven split is refused with the fix spelled out
     with pytest.raises(dtorch.OpError, match=r"sequence lengths .*5.* divisible by ulysess_cp \(2\)"):
-        model(torch.zeros(2, 5, dtype=torch.long))
+        model(dtorch.Tensor(ids, device_mesh=mesh))
+    # torch ids are padded at the end to an even split (causal: the real positions do not see the padding)
+    model.load_state_dict(hf_model().state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf_model()(ids).logits, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("dims,seq", [((("ring_cp", 3),), 10), ((("ulysess_cp", 2), ("ring_cp", 2)), 6),
+                                      ((("ring_cp", 4),), 3)], ids=str)
+def test_uneven_sequences_are_padded_to_an_even_split(dims, seq):
+    names, sizes = zip(*dims)
+    mesh = dtorch.init_device_mesh("cpu", sizes, mesh_dim_names=list(names))
+    model = LlamaForCausalLM(make_config(), mesh)
+    model.load_state_dict(hf_model().state_dict())
+    ids = torch.randint(0, 160, (2, seq), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = model(ids)
+        torch.testing.assert_close(got, hf_model()(ids).logits, rtol=RTOL, atol=ATOL)
+    assert got.shape == (2, seq, 160) and got.is_contiguous()
+    # the dynamic rope's frequencies depend on the length: no padding there (exactness over speed)
+    dyn = LlamaForCausalLM(make_config(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), mesh)
+    assert dyn._even_sequence_padding(ids) == 0 and model._even_sequence_padding(ids) == -seq % mesh.size()
 
 
 def test_state_dict_mismatches():

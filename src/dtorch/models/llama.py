@@ -421,15 +421,41 @@ class LlamaForCausalLM(nn.Module):
             raise TypeError("LlamaForCausalLM(input_ids) takes only token ids (no masks, caches or labels)")
         # remembered for redistribute_output: logits go back the way the ids came
         self._caller = (input_ids.device_mesh, input_ids.placements) if isinstance(input_ids, Tensor) else None
+        self._real_len = None
+        pad = self._even_sequence_padding(input_ids)
+        if pad:
+            # Attention is causal, so positions appended at the end change nothing before them; with the
+            # sequence split evenly over the cp dims every op keeps to the stacked fast path (an uneven
+            # split runs each op once per device). The extra logits are cut off in redistribute_output.
+            self._real_len = input_ids.shape[1]
+            input_ids = torch.cat([input_ids, input_ids.new_zeros(input_ids.shape[0], pad)], dim=1)
         return (input_ids,), {}
+
+    def _even_sequence_padding(self, input_ids) -> int:
+        """Positions to append to torch ids so the cp dims split the sequence evenly (0: none needed).
+
+        Not for rope types whose frequencies depend on the sequence length (dynamic, longrope): extra
+        positions would change them. Not for dtorch ids: their logits keep the caller's layout.
+        """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.is_floating_point() \
+                or "dynamic" in self.model.rotary_emb.rope_type \
+                or self.model.rotary_emb.rope_type == "longrope":
+            return 0
+        mesh = self.model.stage_meshes[0]
+        cp = 1
+        for name, size in zip(mesh.dim_names or (), mesh.shape):
+            cp *= size if name in CP_DIMS else 1
+        return -input_ids.shape[1] % cp
 
     def forward(self, input_ids) -> Tensor:
         return self.lm_head(self.model(input_ids))  # ids laid out by LlamaModel; [B, S, H] -> [B, S, vocab]
 
     def redistribute_output(self, logits: Tensor):
         caller, self._caller = self._caller, None
+        real, self._real_len = self._real_len, None
         if caller is None:
-            return logits.to_torch()
+            out = logits.to_torch()
+            return out if real is None else out[:, :real].contiguous()
         mesh, placements = caller
         return logits.redistribute(mesh, [Replicate() if isinstance(p, Partial) else p for p in placements])
 
