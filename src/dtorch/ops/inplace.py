@@ -13,6 +13,7 @@ is computed out of place, laid out like ``x`` and becomes ``x``'s storage: same 
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import numbers
 
@@ -37,9 +38,14 @@ def _inplace_kernel(target, *xs, inner: str, inner_kw: dict, lead: int = 0, **de
     """Run the op's own kernel on (target, *xs), then copy the result into ``target`` (cast to its dtype)."""
     k = get_kernel(inner)
     kw = dict(inner_kw, **device_kw)
-    if "lead" in inspect.signature(k.fn).parameters:
+    if _takes_lead(inner):
         kw["lead"] = lead
     target.copy_(k.fn(target, *xs, **kw))
+
+
+@functools.lru_cache(maxsize=1024)  # one entry per registered kernel name
+def _takes_lead(name: str) -> bool:
+    return "lead" in inspect.signature(get_kernel(name).fn).parameters
 
 
 def dispatch_inplace(name: str, rule, tensors, static: tuple, kwargs: dict | None = None, *,
