@@ -134,6 +134,9 @@ def test_errors_name_the_problem_and_leave_the_target_usable():
                       (RuntimeError, lambda: torch.arange(4).add_(0.5))]:
         with pytest.raises(exc):  # torch refuses the same calls
             call()
+    other = dtorch.Tensor(torch.ones(4, 3), device_mesh=dtorch.DeviceMesh("cpu", [[4, 5], [6, 7]]))
+    with pytest.raises(dtorch.OpError, match="different meshes"):
+        x.add_(other)
     torch.testing.assert_close(x.to_torch(), full * 1.0)
     x.add_(1)
     torch.testing.assert_close(x.to_torch(), full + 1)

@@ -20,6 +20,7 @@ import numbers
 import torch
 
 from ..errors import OpError
+from ..graph import check_one_graph
 from ..placement import Replicate
 from ..redistribute import redistribute_spec
 from ..runtime.kernels import get_kernel, kernel
@@ -56,10 +57,8 @@ def dispatch_inplace(name: str, rule, tensors, static: tuple, kwargs: dict | Non
     """
     target = tensors[0]
     tspec = target._spec
-    for t in tensors[1:]:
-        if t._graph is not target._graph or t.device_mesh != tspec.mesh:
-            # the out-of-place path says it clearly (two graphs, two meshes)
-            dispatch(name, rule, tensors, static, kwargs)
+    if any(t._graph is not target._graph for t in tensors[1:]):
+        check_one_graph(name, tensors)  # (two meshes: the plan below says so)
     c = _plan(name, rule, tuple(t._spec for t in tensors), static)
     plan = c.plan
     out = plan.out_specs[0]
