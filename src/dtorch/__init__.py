@@ -19,6 +19,11 @@ from .ops.registry import PUBLIC as _PUBLIC
 # the one place Tensor gets its operator methods (x.sum(), x + y, x.T): the op table
 Tensor._install_ops(_ops.TABLE, **_ops.TENSOR_HOOKS)
 globals().update(_PUBLIC)
+from . import autograd  # noqa: E402
+from .autograd import enable_grad, is_grad_enabled, no_grad, set_grad_enabled  # noqa: E402,F401
+from .autograd.tensor_methods import install as _install_autograd  # noqa: E402
+
+_install_autograd(Tensor)
 
 from .visualize import visualize_sharding  # noqa: E402
 from . import testing  # noqa: E402,F401

@@ -25,7 +25,9 @@ _new_object = object.__new__
 
 class Tensor:
     # _writes: in-place writes so far (unset until the first; read through ``_version``)
-    __slots__ = ("_spec", "_h", "_graph", "_writes", "__weakref__")
+    # _ag: autograd metadata (dtorch.autograd.node.AutogradMeta), None when the tensor has no history and
+    # requires no grad (the one slot every op reads to decide whether to record)
+    __slots__ = ("_spec", "_h", "_graph", "_writes", "_ag", "__weakref__")
 
     def __init__(self, data, *, device_mesh: DeviceMesh | None = None, placements=None, dtype: torch.dtype | None = None):
         graph = Graph.default_graph()
@@ -49,6 +51,7 @@ class Tensor:
         self._spec = spec
         self._h = handle
         self._graph = graph
+        self._ag = None
         if graph.tracks_memory:  # memory accounting: the Graph counts the handle until it dies
             graph._on_handle(handle, spec)
 
@@ -58,6 +61,7 @@ class Tensor:
         t._spec = spec
         t._h = handle
         t._graph = graph
+        t._ag = None
         if graph.tracks_memory:
             graph._on_handle(handle, spec)
         return t
@@ -316,15 +320,7 @@ class Tensor:
                 out = out.redistribute(target_mesh, [_REPLICATE] * target_mesh.ndim)
         return out
 
-    def detach(self) -> "Tensor":
-        """A new Tensor object with the same value (no autograd history to cut here). Unlike torch, an
-        in-place write to one does not show in the other (they share blocks copy-on-write)."""
-        return type(self)._make(self._spec, self._graph.runtime.alias(self._h, self._spec), self._graph)
-
-    def clone(self, *, memory_format=None) -> "Tensor":
-        """A new Tensor object with the same value. The blocks are copied lazily: an in-place write to
-        either tensor copies first (the runtime's copy-on-write), so neither sees the other's."""
-        return type(self)._make(self._spec, self._graph.runtime.alias(self._h, self._spec), self._graph)
+    # detach, clone, requires_grad, grad, backward: dtorch.autograd.tensor_methods (installed by dtorch/__init__)
 
     def __hash__(self):
         return id(self)

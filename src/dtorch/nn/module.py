@@ -13,6 +13,8 @@ from typing import Iterator, NamedTuple
 
 import torch
 
+from ..autograd.mode import no_grad
+from ..autograd.node import AutogradMeta
 from ..context import get_default_device_mesh
 from ..errors import DTorchError
 from ..mesh import DeviceMesh
@@ -31,16 +33,21 @@ class Parameter(Tensor):
     """A dtorch tensor registered as a module parameter (``Parameter(data)`` shares ``data``'s storage)."""
 
     __slots__ = ()
-    requires_grad = True  # inference only: kept for torch-style code that reads it
 
     def __init__(self, data=None, requires_grad: bool = True, *, device_mesh: DeviceMesh | None = None, placements=None):
         super().__init__(torch.empty(0) if data is None else data, device_mesh=device_mesh, placements=placements)
+        # a leaf of its own (never the history of ``data``); requires grad like torch.nn.Parameter
+        self._ag = AutogradMeta(requires_grad=True) if requires_grad and self.dtype.is_floating_point else None
 
     def _set(self, value: Tensor) -> None:
         """Take ``value``'s storage and layout in place, so every holder of this parameter sees it."""
         # the old storage is freed (and leaves the memory stats) when its last holder lets go of it
         # a handle of its own on value's blocks: an in-place write to either copies first
+        ag = self._ag
         self._init(value._spec, value._graph.runtime.alias(value._h, value._spec), value._graph)
+        self._ag = ag
+        if ag is not None and ag.grad is not None and ag.grad._spec.shape != value._spec.shape:
+            ag.grad = None
 
     def __repr__(self):
         return "Parameter containing:\n" + super().__repr__()
@@ -425,7 +432,18 @@ class Module:
         return self.train(False)
 
     def requires_grad_(self, requires_grad: bool = True) -> "Module":
+        for p in self.parameters():
+            p.requires_grad_(requires_grad)
         return self
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.parameters():
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    with no_grad():
+                        p.grad.zero_()
 
     # -- printing ----------------------------------------------------------------------------------
     def extra_repr(self) -> str:

@@ -19,6 +19,7 @@ import numbers
 
 import torch
 
+from ..autograd.mode import is_grad_enabled as _grad_enabled
 from ..errors import OpError
 from ..graph import check_one_graph
 from ..placement import Replicate
@@ -59,6 +60,8 @@ def dispatch_inplace(name: str, rule, tensors, static: tuple, kwargs: dict | Non
     tspec = target._spec
     if any(t._graph is not target._graph for t in tensors[1:]):
         check_one_graph(name, tensors)  # (two meshes: the plan below says so)
+    if _grad_enabled() and any(t._ag is not None for t in tensors):
+        return _recorded_inplace(name, rule, tensors, static, kwargs, writes)
     c = _plan(name, rule, tuple(t._spec for t in tensors), static)
     plan = c.plan
     out = plan.out_specs[0]
@@ -89,6 +92,27 @@ def dispatch_inplace(name: str, rule, tensors, static: tuple, kwargs: dict | Non
             result = pw.to_dtype(result, tspec.dtype)
         handle = redistribute_spec(result, tspec)._h
     target._written(handle)
+    return target
+
+
+def _recorded_inplace(name, rule, tensors, static, kwargs, writes: bool) -> Tensor:
+    """An in-place op while autograd records: the value is computed out of place (recorded like any op) and
+    becomes the target's storage and history, as torch rebases the target onto the op's node."""
+    target = tensors[0]
+    tspec = target._spec
+    ag = target._ag
+    if ag is not None and ag.requires_grad and ag.grad_fn is None:
+        raise InplaceError(f"dtorch.{name}_: a leaf tensor that requires grad is being used in an in-place operation; "
+                           "write it inside `with dtorch.no_grad():` (as optimizers do) or use the out-of-place op")
+    if writes:  # copy_: the value is the source (laid out like the target by the caller), cast
+        result = tensors[1].clone()
+    else:
+        result = dispatch(name, rule, tensors, static, kwargs)
+    if result.dtype != tspec.dtype:
+        result = pw.to_dtype(result, tspec.dtype)
+    result = redistribute_spec(result, tspec)
+    target._written(result._h)
+    target._ag = result._ag
     return target
 
 

@@ -27,7 +27,9 @@ from .._lru import LRU
 from ..errors import DTorchError, OpError
 from ..graph import check_one_graph
 from ..placement import Replicate
-from ..redistribute import redistribute_spec
+from ..autograd.dispatched import record_kernel
+from ..autograd.mode import is_grad_enabled as _grad_enabled
+from ..redistribute import relayout
 from ..runtime.kernels import Kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor, as_torch
@@ -149,6 +151,7 @@ def dispatch(name: str, rule: Callable, tensors, static: tuple = (), kwargs: dic
         else:
             c = _plan(name, rule, (s0, s1), static)
         handles = [t0._h, t1._h]
+        recording = t0._ag is not None or t1._ag is not None
     elif n == 1:
         s0 = t0._spec
         last = _last1_get(name)
@@ -157,6 +160,7 @@ def dispatch(name: str, rule: Callable, tensors, static: tuple = (), kwargs: dic
         else:
             c = _plan(name, rule, (s0,), static)
         handles = [t0._h]
+        recording = t0._ag is not None
     else:
         for t in tensors:
             if t._graph is not graph:
@@ -164,11 +168,12 @@ def dispatch(name: str, rule: Callable, tensors, static: tuple = (), kwargs: dic
                 break
         c = _plan(name, rule, tuple([t._spec for t in tensors]), static)
         handles = [t._h for t in tensors]
+        recording = any(t._ag is not None for t in tensors)
     rt = graph.runtime
     e = c.executable
     ex = e[2] if e[0] is rt or e[1]() is rt else _executable(c, rt, name, tensors)
     if not c.direct:  # some input must be laid out as the plan says first
-        handles = [(t if t._spec == s else redistribute_spec(t, s))._h for t, s in zip(tensors, c.plan.in_specs)]
+        handles = [(t if t._spec == s else relayout(t, s))._h for t, s in zip(tensors, c.plan.in_specs)]
     if kwargs is None:
         kwargs = c.kwargs
     else:
@@ -187,8 +192,14 @@ def dispatch(name: str, rule: Callable, tensors, static: tuple = (), kwargs: dic
         raise OpError(f"dtorch.{name} failed on inputs {describe([t._spec for t in tensors])}: "
                       f"{type(exc).__name__}: {exc}") from exc
     if c.out_spec is None:  # several outputs
-        return tuple(_make(s, h, graph) for s, h in zip(c.plan.out_specs, outs))
-    return _make(c.out_spec, outs[0], graph)
+        res = tuple(_make(s, h, graph) for s, h in zip(c.plan.out_specs, outs))
+    else:
+        res = _make(c.out_spec, outs[0], graph)
+    if recording and _grad_enabled():  # an input requires grad: the output remembers how it was made
+        plan = c.plan
+        record_kernel(name, plan.kernel, plan.in_specs, plan.out_specs, kwargs, c.device_args, tensors, handles,
+                      res if c.out_spec is None else (res,))
+    return res
 
 
 def _plan(name, rule, specs, static) -> _Compiled:

@@ -1,6 +1,9 @@
 """Redistribution: plan (pure, cached) then execute step by step on the runtime."""
 from __future__ import annotations
 
+from ..autograd.dispatched import record_redistribute
+from ..autograd.mode import is_grad_enabled
+from ..autograd.node import requires_grad
 from ..errors import MeshError
 from ..mesh import DeviceMesh
 from ..placement import normalize_placements
@@ -28,6 +31,16 @@ def redistribute(t, device_mesh: DeviceMesh | None = None, placements=None):
 
 
 def redistribute_spec(t, dst: DTensorSpec):
+    """``t`` laid out as ``dst``; differentiable (the gradient goes back unchanged, or to the source mesh)."""
+    out = relayout(t, dst)
+    if out is not t and t._ag is not None and is_grad_enabled() and requires_grad(t):
+        record_redistribute(t, out)
+    return out
+
+
+def relayout(t, dst: DTensorSpec):
+    """``t`` laid out as ``dst``, recording no autograd history (the op dispatch lays out its inputs with it:
+    the op's own backward accounts for them)."""
     src = t._spec
     if src == dst:
         return t

@@ -12,6 +12,7 @@ broadcast against a local tensor.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -50,7 +51,60 @@ def kernel(name: str, *, align: bool = False, bind: Callable | None = None):
 
 
 def get_kernel(name: str) -> Kernel:
-    return _REGISTRY[name]
+    k = _REGISTRY.get(name)
+    if k is None and name.startswith(VJP_PREFIX):
+        k = vjp_kernel(get_kernel(name[len(VJP_PREFIX):]))
+    if k is None:
+        raise KeyError(name)
+    return k
+
+
+VJP_PREFIX = "vjp:"
+
+
+def vjp_kernel(forward: Kernel) -> Kernel:
+    """The vector-Jacobian product of ``forward`` on local blocks, by torch's own autograd.
+
+    ``fn(*inputs, *cotangents, lead, vjp=(diff, has_ct), **forward_kwargs)``: ``diff[i]`` says whether input
+    i gets a gradient, ``has_ct[j]`` whether output j has a cotangent (those come after the inputs, in
+    order). Returns the gradients of the ``diff`` inputs, each of its input's block shape. The forward is
+    recomputed on the blocks (cheap next to communication; no state is kept on the devices between the
+    forward and the backward). A derived kernel, so every backend finds it by name (``vjp:<forward>``).
+    """
+    name = VJP_PREFIX + forward.name
+    k = _REGISTRY.get(name)
+    if k is not None:
+        return k
+    wants_lead = "lead" in inspect.signature(forward.fn).parameters
+    fwd, align = forward.fn, forward.align
+
+    def fn(*args, lead=0, vjp, **kw):
+        diff, has_ct = vjp
+        n_in = len(diff)
+        xs, cts = args[:n_in], args[n_in:]
+        # stacked grids store a replicated block once (grid dim 1): expand every input to the full grid so
+        # that each device's gradient stays its own (a broadcast would sum them over devices)
+        grid = torch.broadcast_shapes(*(t.shape[:lead] for t in args)) if lead else ()
+        rank = max((x.ndim - lead for x in xs if isinstance(x, torch.Tensor)), default=0)
+        with torch.enable_grad():
+            leaves, call = [], []
+            for x, d in zip(xs, diff):
+                if d:
+                    x = x.detach().expand(grid + x.shape[lead:]).requires_grad_()
+                    leaves.append(x)
+                if align and x.ndim - lead < rank:  # what the executable does for aligned kernels
+                    x = x.reshape(x.shape[:lead] + (1,) * (rank - x.ndim + lead) + x.shape[lead:])
+                call.append(x)
+            out = fwd(*call, lead=lead, **kw) if wants_lead else fwd(*call, **kw)
+            outs = out if isinstance(out, tuple) else (out,)
+            pairs = [(y, c.expand(y.shape)) for y, c in zip([y for y, h in zip(outs, has_ct) if h], cts)
+                     if y.requires_grad]
+            grads = (torch.autograd.grad([y for y, _ in pairs], leaves, [c for _, c in pairs], allow_unused=True)
+                     if pairs else [None] * len(leaves))
+        return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads))
+
+    k = _REGISTRY[name] = Kernel(name, fn)
+    return k
 
 
 def per_device(value, like: torch.Tensor, lead: int):

@@ -1,0 +1,245 @@
+"""The backward of an op that ran one kernel on every device's blocks (the one dispatch path).
+
+The forward laid its inputs out as the plan asked, then ran the kernel on each device's blocks. Its
+vector-Jacobian product is torch's own autograd on the same blocks (``runtime.kernels.vjp_kernel``):
+each device differentiates its local computation. What the global gradient is made of follows from
+the placements, per mesh dim (the dual layout):
+
+    output S(d)          cotangent laid out S(d)     input S(d) -> grad S(d)
+    output P(sum|avg)    cotangent laid out R        input R    -> grad P(sum|avg) (each device's term)
+    output R             cotangent R or P(sum) as it comes; inputs R -> grad R or P(sum) likewise
+    input P(sum|avg)     -> grad R (every device's term saw the whole cotangent)
+    output P(max|min)    cotangent R, masked to the devices whose local extreme is the global one
+
+The gradient of a redistribution is the gradient itself (a redistribution keeps the global value):
+the gradient of a laid-out input is the gradient of the input as it was, in whatever layout the
+math gave it (all_gather in the forward meets a P(sum) gradient: the reduce-scatter to the input's
+own layout happens when it is stored).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import OpError
+from ..placement import Partial, Replicate, Shard
+from ..runtime.kernels import kernel, vjp_kernel
+from ..spec import DTensorSpec
+from .node import Node, attach, requires_grad
+
+_R = Replicate()
+_P = Partial("sum")
+
+
+def _floating(dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+class KernelNode(Node):
+    """One kernel on every device. Saves the laid-out inputs it needs to recompute the local forward."""
+
+    __slots__ = ("op", "kernel", "in_specs", "out_specs", "kwargs", "device_args", "saved", "diff", "graph",
+                 "outputs_saved")
+
+    def __init__(self, op, kern, in_specs, out_specs, kwargs, device_args, inputs, handles, outputs):
+        diff = tuple(requires_grad(t) and _floating(s.dtype) for t, s in zip(inputs, in_specs))
+        super().__init__([t for t, d in zip(inputs, diff) if d], len(out_specs))
+        self.op = op
+        self.kernel = kern
+        self.in_specs = tuple(in_specs)
+        self.out_specs = tuple(out_specs)
+        self.kwargs = kwargs
+        self.device_args = device_args
+        self.diff = diff
+        self.graph = inputs[0]._graph
+        saved = []
+        for t, s, h in zip(inputs, in_specs, handles):
+            if h is t._h:
+                saved.append((t, t._version, None))
+            elif t._ag is not None and t._ag.grad_fn is None:
+                # a leaf (a parameter) laid out anew: lay it out again in the backward rather than keep the
+                # copy (fsdp: the gathered weight is freed after use and gathered again for the backward)
+                saved.append((t, t._version, s))
+            else:
+                saved.append((type(t)._make(s, h, t._graph), 0, None))
+        self.saved = saved
+        # outputs that are Partial(max|min) keep their local extremes: the backward masks the cotangent
+        self.outputs_saved = {k: type(o)._make(o._spec, o._h, o._graph) for k, o in enumerate(outputs)
+                              if any(isinstance(p, Partial) and p.reduce_op in ("max", "min")
+                                     for p in o._spec.placements)}
+
+    @property
+    def name(self):
+        return self.op
+
+    def release(self):
+        super().release()
+        self.saved = None
+        self.outputs_saved = None
+
+    def apply(self, grads):
+        from ..redistribute import relayout
+
+        handles, specs = [], []
+        for n, ((t, version, layout), s) in enumerate(zip(self.saved, self.in_specs)):
+            if t._version != version:
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: input {n} of dtorch.{self.op} ({t._spec}) is at version {t._version}; expected "
+                    f"version {version} instead. Write a copy (x.clone()) instead, or run the in-place op after "
+                    "the backward.")
+            if layout is not None:
+                t = relayout(t, layout)
+            if any(isinstance(p, Partial) and p.reduce_op in ("max", "min") for p in s.placements) and self.diff[n]:
+                raise OpError(f"dtorch.{self.op}: no gradient through a Partial(max|min) input ({s}); "
+                              "redistribute it to Replicate before the op")
+            handles.append(t._h)
+            specs.append(s)
+        has_ct, ct_specs = [], []
+        for k, (spec, g) in enumerate(zip(self.out_specs, grads)):
+            if g is None or not _floating(spec.dtype):
+                has_ct.append(False)
+                continue
+            if g.dtype != spec.dtype:
+                g = g.to(spec.dtype)
+            g = relayout(g, cotangent_spec(spec, g._spec))
+            if k in self.outputs_saved:
+                g = _mask_extreme_cotangent(self.outputs_saved[k], g)
+            has_ct.append(True)
+            handles.append(g._h)
+            ct_specs.append(g._spec)
+        if not ct_specs:
+            return [None] * len(self.edges)
+        grad_specs = input_grad_specs(self.in_specs, self.diff, self.out_specs, has_ct, ct_specs)
+        rt = self.graph.runtime
+        ex = rt.executable(vjp_kernel(self.kernel), tuple(specs) + tuple(ct_specs), grad_specs)
+        outs = ex.run(handles, {**self.kwargs, "vjp": (self.diff, tuple(has_ct))}, self.device_args)
+        from ..tensor import Tensor
+
+        return [Tensor._make(s, h, self.graph) for s, h in zip(grad_specs, outs)]
+
+
+def cotangent_spec(out: DTensorSpec, g: DTensorSpec) -> DTensorSpec:
+    """The layout the cotangent of an output of layout ``out`` is given to the local VJP in."""
+    places = []
+    for p, q in zip(out.placements, g.placements):
+        if isinstance(p, Shard):
+            places.append(p)
+        elif isinstance(p, Partial):
+            places.append(_R)
+        else:  # a replicated output: any cotangent summing to the gradient works (the VJP is linear in it)
+            places.append(q if q == _R or q == _P else _R)
+    return DTensorSpec(out.mesh, tuple(places), out.shape, out.dtype)
+
+
+def input_grad_specs(in_specs, diff, out_specs, has_ct, ct_specs) -> tuple:
+    """The layout of each differentiable input's gradient as the local VJPs leave it (module docstring)."""
+    outs = [s for s, h in zip(out_specs, has_ct) if h]
+    mesh = in_specs[0].mesh
+    replicated_grad = []  # per mesh dim: what a Replicate input's gradient is
+    for m in range(mesh.ndim):
+        kinds = set()
+        for o, c in zip(outs, ct_specs):
+            p = o.placements[m]
+            if isinstance(p, Shard):
+                kinds.add("sum")
+            elif isinstance(p, Partial):
+                kinds.add("avg" if p.reduce_op == "avg" else "sum")
+            elif c.placements[m] == _P:
+                kinds.add("sum")
+        if not kinds:
+            replicated_grad.append(_R)
+        elif kinds == {"avg"}:
+            replicated_grad.append(Partial("avg"))
+        elif "avg" in kinds:
+            raise OpError("no gradient for an op with both Partial('avg') and other partial outputs on one mesh dim")
+        else:
+            replicated_grad.append(_P)
+    specs = []
+    for s, d in zip(in_specs, diff):
+        if not d:
+            continue
+        places = []
+        for m, p in enumerate(s.placements):
+            if isinstance(p, Shard):
+                places.append(p)
+            elif isinstance(p, Partial):
+                places.append(_R)
+            else:
+                places.append(replicated_grad[m])
+        specs.append(DTensorSpec(s.mesh, tuple(places), s.shape, s.dtype))
+    return tuple(specs)
+
+
+@kernel("autograd.mask_extreme_cotangent")
+def _mask_kernel(local, extreme, g):
+    return torch.where(local == extreme, g, torch.zeros((), dtype=g.dtype, device=g.device))
+
+
+def _mask_extreme_cotangent(out, g):
+    """The cotangent of a Partial(max|min) output: each device's term gets the cotangent only where its
+    local extreme is the global one (ties between devices each get it, unlike torch's even split)."""
+    from ..redistribute import relayout
+    from ..tensor import Tensor
+
+    spec = out._spec
+    glob = relayout(out, DTensorSpec(spec.mesh, tuple(_R if isinstance(p, Partial) else p for p in spec.placements),
+                                     spec.shape, spec.dtype))
+    masked = DTensorSpec(spec.mesh, tuple(_P if isinstance(p, Partial) and p.reduce_op in ("max", "min") else q
+                                          for p, q in zip(spec.placements, g._spec.placements)), spec.shape, g.dtype)
+    rt = out._graph.runtime
+    h = rt.run_local(_mask_kernel, [out._h, glob._h, g._h], [spec, glob._spec, g._spec], [masked], {})
+    return Tensor._make(masked, h[0], out._graph)
+
+
+def record_kernel(op, kern, in_specs, out_specs, kwargs, device_args, inputs, handles, outputs) -> None:
+    """Record one kernel run (``outputs``: the dtorch tensors it made) when an input requires grad."""
+    if not any(requires_grad(t) and _floating(s.dtype) for t, s in zip(inputs, in_specs)):
+        return
+    node = KernelNode(op, kern, in_specs, out_specs, kwargs, device_args, inputs, handles, outputs)
+    attach(node, outputs)
+
+
+class IdentityNode(Node):
+    """The gradient passes as it is (clone, a redistribution on one mesh)."""
+
+    __slots__ = ("op",)
+
+    def __init__(self, op, t):
+        super().__init__([t], 1)
+        self.op = op
+
+    @property
+    def name(self):
+        return self.op
+
+    def apply(self, grads):
+        return [grads[0]]
+
+
+class MoveNode(Node):
+    """A tensor handed to another mesh: its gradient goes back to the source mesh."""
+
+    __slots__ = ("src",)
+    name = "redistribute"
+
+    def __init__(self, t):
+        super().__init__([t], 1)
+        self.src = t._spec
+
+    def apply(self, grads):
+        from ..redistribute import relayout
+
+        g = grads[0]
+        src = self.src
+        back = DTensorSpec(src.mesh, tuple(_R if isinstance(p, Partial) else p for p in src.placements),
+                           src.shape, g.dtype)
+        here = g._spec
+        if any(isinstance(p, Partial) for p in here.placements):  # moves carry no partial terms: reduce first
+            g = relayout(g, DTensorSpec(here.mesh, tuple(_R if isinstance(p, Partial) else p for p in here.placements),
+                                        here.shape, here.dtype))
+        return [relayout(g, back)]
+
+
+def record_redistribute(src, out) -> None:
+    node = IdentityNode("redistribute", src) if src._spec.mesh == out._spec.mesh else MoveNode(src)
+    attach(node, [out])

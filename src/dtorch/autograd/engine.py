@@ -1,0 +1,184 @@
+"""The backward pass: walk the recorded nodes in reverse and run each one's vector-Jacobian product.
+
+Every gradient is a dtorch tensor and every step of the walk is ordinary dtorch ops (run with grad
+mode off), so the backward runs on every backend, its placements come from the op rules, and its
+communication shows in CommLog. Gradients for one tensor from several consumers are added (any
+placements: the add's rule lays them out); a leaf's ``.grad`` gets the leaf's own mesh and placements
+(a Partial leaf's gradient is Replicate), so a Replicate weight met by batch-sharded activations is
+all-reduced here, once per backward: data-parallel gradient reduction without DDP code.
+"""
+from __future__ import annotations
+
+from ..errors import OpError
+from ..placement import Partial, Replicate
+from ..spec import DTensorSpec
+from .mode import set_grad_enabled
+from .node import Node, requires_grad
+
+
+def _add(a, b):
+    if a is None:
+        return b
+    return a + b
+
+
+def grad_spec(spec: DTensorSpec) -> DTensorSpec:
+    """The layout a stored gradient takes: the tensor's own, with Partial mesh dims reduced."""
+    if not any(isinstance(p, Partial) for p in spec.placements):
+        return spec
+    return DTensorSpec(spec.mesh, tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements),
+                       spec.shape, spec.dtype)
+
+
+def as_grad_of(g, spec: DTensorSpec):
+    """``g`` in the dtype and layout a gradient of a tensor of ``spec`` is stored with."""
+    from ..redistribute import relayout
+
+    if g.dtype != spec.dtype:
+        g = g.to(spec.dtype)
+    return relayout(g, grad_spec(spec))
+
+
+def run_backward(outputs, grad_outputs, retain_graph: bool = False, inputs=None, allow_unused: bool = False):
+    """Backpropagate from ``outputs``. With ``inputs``: return their gradients (``autograd.grad``);
+    without: accumulate into the ``.grad`` of every leaf reached (``backward``)."""
+    roots = []
+    for n, (out, g) in enumerate(zip(outputs, grad_outputs)):
+        if not requires_grad(out):
+            raise RuntimeError(f"element {n} of tensors does not require grad and does not have a grad_fn")
+        if g is None:
+            if out.numel() != 1:
+                raise RuntimeError("grad can be implicitly created only for scalar outputs")
+            g = filled_like(out, 1.0)
+        else:
+            if tuple(g.shape) != tuple(out.shape):
+                raise RuntimeError(f"Mismatch in shape: grad_output[{n}] has a shape of {tuple(g.shape)} and "
+                                   f"output[{n}] has a shape of {tuple(out.shape)}.")
+            g = _as_dtensor(g, out)
+        roots.append((out, g))
+
+    # (node, output_nr) -> gradient so far; leaf id -> (leaf, gradient so far)
+    buffers: dict = {}
+    leaves: dict = {}
+    wanted = None
+    if inputs is not None:
+        wanted = {}
+        for t in inputs:
+            if not requires_grad(t):
+                raise RuntimeError("One of the differentiated Tensors does not require grad")
+            wanted[id(t)] = t
+    captured: dict = {}
+
+    with set_grad_enabled(False):
+        for out, g in roots:
+            ag = out._ag
+            if ag.grad_fn is None:
+                _to_leaf(leaves, out, g)
+            else:
+                key = (ag.grad_fn, ag.output_nr)
+                buffers[key] = _add(buffers.get(key), g)
+        nodes = _reachable([out._ag.grad_fn for out, _ in roots if out._ag.grad_fn is not None])
+        # non-leaf inputs of autograd.grad: their gradient is the buffer of their producing output
+        wanted_nonleaf = {}
+        if wanted:
+            for t in wanted.values():
+                if t._ag.grad_fn is not None:
+                    wanted_nonleaf[(t._ag.grad_fn, t._ag.output_nr)] = t
+        for node in nodes:
+            grads = [buffers.pop((node, k), None) for k in range(node.n_out)]
+            if all(g is None for g in grads):
+                continue
+            if node.released:
+                raise RuntimeError(
+                    "Trying to backward through the graph a second time (or directly access saved tensors after "
+                    "they have already been freed). Saved intermediate values of the graph are freed when you call "
+                    ".backward() or autograd.grad(). Specify retain_graph=True if you need to backward through the "
+                    "graph a second time or if you need to access saved tensors after calling backward.")
+            for k, g in enumerate(grads):
+                if g is None:
+                    continue
+                t = wanted_nonleaf.get((node, k))
+                if t is not None:
+                    captured[id(t)] = g
+                if node.retained and k in node.retained and wanted is None:
+                    meta = node.retained[k]
+                    meta.grad = _add(meta.grad, g)
+            try:
+                in_grads = node.apply(grads)
+            except OpError as exc:
+                raise type(exc)(f"in the backward of {node.name}: {exc}") from exc
+            for (producer, nr, leaf), g in zip(node.edges, in_grads):
+                if g is None:
+                    continue
+                if producer is not None:
+                    key = (producer, nr)
+                    buffers[key] = _add(buffers.get(key), g)
+                else:
+                    _to_leaf(leaves, leaf, g)
+            if not retain_graph:
+                node.release()
+        if wanted is not None:
+            result = []
+            for t in inputs:
+                g = captured.get(id(t))
+                if g is None and id(t) in leaves:
+                    g = leaves[id(t)][1]
+                if g is None and not allow_unused:
+                    raise RuntimeError("One of the differentiated Tensors appears to not have been used in the "
+                                       "graph. Set allow_unused=True if this is the desired behavior.")
+                result.append(None if g is None else as_grad_of(g, t._spec))
+            return tuple(result)
+        for leaf, g in leaves.values():
+            meta = leaf._ag
+            if not meta.requires_grad:
+                continue
+            g = as_grad_of(g, leaf._spec)
+            meta.grad = g if meta.grad is None else meta.grad + g
+    return None
+
+
+def filled_like(t, value):
+    """A Replicate tensor of ``t``'s shape, dtype and mesh, every element ``value``, in ``t``'s Graph."""
+    import torch
+
+    spec = t._spec
+    spec = DTensorSpec(spec.mesh, (Replicate(),) * spec.mesh.ndim, spec.shape, spec.dtype)
+    full = torch.full(spec.shape, value, dtype=spec.dtype)
+    return type(t)._make(spec, t._graph.runtime.from_global(full, spec), t._graph)
+
+
+def _to_leaf(leaves, leaf, g):
+    prev = leaves.get(id(leaf))
+    leaves[id(leaf)] = (leaf, g if prev is None else prev[1] + g)
+
+
+def _reachable(roots) -> list[Node]:
+    seen = set()
+    stack = list(roots)
+    out = []
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        out.append(node)
+        for producer, _, _ in node.edges:
+            if producer is not None and producer not in seen:
+                stack.append(producer)
+    out.sort(key=lambda n: n.seq, reverse=True)
+    return out
+
+
+def _as_dtensor(g, like):
+    import torch
+
+    from ..tensor import Tensor
+
+    if isinstance(g, Tensor):
+        if g.device_mesh != like.device_mesh:
+            raise RuntimeError(f"the gradient for a tensor on {like.device_mesh} lives on {g.device_mesh}; "
+                               "redistribute it onto the tensor's mesh first")
+        return g
+    if isinstance(g, torch.Tensor):
+        return Tensor(g.to(like.dtype), device_mesh=like.device_mesh)
+    raise TypeError(f"gradient must be a dtorch or torch tensor, got {type(g).__name__}")
