@@ -230,6 +230,11 @@ SAMPLES["scaled_dot_product_attention"] = [
     Case(lambda: ((f(2, 4, 5, 6), g(2, 4, 5, 6), pos(2, 4, 5, 6)), {}), tol={"rtol": 1e-4, "atol": 1e-4}),
     Case(lambda: ((f(2, 4, 5, 6), g(2, 4, 3, 6), pos(2, 4, 3, 6)), {"is_causal": True}), tol={"rtol": 1e-4, "atol": 1e-4}),
 ]
+# (deeper sweeps with gradients: tests/ops/test_loss.py)
+SAMPLES["cross_entropy"] = [Case(lambda: ((f(5, 6), ints(5, lo=0, hi=6)), {})),
+                            Case(lambda: ((f(5, 6), ints(5, lo=0, hi=6)), {"reduction": "none", "label_smoothing": 0.1,
+                                                                           "ignore_index": 2}))]
+SAMPLES["mse_loss"] = [Case(lambda: ((f(5, 6), g(5, 6)), {})), Case(lambda: ((f(5, 6), g(5, 6)), {"reduction": "sum"}))]
 
 # -- in place: the out-of-place op's cases whose first operand can take the result (torch decides) -----------
 def _inplace_ref(method: str):

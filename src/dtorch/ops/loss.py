@@ -1,0 +1,245 @@
+"""Losses: cross_entropy (Megatron's vocab-parallel form) and mse_loss, built from dtorch ops.
+
+Cross entropy on logits [N, C, d...] (class dim 1; [C] for one sample) never gathers the class dim:
+
+    m     = amax(x, C)               P(max) over class shards   -> all_reduce of [N, 1, d...]
+    z     = x - m                    keeps x's layout
+    se    = sum(exp(z), C)           P(sum) over class shards   -> all_reduce of [N, 1, d...]
+    logp  = z - log(se)              keeps x's layout (torch's log_softmax, in its order)
+    pick  = logp[i, t_i]             each class shard picks the targets in its range (its offset is a
+                                     per-device value), zero elsewhere: P(sum), [N, d...]
+    smooth = sum(logp * w, C)        label smoothing only: P(sum), [N, d...]
+
+Batch (and other non-class) shards pass through every step, so the loss stays sharded until the final
+sum, which leaves a Partial scalar. Every step is a dispatched op: autograd records it, and the
+gradient of the logits comes out with the logits' own layout (dlogp -> dz is local; the reductions'
+transposes are broadcasts of [N, 1, d...] tensors).
+
+The target weights ``weight[t_i]`` are an embedding lookup (vocab-parallel when the weight is
+sharded); ignored targets get weight 0 and pick 0. The formulas follow torch's
+``cross_entropy_loss_label_smoothing`` / ``cross_entropy_loss_prob_target`` (ATen LossNLL.cpp).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import OpError
+from ..placement import Partial, Replicate, Shard
+from ..runtime.kernels import kernel, per_device
+from ..spec import DTensorSpec, block_offsets
+from ..tensor import Tensor
+from .registry import OpPlan, dispatch, register, spec_like, to_dtensors
+from .view import IndexOutOfRangeError
+
+_REDUCTIONS = ("none", "mean", "sum")
+
+
+def _reduction(reduction: str, size_average, reduce) -> str:
+    if size_average is not None or reduce is not None:  # the legacy arguments, as torch reads them
+        from torch.nn import _reduction
+
+        return _reduction.legacy_get_string(size_average, reduce)
+    if reduction not in _REDUCTIONS:
+        raise OpError(f"dtorch loss: reduction={reduction!r} is not valid; use 'none', 'mean' or 'sum'")
+    return reduction
+
+
+def _reduced(t: Tensor) -> Tensor:
+    """``t`` with its Partial mesh dims reduced (a recorded redistribution: gradients pass through)."""
+    pl = [Replicate() if isinstance(p, Partial) else p for p in t.placements]
+    return t.redistribute(t.device_mesh, pl) if pl != list(t.placements) else t
+
+
+# -- the target pick: logp[i, t_i] with the class dim possibly sharded ------------------------------
+
+def check_targets(t: torch.Tensor, n_classes: int, ignore_index: int) -> None:
+    """Class indices must lie in [0, C) or equal ignore_index, as torch requires (a class-sharded pick
+    would silently give 0 for them)."""
+    if t.numel() == 0:
+        return
+    bad = (t != ignore_index) & ((t < 0) | (t >= n_classes))
+    if t.device.type != "cpu":
+        torch._assert_async(~bad.any(), f"dtorch.cross_entropy: a target is out of bounds for {n_classes} classes")
+        return
+    if bad.any():
+        first = int(t[bad].flatten()[0])
+        raise IndexOutOfRangeError(
+            f"dtorch.cross_entropy: target {first} is out of bounds for {n_classes} classes; targets must lie in "
+            f"[0, {n_classes}) or equal ignore_index ({ignore_index})")
+
+
+@kernel("loss.pick_class")
+def _pick_kernel(x, target, *, lead, cd: int, n_classes: int, ignore_index: int, masked: bool, class_off=0):
+    # x: lead + [n, c_local, d...] (class dim cd, negative); target: lead + [n, d...]
+    t = target.long()
+    check_targets(t, n_classes, ignore_index)
+    keep = t != ignore_index
+    if masked:  # this device holds classes [off, off + c_local)
+        t = t - per_device(class_off, t, lead)
+        keep = keep & (t >= 0) & (t < x.shape[cd])
+    if x.shape[cd] == 0:  # an empty class shard (uneven split) picks nothing
+        shape = torch.broadcast_shapes(x.shape[:lead], t.shape[:lead]) + t.shape[lead:]
+        return torch.zeros(shape, dtype=x.dtype, device=x.device)
+    idx = torch.where(keep, t, 0).unsqueeze(cd)
+    out = torch.take_along_dim(x, idx, dim=cd).squeeze(cd)  # (broadcasts a replicated block's grid dims)
+    return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def _pick_rule(specs, cd, n_classes, ignore_index):
+    """Per mesh dim (x [N, C, d...], target [N, d...], output like target):
+
+        x S(C)                -> target R, out P(sum)   each class shard picks the targets in its range
+        x S(k), k != C        -> target S(k'), out S(k') the same rows of both (k' = k without C)
+        target S(j), x R/P    -> x S(j'), out S(j)      cut x locally to the target's rows
+        otherwise             -> R
+    """
+    x, t = specs
+    x_pl, t_pl, out_pl = [], [], []
+    for px, pt in zip(x.placements, t.placements):
+        if isinstance(px, Shard) and px.dim == cd:
+            x_pl.append(px), t_pl.append(Replicate()), out_pl.append(Partial("sum"))
+        elif isinstance(px, Shard):
+            k = px.dim if px.dim < cd else px.dim - 1
+            x_pl.append(px), t_pl.append(Shard(k)), out_pl.append(Shard(k))
+        elif isinstance(pt, Shard):
+            j = pt.dim if pt.dim < cd else pt.dim + 1
+            x_pl.append(Shard(j)), t_pl.append(pt), out_pl.append(pt)
+        else:
+            x_pl.append(Replicate()), t_pl.append(Replicate()), out_pl.append(Replicate())
+    x_in = spec_like(x, placements=x_pl)
+    masked = any(isinstance(p, Shard) and p.dim == cd for p in x_pl)
+    out = DTensorSpec(x.mesh, tuple(out_pl), t.shape, x.dtype)
+    kwargs = {"cd": cd - x.ndim, "n_classes": n_classes, "ignore_index": ignore_index, "masked": masked}
+    device_args = {"class_off": block_offsets(x_in, cd)} if masked else None
+    return OpPlan((x_in, spec_like(t, placements=t_pl)), (out,), _pick_kernel, kwargs, device_args)
+
+
+def _pick(logp: Tensor, target: Tensor, cd: int, ignore_index: int) -> Tensor:
+    """``logp[i, target_i]`` (0 where the target is ignore_index), without gathering the class dim."""
+    return dispatch("loss.pick_class", _pick_rule, [logp, target], (cd, logp.shape[cd], ignore_index))
+
+
+# -- cross_entropy ----------------------------------------------------------------------------------
+
+def _log_softmax(x: Tensor, cd: int) -> Tensor:
+    m = _reduced(x.detach().amax(cd, keepdim=True))  # [N, 1, d...]: the shift changes no gradient
+    z = x - m
+    se = _reduced(z.exp().sum(cd, keepdim=True))  # [N, 1, d...]
+    return z - se.log()
+
+
+def _check_ce(x: Tensor, target: Tensor, weight, cd: int, label_smoothing: float) -> bool:
+    """Validate the arguments like torch; True when ``target`` holds class probabilities."""
+    if not x.dtype.is_floating_point:
+        raise OpError(f"dtorch.cross_entropy: input must be floating point logits, got {x.dtype}")
+    if x.ndim == 0:
+        raise OpError("dtorch.cross_entropy: input must have a class dim ([C], [N, C] or [N, C, d1, ...]), got a 0-d tensor")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise OpError(f"dtorch.cross_entropy: label_smoothing must be between 0.0 and 1.0, got {label_smoothing}")
+    c = x.shape[cd]
+    if weight is not None and (weight.ndim != 1 or weight.shape[0] != c):
+        raise OpError(f"dtorch.cross_entropy: weight must be 1-D with one entry per class ({c}), got shape "
+                      f"{list(weight.shape)}")
+    probs = target.dtype.is_floating_point
+    if probs:
+        if tuple(target.shape) != tuple(x.shape):
+            raise OpError(f"dtorch.cross_entropy: class-probability targets must have the input's shape "
+                          f"{list(x.shape)}, got {list(target.shape)}")
+        return True
+    if target.dtype.is_complex or target.dtype == torch.bool:
+        raise OpError(f"dtorch.cross_entropy: target must hold class indices (int64) or class probabilities "
+                      f"(floating point), got {target.dtype}")
+    want = x.shape[:cd] + x.shape[cd + 1:]
+    if tuple(target.shape) != tuple(want):
+        raise OpError(f"dtorch.cross_entropy: expected a target of shape {list(want)} (the input's shape "
+                      f"{list(x.shape)} without the class dim {cd}), got {list(target.shape)}")
+    return False
+
+
+def _class_view(weight: Tensor, ndim: int, cd: int) -> Tensor:
+    """weight [C] shaped to broadcast along the class dim of an ``ndim``-D input."""
+    return weight if cd == ndim - 1 else weight.reshape((weight.shape[0],) + (1,) * (ndim - cd - 1))
+
+
+@register(torch_fns=(F.cross_entropy,), functional=True, public=False)
+def cross_entropy(input, target, weight=None, size_average=None, ignore_index: int = -100, reduce=None,
+                  reduction: str = "mean", label_smoothing: float = 0.0):
+    """``F.cross_entropy`` on logits [N, C, d...] ([C] for one sample) with class-index or class-probability
+    targets. Logits sharded on the class dim are never gathered (module docstring)."""
+    reduction = _reduction(reduction, size_average, reduce)
+    if isinstance(target, torch.Tensor) and target.device.type == "cpu" and not target.dtype.is_floating_point \
+            and isinstance(input, (Tensor, torch.Tensor)) and input.ndim > 0:
+        check_targets(target, input.shape[1 if input.ndim > 1 else 0], ignore_index)  # before anything runs
+    x, target, weight = to_dtensors("cross_entropy", [input, target, weight])
+    if not isinstance(x, Tensor) or not isinstance(target, Tensor):
+        raise OpError("dtorch.cross_entropy: input and target must be tensors")
+    cd = 1 if x.ndim > 1 else 0
+    probs = _check_ce(x, target, weight, cd, float(label_smoothing))
+    n_classes = x.shape[cd]
+    eps = float(label_smoothing)
+    x = _reduced(x)  # Partial logits (a row-parallel output): their terms reduce once here
+    logp = _log_softmax(x, cd)
+    w_b = None if weight is None else _class_view(weight, x.ndim, cd)
+    if probs:
+        if eps > 0:
+            target = target * (1 - eps) + eps / n_classes
+        prod = logp * target if w_b is None else logp * target * w_b
+        if reduction == "none":
+            return -prod.sum(cd)
+        if reduction == "sum":
+            return -prod.sum()
+        return -prod.sum() / (x.numel() / n_classes)
+
+    valid = target != ignore_index
+    picked = _pick(logp, target, cd, ignore_index)  # [N, d...], 0 where ignored
+    if weight is None:
+        w_t = valid.to(x.dtype)
+        nll = -picked
+    else:
+        safe = target.masked_fill(~valid, 0)
+        w_t = F.embedding(safe, weight.unsqueeze(1)).squeeze(-1) * valid
+        nll = -(w_t * picked)
+    if reduction == "sum":
+        nll = nll.sum()
+    elif reduction == "mean":
+        denom = w_t.sum()
+        nll = nll.sum() / denom
+    if eps == 0:
+        return nll
+    smooth = -(logp.sum(cd) if w_b is None else (logp * w_b).sum(cd))
+    smooth = smooth.masked_fill(~valid, 0.0)
+    if reduction == "sum":
+        smooth = smooth.sum()
+    elif reduction == "mean":
+        smooth = smooth.sum() / denom
+    return (1 - eps) * nll + smooth * (eps / n_classes)
+
+
+# -- mse_loss ---------------------------------------------------------------------------------------
+
+@register(torch_fns=(F.mse_loss,), functional=True, public=False)
+def mse_loss(input, target, size_average=None, reduce=None, reduction: str = "mean", weight=None):
+    """``F.mse_loss``: (input - target)^2 (times ``weight``), then mean / sum / none, like torch (a target of
+    another shape broadcasts, with torch's warning). Element-wise, so any layout stays as it is until the
+    final reduction (a Partial scalar over sharded dims)."""
+    reduction = _reduction(reduction, size_average, reduce)
+    x, t, w = to_dtensors("mse_loss", [input, target, weight])
+    if not isinstance(x, Tensor) or not isinstance(t, Tensor):
+        raise OpError("dtorch.mse_loss: input and target must be tensors")
+    if tuple(t.shape) != tuple(x.shape):
+        warnings.warn(f"Using a target size ({torch.Size(t.shape)}) that is different to the input size "
+                      f"({torch.Size(x.shape)}). This will likely lead to incorrect results due to broadcasting. "
+                      "Please ensure they have the same size.", stacklevel=2)
+    sq = (x - t).pow(2)
+    if w is not None:
+        if tuple(w.shape) != tuple(x.shape):
+            raise OpError(f"dtorch.mse_loss: weight {list(w.shape)} must have the input's shape {list(x.shape)}")
+        sq = sq * w
+        if reduction == "mean":
+            return sq.sum() / w.sum()
+    if reduction == "none":
+        return sq
+    return sq.sum() if reduction == "sum" else sq.mean()
