@@ -20,13 +20,16 @@ padded to equal blocks for the ring and cut back afterwards.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..autograd.dispatched import record_kernel
+from ..autograd.mode import is_grad_enabled as _grad_enabled
+from ..autograd.node import Node, attach, requires_grad
 from ..errors import AttentionInputError, DTorchError, OpError
 from ..graph import check_one_graph
 from ..placement import Partial, Replicate, Shard
@@ -40,6 +43,7 @@ from .registry import OpPlan, _broadcast_shape, describe, dispatch, register, sp
 _NAME = "scaled_dot_product_attention"
 _ULYSSES = ("ulysess_cp", "ulysses_cp")
 _RING = ("ring_cp",)
+_PSUM = Partial("sum")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -130,13 +134,19 @@ def _attend(q, k, v, *, scale, pos_q=None, pos_k=None, causal=False, mask=None, 
             allowed = allowed.unsqueeze(-3).unsqueeze(-3)
         s = torch.where(allowed, s, neg_inf)
     if s.shape[-1]:
-        m = s.amax(-1, keepdim=True)
+        # the result does not depend on m (it only keeps exp in range): a constant for autograd
+        m = s.detach().amax(-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, torch.zeros((), device=s.device, dtype=acc))
     else:  # no keys at all (amax cannot reduce an empty dim): sum of nothing, out 0 and lse -inf below
         m = s.new_zeros(s.shape[:-1] + (1,))
     p = torch.exp(s - m)
     denom = p.sum(-1, keepdim=True)
-    lse = (m + torch.log(denom)).squeeze(-1)
+    if s.requires_grad:  # log(0) would send 0 * inf = NaN back through rows that see no key
+        seen = denom > 0
+        lse = torch.where(seen, m + torch.log(torch.where(seen, denom, torch.ones((), device=s.device, dtype=acc))),
+                          neg_inf).squeeze(-1)
+    else:
+        lse = (m + torch.log(denom)).squeeze(-1)
     if noise is not None:
         p = p * noise.to(acc)
     out = torch.matmul(p, vf) / torch.where(denom > 0, denom, torch.ones((), device=s.device))
@@ -169,22 +179,18 @@ def _sdpa_kernel(q, k, v, *extra, lead, scale, causal, mask_rank, has_noise, hea
     return out.to(q.dtype)
 
 
-@kernel("sdpa_ring_step")
-def _ring_step_kernel(q, k, v, *extra, lead, scale, causal, mask_rank, has_noise, has_acc, kv_rep, q_stride,
-                      k_stride, out_dtype, q_off, k_off, k_len=None):
-    """One ring step: local Q against the K/V block now held (source block offset ``k_off``), merged
-    into the running (out, lse). Mask and noise are whole along L and S; rows/cols are picked by position.
-    ``k_len``: the blocks were padded to equal sizes and the key sequence (per chunk) really has this many
-    rows; padded keys are masked out. Padded query rows are computed like real ones and cut off later."""
-    extra = list(extra)
-    mask = extra.pop(0) if mask_rank is not None else None
-    noise = extra.pop(0) if has_noise else None
+def _ring_block(q, k, v, mask, noise, *, lead, scale, causal, mask_rank, kv_rep, q_stride, k_stride, q_off, k_off,
+                k_len=None):
+    """Local Q against the K/V block held now (source block offset ``k_off``) -> (out, lse) of that block
+    alone, in ``_acc_dtype``, in q's layout (chunked blocks stay chunked). Mask and noise are whole along
+    L and S; rows/cols are picked by position. ``k_len``: the blocks were padded to equal sizes and the key
+    sequence (per chunk) really has this many rows; padded keys are masked out. Padded query rows are
+    computed like real ones and cut off later."""
     qc = kc = 0
     q_shape = q.shape
     if q_stride:  # chunked blocks [.., U, C, E] -> [.., U * C, E]
         qc, kc = q.shape[-2], k.shape[-2]
         q, k, v = q.flatten(-3, -2), k.flatten(-3, -2), v.flatten(-3, -2)
-        extra = [extra[0].flatten(-3, -2), extra[1].flatten(-2, -1)] if has_acc else []
     pos_q, _ = _positions(q_off, q.shape[-2], qc, q_stride, q.device)
     pos_k, key_valid = _positions(k_off, k.shape[-2], kc, k_stride, q.device, k_len)
 
@@ -201,12 +207,71 @@ def _ring_step_kernel(q, k, v, *extra, lead, scale, causal, mask_rank, has_noise
         k, v = k.repeat_interleave(kv_rep, dim=-3), v.repeat_interleave(kv_rep, dim=-3)
     out, lse = _attend(q, k, v, scale=scale, pos_q=pos_q, pos_k=pos_k, causal=causal, mask=mask, noise=noise,
                        key_valid=key_valid)
-    if has_acc:
-        out, lse = _merge(extra[0], extra[1], out, lse)
     if q_stride:
         out = out.unflatten(-2, (q_shape[-3], qc))
         lse = lse.unflatten(-1, (q_shape[-3], qc))
+    return out, lse
+
+
+@kernel("sdpa_ring_step")
+def _ring_step_kernel(q, k, v, *extra, lead, scale, causal, mask_rank, has_noise, has_acc, kv_rep, q_stride,
+                      k_stride, out_dtype, q_off, k_off, k_len=None):
+    """One ring step: ``_ring_block`` merged into the running (out, lse) (the last two inputs, from step 1)."""
+    extra = list(extra)
+    mask = extra.pop(0) if mask_rank is not None else None
+    noise = extra.pop(0) if has_noise else None
+    out, lse = _ring_block(q, k, v, mask, noise, lead=lead, scale=scale, causal=causal, mask_rank=mask_rank,
+                           kv_rep=kv_rep, q_stride=q_stride, k_stride=k_stride, q_off=q_off, k_off=k_off, k_len=k_len)
+    if has_acc:
+        out, lse = _merge(extra[0], extra[1], out, lse)
     return out.to(out_dtype), lse
+
+
+@kernel("sdpa_ring_step_backward")
+def _ring_step_backward_kernel(q, k, v, *extra, lead, need, has_acc, out_dtypes, mask_rank, has_noise, **block):
+    """One step of the ring backward: the gradients of the K/V block held now, and of local Q (and the
+    mask), added to the accumulators (the last inputs, from step 1) -> one per ``need`` (q, k, v, mask).
+
+    Inputs after mask/noise: the forward's merged output O and log-sum-exp L, and dO. The output is
+    O = sum_b w_b o_b with w_b = exp(lse_b - L) over the key blocks b, so block b's share of the
+    gradient is the VJP of its own (o_b, lse_b) with cotangents w_b dO and w_b dO . (o_b - O)
+    (d w_b / d lse_b = w_b (1 - w_b), d w_c / d lse_b = -w_c w_b). The VJP itself is torch's autograd
+    through ``_ring_block``, so the local math is torch's own derivative code."""
+    extra = list(extra)
+    mask = extra.pop(0) if mask_rank is not None else None
+    noise = extra.pop(0) if has_noise else None
+    o, big_lse, do = extra[:3]
+    acc_in = extra[3:]
+    a = _acc_dtype(q.dtype)
+    xs = (q, k, v, mask)
+    # stacked grids keep a replicated block once (grid dim 1), and the per-device offsets span the whole
+    # mesh: expand to the full grid so that each device's gradient stays its own (a broadcast would sum
+    # the devices' terms; the executable keeps one of the equal replicas)
+    grid = ()
+    if lead:
+        offs = [tuple(x.shape) for x in (block["q_off"], block["k_off"]) if isinstance(x, torch.Tensor)]
+        grid = tuple(_broadcast_shape([tuple(x.shape[:lead]) for x in xs + (o,) if x is not None] + offs))
+    with torch.enable_grad():
+        leaves, call = [], []
+        for x, n in zip(xs, need):
+            if n:
+                x = x.detach().to(a).expand(grid + tuple(x.shape[lead:])).requires_grad_()
+                leaves.append(x)
+            call.append(x)
+        ob, lb = _ring_block(*call, noise, lead=lead, mask_rank=mask_rank, **block)
+        zero = torch.zeros((), device=lb.device, dtype=a)
+        w = torch.exp(lb.detach() - torch.where(torch.isfinite(big_lse), big_lse, zero))  # 0 where lb = -inf
+        dof = do.to(a)
+        g_out = w.unsqueeze(-1) * dof
+        g_lse = w * (dof * (ob.detach() - o.to(a))).sum(-1)
+        grads = torch.autograd.grad([ob, lb], leaves, [g_out, g_lse], allow_unused=True)
+    res = []
+    for i, (g, leaf) in enumerate(zip(grads, leaves)):
+        g = torch.zeros_like(leaf) if g is None else g
+        if has_acc:
+            g = acc_in[i] + g
+        res.append(g.to(out_dtypes[i]))
+    return tuple(res)
 
 
 @kernel("sdpa_repeat_kv")
@@ -377,6 +442,7 @@ class _CPPlan:
     o_unpad: tuple | None  # (the real output spec, per-device row counts) when q was padded
     o_back: DTensorSpec | None  # output after the all_to_all back (Ulysses)
     o_final: DTensorSpec
+    bwd: dict = field(default_factory=dict, repr=False, compare=False)  # _ring_backward_plan's cache
 
 
 def _cp_dims(mesh):
@@ -546,9 +612,21 @@ def _cp_plan(q, k, v, mask, noise, causal, scale, gqa, u, r) -> _CPPlan:
 # execution
 
 
+def _local(kern: Kernel, xs: list, out_specs, kwargs: dict, device_args=None) -> list:
+    """Run a local kernel on every device's blocks of ``xs`` (recorded for autograd: its VJP is torch's
+    autograd on the same blocks, like any dispatched op) -> one Tensor per output spec."""
+    graph = xs[0]._graph
+    handles = [x._h for x in xs]
+    in_specs = [x._spec for x in xs]
+    hs = graph.runtime.run_local(kern, handles, in_specs, out_specs, kwargs, device_args)
+    outs = [Tensor._make(spec, h, graph) for spec, h in zip(out_specs, hs)]
+    if _grad_enabled():
+        record_kernel(f"{_NAME}.{kern.name}", kern, in_specs, out_specs, kwargs, device_args, xs, handles, outs)
+    return outs
+
+
 def _run(kern: Kernel, x: Tensor, out_spec: DTensorSpec, device_args=None, **kwargs) -> Tensor:
-    h = x._graph.runtime.run_local(kern, [x._h], [x._spec], [out_spec], kwargs, device_args)
-    return Tensor._make(out_spec, h[0], x._graph)
+    return _local(kern, [x], [out_spec], kwargs, device_args)[0]
 
 
 def _plain(q, k, v, mask, noise, causal, scale, gqa) -> Tensor:
@@ -602,10 +680,9 @@ def _ring(cp: _CPPlan, q, k, v, mask, noise) -> Tensor:
     extra = [redistribute_spec(x, s) for x, s in ((mask, cp.mask_r), (noise, cp.noise_r)) if x is not None]
     pad = [(x, p) for x, p in zip((q, k, v), cp.ring_pad) if p is not None]
     if pad:
-        h = rt.run_local(_pad_seq_kernel, [x._h for x, _ in pad], [x._spec for x, _ in pad], [p for _, p in pad],
-                         {"sizes": tuple(p.even_local_shape()[-2] for _, p in pad)}, None)
-        padded = iter(h)
-        q, k, v = (x if p is None else Tensor._make(p, next(padded), graph) for x, p in zip((q, k, v), cp.ring_pad))
+        padded = iter(_local(_pad_seq_kernel, [x for x, _ in pad], [p for _, p in pad],
+                             {"sizes": tuple(p.even_local_shape()[-2] for _, p in pad)}))
+        q, k, v = (x if p is None else next(padded) for x, p in zip((q, k, v), cp.ring_pad))
     kh, vh = k._h, v._h
     acc: list = []
     for st, step in enumerate(cp.ring_steps):
@@ -621,9 +698,125 @@ def _ring(cp: _CPPlan, q, k, v, mask, noise) -> Tensor:
             kh = ring_shift(rt, kh, cp.k_r, cp.ring_dim, 1)  # the executor records the send_recv
             vh = ring_shift(rt, vh, cp.v_r, cp.ring_dim, 1)
     out = Tensor._make(cp.ring_steps[-1].out_specs[0], acc[0], graph)
+    inputs = [q, k, v] + extra
+    if _grad_enabled() and any(_differentiable(x) for x in inputs):
+        node = RingAttentionNode(cp, inputs, out, acc[1])
+        attach(node, [out])
     if cp.o_unpad is not None:  # drop the padded query rows
         out = _run(_unpad_seq_kernel, out, cp.o_unpad[0], cp.o_unpad[1])
     return out
+
+
+def _differentiable(x: Tensor) -> bool:
+    return requires_grad(x) and x.dtype.is_floating_point
+
+
+@dataclass(frozen=True)
+class _RingBackwardStep:
+    in_specs: tuple
+    out_specs: tuple
+    kwargs: dict
+
+
+def _ring_backward_plan(cp: _CPPlan, need: tuple) -> tuple:
+    """Per ring step of the backward: the specs and kwargs of ``sdpa_ring_step_backward`` (cached on the plan).
+
+    Accumulators: dQ (q's layout) and the mask's (its layout, Partial(sum) on every mesh dim that splits
+    the work, Replicate where every device computes the same) stay on their device; dK/dV have K/V's
+    layout and travel with their blocks. All in ``_acc_dtype``; the last step casts to the input dtypes."""
+    plan = cp.bwd.get(need)
+    if plan is not None:
+        return plan
+    first = cp.ring_steps[0]
+    q_run, k_run, v_run = first.in_specs[:3]
+    extra = first.in_specs[3:]
+    o_out, lse = cp.ring_steps[-1].out_specs
+    mask = cp.mask_r
+    targets = [q_run, k_run, v_run]
+    if mask is not None:
+        targets.append(spec_like(mask, placements=[
+            p if isinstance(p, Shard) else _PSUM if isinstance(pq, Shard) else p
+            for p, pq in zip(mask.placements, q_run.placements)]))
+    targets = [t for t, n in zip(targets, need) if n]
+    acc = _acc_dtype(q_run.dtype)
+    acc_specs = tuple(spec_like(t, dtype=acc) for t in targets)
+    final_specs = tuple(targets)
+    steps = []
+    last = len(cp.ring_steps) - 1
+    for st, step in enumerate(cp.ring_steps):
+        kw = {key: step.kwargs[key] for key in ("scale", "causal", "mask_rank", "has_noise", "kv_rep", "q_stride",
+                                                 "k_stride", "k_len")}
+        outs = final_specs if st == last else acc_specs
+        kw.update(need=need, has_acc=st > 0, out_dtypes=tuple(t.dtype for t in outs))
+        steps.append(_RingBackwardStep((q_run, k_run, v_run) + extra + (o_out, lse, o_out) + (acc_specs if st else ()),
+                                       outs, kw))
+    plan = cp.bwd[need] = (tuple(steps), final_specs)
+    return plan
+
+
+class RingAttentionNode(Node):
+    """The backward of the ring (``_ring`` on padded blocks, the padding and cut recorded apart).
+
+    It runs the ring again: at step s device j holds K/V block (j - s) mod R together with that block's
+    dK/dV accumulators, adds the local contribution (``sdpa_ring_step_backward``), and passes all four
+    on; dQ (and a float mask's gradient) accumulate where they are. One more shift after the last step
+    brings every dK/dV home. Communication: send_recv on the ring dim only (K/V R - 1 times each,
+    dK/dV R times each); the sequence is never gathered."""
+
+    __slots__ = ("cp", "saved", "need", "out_h", "lse_h", "graph")
+    name = _NAME
+
+    def __init__(self, cp: _CPPlan, inputs: list, out: Tensor, lse_h):
+        need = tuple(_differentiable(x) for x in inputs[:3]) + (
+            cp.mask_r is not None and _differentiable(inputs[3]),)
+        super().__init__([x for x, n in zip(inputs, need) if n], 1)
+        self.cp = cp
+        self.need = need
+        self.saved = [(x, x._version) for x in inputs]
+        self.out_h = out._h  # the merged output and log-sum-exp: the backward recomputes no global softmax
+        self.lse_h = lse_h
+        self.graph = out._graph
+
+    def release(self):
+        super().release()
+        self.saved = self.out_h = self.lse_h = None
+
+    def apply(self, grads):
+        from ..redistribute import relayout
+
+        g = grads[0]
+        if g is None:
+            return [None] * len(self.edges)
+        for n, (x, version) in enumerate(self.saved):
+            if x._version != version:
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: input {n} of dtorch.{_NAME} ({x._spec}) is at version {x._version}; expected "
+                    f"version {version} instead. Write a copy (x.clone()) instead, or run the in-place op after "
+                    "the backward.")
+        cp, rt = self.cp, self.graph.runtime
+        steps, final = _ring_backward_plan(cp, self.need)
+        o_out = cp.ring_steps[-1].out_specs[0]
+        if g.dtype != o_out.dtype:
+            g = g.to(o_out.dtype)
+        g = relayout(g, o_out)
+        xs = [x for x, _ in self.saved]
+        q, k, v, extra = xs[0], xs[1], xs[2], xs[3:]
+        kh, vh = k._h, v._h
+        order = [i for i, n in enumerate(self.need) if n]  # which of q, k, v, mask each accumulator is
+        travel = [j for j, i in enumerate(order) if i in (1, 2)]
+        acc: list = []
+        for st, (step, fwd) in enumerate(zip(steps, cp.ring_steps)):
+            acc = rt.run_local(_ring_step_backward_kernel,
+                               [q._h, kh, vh] + [x._h for x in extra] + [self.out_h, self.lse_h, g._h] + acc,
+                               step.in_specs, step.out_specs, step.kwargs, fwd.device_args)
+            if st + 1 < len(steps):
+                kh = ring_shift(rt, kh, cp.k_r, cp.ring_dim, 1)
+                vh = ring_shift(rt, vh, cp.v_r, cp.ring_dim, 1)
+            # dK/dV go with their blocks; after the last step the shift brings each home
+            for j in travel:
+                acc[j] = ring_shift(rt, acc[j], step.out_specs[j], cp.ring_dim, 1)
+        return [Tensor._make(spec, h, self.graph) for spec, h in zip(final, acc)]
 
 
 # ------------------------------------------------------------------------------------------------
