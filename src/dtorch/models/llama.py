@@ -3,6 +3,8 @@
 The user picks a mesh; the model lays itself out by mesh dim name:
 
     dp          the batch:    activations Shard(0), weights Replicate
+    fsdp        the batch too, and every parameter sharded on it, gathered by each module for its forward
+                (fully sharded data parallel: autograd/fsdp.py); with dp it is HSDP
     ulysess_cp  the sequence: activations Shard(1) (nested with ring_cp, mesh-dim order outer to inner);
     ring_cp     attention switches to Ulysses / Ring on these dims (ops/attention.py)
     tp          heads and MLP features (Megatron): q/k/v, gate/up column parallel, o/down row parallel
@@ -31,7 +33,7 @@ from ..nn import functional as F
 from ..nn._layout import on_mesh
 from ..nn.module import RepeatedRows
 
-SUPPORTED_MESH_DIMS = ("dp", "tp", "pp", "ulysess_cp", "ulysses_cp", "ring_cp")
+SUPPORTED_MESH_DIMS = ("dp", "tp", "pp", "ulysess_cp", "ulysses_cp", "ring_cp", "fsdp")
 CP_DIMS = ("ulysess_cp", "ulysses_cp", "ring_cp")
 
 
@@ -48,7 +50,7 @@ def check_layout(config, mesh: DeviceMesh) -> None:
     """Raise one error naming every way ``mesh`` cannot serve ``config``."""
     if mesh.dim_names is None and mesh.size() > 1:
         raise LlamaLayoutError(f"the mesh {mesh!r} has unnamed dims; name them with mesh_dim_names from "
-                               f"{list(SUPPORTED_MESH_DIMS[:3]) + ['ulysess_cp', 'ring_cp']}")
+                               f"{list(SUPPORTED_MESH_DIMS[:3]) + ['ulysess_cp', 'ring_cp', 'fsdp']}")
     mesh.check_all_dim_names_in_set(SUPPORTED_MESH_DIMS)
     nh, nkv = config.num_attention_heads, _num_kv_heads(config)
     tp, ulysses, pp = dim_size(mesh, "tp"), dim_size(mesh, "ulysess_cp"), dim_size(mesh, "pp")
@@ -83,7 +85,7 @@ def activation_placements(mesh: DeviceMesh, batch_dim: int | None = 0, seq_dim: 
     """Batch over dp (``batch_dim=None``: no batch dim), sequence over the cp dims, Replicate elsewhere."""
     out = []
     for name in mesh.dim_names or [None] * mesh.ndim:
-        if name == "dp" and batch_dim is not None:
+        if name in ("dp", "fsdp") and batch_dim is not None:
             out.append(Shard(batch_dim))
         elif name in CP_DIMS:
             out.append(Shard(seq_dim))
@@ -199,7 +201,10 @@ def rotate_half(x: Tensor) -> Tensor:
 
 
 def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor):
-    cos, sin = cos.unsqueeze(0).unsqueeze(0), sin.unsqueeze(0).unsqueeze(0)  # [S, d] -> [1, 1, S, d]
+    if cos.ndim == 2:
+        cos, sin = cos.unsqueeze(0).unsqueeze(0), sin.unsqueeze(0).unsqueeze(0)  # [S, d] -> [1, 1, S, d]
+    else:  # positions of each row (padding, a KV cache): [B, S, d] -> [B, 1, S, d]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
@@ -239,7 +244,7 @@ class LlamaAttention(nn.Module):
             _replicate_kv_heads(self.v_proj, form)
         self.o_proj = nn.RowParallelLinearWithReplicateOutput(self.num_heads * self.head_dim, h, bias=bias)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, step=None) -> Tensor:
         b, s, _ = x.shape
         # [B, S, H] -> [B, S, n*d] (S(2) on tp) -> [B, S, n, d] -> [B, n, S, d]: heads over tp, S over cp
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
@@ -248,8 +253,11 @@ class LlamaAttention(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         # GQA: query head i uses held kv head i // (num_heads / kv_heads_held), a copy of kv head
         # i // (num_heads / num_kv_heads), Hugging Face's
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
-                                           enable_gqa=self.kv_heads_held != self.num_heads)
+        if step is not None:  # padding mask and/or KV cache (kv_cache.CachedForward)
+            o = step.attention(self, q, k, v)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
+                                               enable_gqa=self.kv_heads_held != self.num_heads)
         o = o.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)  # [B, n, S, d] -> [B, S, n*d]
         return self.o_proj(o)  # partial sums over tp all-reduced: R on tp
 
@@ -280,8 +288,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, step=None) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, step)
         return h + self.mlp(self.post_attention_layernorm(h))  # R + P -> P on tp
 
     def redistribute_output(self, h: Tensor) -> Tensor:
@@ -319,8 +327,10 @@ class LlamaModel(nn.Module):
         with guard(self.stage_meshes[-1]):
             self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def redistribute_input(self, input_ids):
+    def redistribute_input(self, input_ids, step=None):
         """Token ids ``[B, S]`` (torch or dtorch, any mesh) onto the first stage: batch over dp, sequence over cp."""
+        if step is not None:  # a forward with padding or a KV cache lays its ids out itself (kv_cache.py)
+            return (step.input_ids(self.stage_meshes[0]),), {"step": step}
         if not isinstance(input_ids, (torch.Tensor, Tensor)) or input_ids.ndim != 2 or input_ids.dtype.is_floating_point:
             got = f"{type(input_ids).__name__} {getattr(input_ids, 'dtype', '')} of shape {list(getattr(input_ids, 'shape', []))}"
             raise TypeError(f"input_ids must be an integer tensor [batch, seq] (torch or dtorch), got {got}")
@@ -329,21 +339,23 @@ class LlamaModel(nn.Module):
             return (Tensor(input_ids, device_mesh=first, placements=activation_placements(first)),), {}
         return (input_ids.redistribute(first, activation_placements(first)),), {}
 
-    def rope(self, mesh: DeviceMesh, seq_len: int, dtype: torch.dtype):
+    def rope(self, mesh: DeviceMesh, seq_len: int, dtype: torch.dtype, step=None):
+        if step is not None:  # each row's own positions
+            return step.rope(self.rotary_emb, mesh, dtype)
         positions = dtorch.arange(seq_len, device_mesh=mesh, placements=activation_placements(mesh, None, 0))
         return self.rotary_emb(positions, dtype, seq_len=seq_len)
 
-    def forward(self, input_ids: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, step=None) -> Tensor:
         h = self.embed_tokens(input_ids)  # [B, S] -> [B, S, H]
         stage = 0
-        cos, sin = self.rope(self.stage_meshes[0], input_ids.shape[1], h.dtype)
+        cos, sin = self.rope(self.stage_meshes[0], input_ids.shape[1], h.dtype, step)
         for layer, layer_stage in zip(self.layers, self.layer_stages):
             if layer_stage != stage:  # pipeline hand-off: same placements on the next stage's devices
                 stage = layer_stage
                 mesh = self.stage_meshes[stage]
                 h = h.redistribute(mesh, h.placements)
-                cos, sin = self.rope(mesh, input_ids.shape[1], h.dtype)
-            h = layer(h, cos, sin)
+                cos, sin = self.rope(mesh, input_ids.shape[1], h.dtype, step)
+            h = layer(h, cos, sin) if step is None else layer(h, cos, sin, step)
         return self.norm(h)
 
 
@@ -415,6 +427,22 @@ class LlamaForCausalLM(nn.Module):
     @property
     def device_mesh(self) -> DeviceMesh:
         return self.model.device_mesh
+
+    def __call__(self, input_ids, *args, **kwargs):
+        # Hugging Face's attention_mask / position_ids / past_key_values / use_cache: models/generation.py
+        from .generation import cached_forward, split_cache_arguments
+
+        cache_kw, args, kwargs = split_cache_arguments(args, kwargs)
+        if cache_kw:
+            return cached_forward(self, input_ids, *args, **cache_kw, **kwargs)
+        return super().__call__(input_ids, *args, **kwargs)
+
+    def generate(self, input_ids, attention_mask=None, **kwargs):
+        """Greedy or sampled continuation of ``input_ids`` with a KV cache, like ``transformers``' ``generate``:
+        returns the ids ``[batch, prompt + new]`` as a torch tensor (see ``generation.generate``)."""
+        from .generation import generate
+
+        return generate(self, input_ids, attention_mask, **kwargs)
 
     def redistribute_input(self, input_ids, *args, **kwargs):
         if args or kwargs:

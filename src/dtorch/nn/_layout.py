@@ -6,6 +6,7 @@ import threading
 
 import torch
 
+from ..autograd.fsdp import fsdp_placements
 from ..context import get_default_device_mesh
 from ..errors import MeshError
 from ..mesh import DeviceMesh
@@ -35,7 +36,10 @@ def placements_on(mesh: DeviceMesh, dim_name: str, placement: Placement) -> list
 
 
 def make_param(full: torch.Tensor, mesh: DeviceMesh, placements) -> Parameter:
-    return Parameter(Tensor(full, device_mesh=mesh, placements=placements))
+    """A parameter laid out as ``placements`` (None: Replicate), sharded over an "fsdp" mesh dim too."""
+    if placements is None:
+        placements = [Replicate()] * mesh.ndim
+    return Parameter(Tensor(full, device_mesh=mesh, placements=fsdp_placements(mesh, placements, full.ndim)))
 
 
 def on_mesh(x, mesh: DeviceMesh):

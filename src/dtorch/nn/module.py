@@ -14,6 +14,7 @@ from typing import Iterator, NamedTuple
 import torch
 
 from ..autograd.mode import no_grad
+from ..autograd.fsdp import fsdp_sharded, unshard_fsdp
 from ..autograd.node import AutogradMeta
 from ..context import get_default_device_mesh
 from ..errors import DTorchError
@@ -156,7 +157,18 @@ class Module:
 
     def __call__(self, *args, **kwargs):
         args, kwargs = self.redistribute_input(*args, **kwargs)
-        return self.redistribute_output(self.forward(*args, **kwargs))
+        sharded = [(n, p) for n, p in self._parameters.items() if p is not None and fsdp_sharded(p)]
+        if not sharded:
+            return self.redistribute_output(self.forward(*args, **kwargs))
+        # fully sharded data parallel: this module's own parameters are gathered on the "fsdp" dim just
+        # before its forward and let go after it (the backward gathers them again, gradients reduce-scatter)
+        d = self.__dict__
+        d["_unsharded"] = {n: unshard_fsdp(p) for n, p in sharded}
+        try:
+            out = self.forward(*args, **kwargs)
+        finally:
+            del d["_unsharded"]
+        return self.redistribute_output(out)
 
     def first_param_device_mesh(self) -> DeviceMesh | None:
         for t in self.parameters():
@@ -210,6 +222,9 @@ class Module:
 
     def __getattr__(self, name):
         d = self.__dict__
+        gathered = d.get("_unsharded")
+        if gathered is not None and name in gathered:
+            return gathered[name]
         for table in ("_parameters", "_buffers", "_modules"):
             t = d.get(table)
             if t is not None and name in t:
