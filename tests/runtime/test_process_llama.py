@@ -57,7 +57,7 @@ def test_tied_weight_copy_follows_in_place_writes(proc):
         model.load_state_dict(hf.state_dict())
         w = model.model.embed_tokens.weight
         for scale in (0.5, 3.0):
-            w.mul_(scale)
-            with torch.no_grad():
+            with torch.no_grad():  # a parameter requires grad: written in place outside autograd, as in torch
+                w.mul_(scale)
                 hf.model.embed_tokens.weight.mul_(scale)
                 torch.testing.assert_close(model(ids), hf(ids).logits, rtol=RTOL, atol=ATOL)
