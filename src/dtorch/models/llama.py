@@ -23,6 +23,7 @@ import torch
 import dtorch
 
 from .. import nn
+from ..autograd.checkpoint import checkpoint
 from ..context import get_default_device_mesh
 from ..errors import DTorchError
 from ..graph import Graph
@@ -305,6 +306,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config, device_mesh: DeviceMesh | None = None):
         super().__init__()
+        self.gradient_checkpointing = False  # gradient_checkpointing_enable(): recompute layers in backward
         mesh = get_default_device_mesh(device_mesh)
         check_layout(config, mesh)
         self.config = config
@@ -355,7 +357,10 @@ class LlamaModel(nn.Module):
                 mesh = self.stage_meshes[stage]
                 h = h.redistribute(mesh, h.placements)
                 cos, sin = self.rope(mesh, input_ids.shape[1], h.dtype, step)
-            h = layer(h, cos, sin) if step is None else layer(h, cos, sin, step)
+            if step is None and self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                h = checkpoint(layer, h, cos, sin)  # activations recomputed in the backward
+            else:
+                h = layer(h, cos, sin) if step is None else layer(h, cos, sin, step)
         return self.norm(h)
 
 
@@ -427,6 +432,17 @@ class LlamaForCausalLM(nn.Module):
     @property
     def device_mesh(self) -> DeviceMesh:
         return self.model.device_mesh
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
+        """Recompute each decoder layer's activations in the backward instead of keeping them (training mode)."""
+        self.model.gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.model.gradient_checkpointing = False
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return self.model.gradient_checkpointing
 
     def __call__(self, input_ids, *args, **kwargs):
         # Hugging Face's attention_mask / position_ids / past_key_values / use_cache: models/generation.py
