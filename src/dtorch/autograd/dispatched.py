@@ -34,6 +34,11 @@ def _floating(dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
+class NoGradientError(OpError, RuntimeError):
+    """The backward reached an op whose local computation torch cannot differentiate (RuntimeError, like
+    torch's "derivative for ... is not implemented")."""
+
+
 class KernelNode(Node):
     """One kernel on every device. Saves the laid-out inputs it needs to recompute the local forward."""
 
@@ -53,7 +58,10 @@ class KernelNode(Node):
         self.graph = inputs[0]._graph
         saved = []
         for t, s, h in zip(inputs, in_specs, handles):
-            if h is t._h:
+            if t._ag is not None and getattr(t._ag.grad_fn, "leaf", None) is not None:
+                leaf = t._ag.grad_fn.leaf  # an fsdp-gathered parameter (fsdp.RegatherNode): gathered again
+                saved.append((leaf, leaf._version, s))
+            elif h is t._h:
                 saved.append((t, t._version, None))
             elif t._ag is not None and t._ag.grad_fn is None:
                 # a leaf (a parameter) laid out anew: lay it out again in the backward rather than keep the
@@ -70,6 +78,14 @@ class KernelNode(Node):
     @property
     def name(self):
         return self.op
+
+    def _reduce_partial_cotangent(self) -> tuple:
+        """Mesh dims on which a parameter (a leaf) is among the replicated inputs (``cotangent_specs``)."""
+        dims = set()
+        for (_, _, leaf), in_spec in zip(self.edges, [s for s, d in zip(self.in_specs, self.diff) if d]):
+            if leaf is not None:
+                dims.update(m for m, p in enumerate(in_spec.placements) if p == _R)
+        return dims
 
     def release(self):
         super().release()
@@ -95,13 +111,16 @@ class KernelNode(Node):
             handles.append(t._h)
             specs.append(s)
         has_ct, ct_specs = [], []
-        for k, (spec, g) in enumerate(zip(self.out_specs, grads)):
-            if g is None or not _floating(spec.dtype):
+        cts = [None if g is None or not _floating(spec.dtype) else g for spec, g in zip(self.out_specs, grads)]
+        targets = cotangent_specs(self.out_specs, [None if g is None else g._spec for g in cts],
+                                  self._reduce_partial_cotangent())
+        for k, (spec, g) in enumerate(zip(self.out_specs, cts)):
+            if g is None:
                 has_ct.append(False)
                 continue
             if g.dtype != spec.dtype:
                 g = g.to(spec.dtype)
-            g = relayout(g, cotangent_spec(spec, g._spec))
+            g = relayout(g, targets[k])
             if k in self.outputs_saved:
                 g = _mask_extreme_cotangent(self.outputs_saved[k], g)
             has_ct.append(True)
@@ -112,23 +131,50 @@ class KernelNode(Node):
         grad_specs = input_grad_specs(self.in_specs, self.diff, self.out_specs, has_ct, ct_specs)
         rt = self.graph.runtime
         ex = rt.executable(vjp_kernel(self.kernel), tuple(specs) + tuple(ct_specs), grad_specs)
-        outs = ex.run(handles, {**self.kwargs, "vjp": (self.diff, tuple(has_ct))}, self.device_args)
+        try:
+            outs = ex.run(handles, {**self.kwargs, "vjp": (self.diff, tuple(has_ct))}, self.device_args)
+        except OpError:
+            raise
+        except Exception as exc:  # torch has no derivative for the local computation (floor_divide), ...
+            raise NoGradientError(f"dtorch.{self.op} has no gradient here: differentiating its kernel "
+                          f"({self.kernel.name}) on the local blocks failed with {type(exc).__name__}: {exc}. "
+                          "Compute it under dtorch.no_grad() or on inputs that do not require grad") from exc
         from ..tensor import Tensor
 
         return [Tensor._make(s, h, self.graph) for s, h in zip(grad_specs, outs)]
 
 
-def cotangent_spec(out: DTensorSpec, g: DTensorSpec) -> DTensorSpec:
-    """The layout the cotangent of an output of layout ``out`` is given to the local VJP in."""
-    places = []
-    for p, q in zip(out.placements, g.placements):
-        if isinstance(p, Shard):
-            places.append(p)
-        elif isinstance(p, Partial):
-            places.append(_R)
-        else:  # a replicated output: any cotangent summing to the gradient works (the VJP is linear in it)
-            places.append(q if q == _R or q == _P else _R)
-    return DTensorSpec(out.mesh, tuple(places), out.shape, out.dtype)
+def cotangent_specs(outs, gs, reduce_partial=()) -> list:
+    """The layout the cotangent of each output (layouts ``outs``; ``gs``: the layouts the cotangents come
+    in, None where an output has none) is given to the local VJP in. The devices' gradient terms for a
+    replicated input are summed over a mesh dim as soon as one output's are (a sharded or partial
+    output, a replicated one whose cotangent is a sum of terms): there, a replicated output's cotangent
+    must be a sum of terms too, else every device would add the whole of it.
+
+    ``reduce_partial``: mesh dims where a parameter enters replicated; there a cotangent that is a sum of
+    terms is reduced first when every output is replicated, so the parameter's gradient comes out whole
+    (one reduction of the activation gradient, as Megatron does for a norm's weight under tp, instead of
+    one more per parameter)."""
+    live = [(o, g) for o, g in zip(outs, gs) if g is not None]
+    mesh = outs[0].mesh
+    summed = [any(not isinstance(o.placements[m], Replicate) for o, g in live)
+              or (m not in reduce_partial and any(g.placements[m] == _P for o, g in live))
+              for m in range(mesh.ndim)]
+    specs = []
+    for out, g in zip(outs, gs):
+        if g is None:
+            specs.append(None)
+            continue
+        places = []
+        for m, (p, q) in enumerate(zip(out.placements, g.placements)):
+            if isinstance(p, Shard):
+                places.append(p)
+            elif isinstance(p, Partial):
+                places.append(_R)
+            else:  # a replicated output: any cotangent summing to the gradient works (the VJP is linear in it)
+                places.append(_P if summed[m] else _R)
+        specs.append(DTensorSpec(out.mesh, tuple(places), out.shape, out.dtype))
+    return specs
 
 
 def input_grad_specs(in_specs, diff, out_specs, has_ct, ct_specs) -> tuple:
@@ -243,3 +289,43 @@ class MoveNode(Node):
 def record_redistribute(src, out) -> None:
     node = IdentityNode("redistribute", src) if src._spec.mesh == out._spec.mesh else MoveNode(src)
     attach(node, [out])
+
+
+class RebindNode(Node):
+    """An in-place write whose value carries no derivative from the op's kernel: ``x.copy_(src)`` and
+    ``x.fill_(v)`` (the gradient passes to ``src`` only), a comparison written into a float tensor. Like
+    torch, the result stays linked to every input; inputs other than ``through`` get zeros."""
+
+    __slots__ = ("op", "specs", "through")
+
+    def __init__(self, op, inputs, through):
+        super().__init__(inputs, 1)
+        self.op = op
+        self.specs = [t._spec for t in inputs]
+        self.through = through
+
+    @property
+    def name(self):
+        return self.op
+
+    def apply(self, grads):
+        g = grads[0]
+        out = []
+        for n, spec in enumerate(self.specs):
+            if n == self.through:
+                out.append(g if g.dtype == spec.dtype else g.to(spec.dtype))
+            else:
+                spec = DTensorSpec(spec.mesh, (_R,) * spec.mesh.ndim, spec.shape, spec.dtype)
+                full = torch.zeros(spec.shape, dtype=spec.dtype)
+                out.append(type(g)._make(spec, g._graph.runtime.from_global(full, spec), g._graph))
+        return out
+
+
+def record_rebind(op, inputs, result, through=None) -> None:
+    """Link ``result`` (made without recording) to those of ``inputs`` that require grad (``RebindNode``);
+    ``through``: the index of the input whose gradient is the result's, if any."""
+    keep = [n for n, t in enumerate(inputs) if requires_grad(t) and _floating(t.dtype)]
+    if not keep:
+        return
+    node = RebindNode(op, [inputs[n] for n in keep], keep.index(through) if through in keep else None)
+    attach(node, [result])

@@ -19,7 +19,9 @@ import numbers
 
 import torch
 
+from ..autograd.dispatched import record_rebind
 from ..autograd.mode import is_grad_enabled as _grad_enabled
+from ..autograd.mode import no_grad as _no_grad
 from ..errors import OpError
 from ..graph import check_one_graph
 from ..placement import Replicate
@@ -104,13 +106,23 @@ def _recorded_inplace(name, rule, tensors, static, kwargs, writes: bool) -> Tens
     if ag is not None and ag.requires_grad and ag.grad_fn is None:
         raise InplaceError(f"dtorch.{name}_: a leaf tensor that requires grad is being used in an in-place operation; "
                            "write it inside `with dtorch.no_grad():` (as optimizers do) or use the out-of-place op")
+    # the op reads the target's value from before the write: a tensor object of its own holds that value
+    # (and history) for the backward, while the target is rebound to the result
+    before = Tensor._make(tspec, target._h, target._graph)
+    before._ag = ag
+    tensors = (before,) + tuple(tensors[1:])
     if writes:  # copy_: the value is the source (laid out like the target by the caller), cast
-        result = tensors[1].clone()
+        with _no_grad():
+            result = tensors[1].clone()
     else:
         result = dispatch(name, rule, tensors, static, kwargs)
     if result.dtype != tspec.dtype:
         result = pw.to_dtype(result, tspec.dtype)
     result = redistribute_spec(result, tspec)
+    if result._ag is None and (tspec.dtype.is_floating_point or tspec.dtype.is_complex):
+        # copy_/fill_ (the value is the source's), comparisons written into a float tensor (no derivative):
+        # torch still links the result to the inputs, the target's old value getting a zero gradient
+        record_rebind(name, tensors, result, through=1 if writes else None)
     target._written(result._h)
     target._ag = result._ag
     return target

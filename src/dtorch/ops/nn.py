@@ -56,7 +56,7 @@ def check_token_ids(ids: torch.Tensor, vocab: int) -> None:
 
 
 @kernel("embedding")
-def _embedding_kernel(ids, weight, *, lead, masked: bool, vocab: int, vocab_off=0):
+def _embedding_kernel(ids, weight, *, lead, masked: bool, vocab: int, vocab_off=0, padding_idx=None):
     vl, d = weight.shape[-2], weight.shape[-1]
     idx = ids.long()
     check_token_ids(idx, vocab)
@@ -77,6 +77,8 @@ def _embedding_kernel(ids, weight, *, lead, masked: bool, vocab: int, vocab_off=
         out = F.embedding(idx, weight)
     if masked:
         out = torch.where(valid.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=out.device))
+    if padding_idx is not None and out.requires_grad:  # (the backward's rerun) the padding row gets no gradient
+        out = torch.where((ids == padding_idx).unsqueeze(-1), out.detach(), out)
     return out
 
 
@@ -111,12 +113,16 @@ def _embedding_rule(specs, padding_idx):
     device_args = None
     if masked:
         device_args = {"vocab_off": block_offsets(w_in, 0)}
-    return OpPlan((spec_like(ids, placements=ids_pl), w_in), (out,), _embedding_kernel,
-                  {"masked": masked, "vocab": w.shape[0]}, device_args)
+    kwargs = {"masked": masked, "vocab": w.shape[0]}
+    if padding_idx is not None:  # (static_value's ("int", n)) only the gradient depends on it, like torch
+        kwargs["padding_idx"] = padding_idx[1] % w.shape[0]
+    return OpPlan((spec_like(ids, placements=ids_pl), w_in), (out,), _embedding_kernel, kwargs, device_args)
 
 
 def _torch_embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
-    return embedding(indices, weight)  # torch.embedding takes the weight first
+    # torch.embedding takes the weight first, and -1 (F.embedding has made any other index positive) for none
+    return embedding(indices, weight, None if padding_idx < 0 else padding_idx,
+                     scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)
 
 
 @register(rule=_embedding_rule, kernel=_embedding_kernel, torch_fns=(F.embedding, (torch.embedding, _torch_embedding)),
@@ -137,6 +143,9 @@ def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, sca
     ids, w = to_dtensors("embedding", [input, weight])
     if not isinstance(w, Tensor) or not isinstance(ids, Tensor):
         raise OpError("dtorch.embedding: input and weight must be tensors")
+    if (scale_grad_by_freq or sparse) and w.requires_grad:
+        raise OpError("dtorch.embedding: scale_grad_by_freq and sparse gradients are not supported; call it "
+                      "without them (the gradient is then torch's dense one)")
     if padding_idx is not None:
         v = w.shape[0]
         if not -v <= padding_idx < v:

@@ -153,7 +153,8 @@ def _pointwise_rule(specs, name, fn, template, kwargs, scalar_types) -> OpPlan:
     nout = len(out_shape)
     full = _full_template(template, len(specs))
     has_scalar = any(not isinstance(a, int) for a in full)
-    partial_rule = _PARTIAL_RULE.get(name)
+    # div(..., rounding_mode=...) rounds each quotient: not linear in its operands, partials are reduced first
+    partial_rule = None if any(k == "rounding_mode" for k, _ in kwargs) else _PARTIAL_RULE.get(name)
 
     in_pl = [list(s.placements) for s in specs]
     out_pl = []
