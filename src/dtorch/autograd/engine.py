@@ -132,6 +132,8 @@ def run_backward(outputs, grad_outputs, retain_graph: bool = False, inputs=None,
             meta = leaf._ag
             if not meta.requires_grad:
                 continue
+            if meta.grad_form is not None:
+                g = meta.grad_form(g)
             g = as_grad_of(g, leaf._spec)
             meta.grad = g if meta.grad is None else meta.grad + g
     return None

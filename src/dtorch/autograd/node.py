@@ -13,7 +13,9 @@ _seq = itertools.count()
 
 
 class AutogradMeta:
-    __slots__ = ("requires_grad", "grad_fn", "output_nr", "grad", "retains_grad")
+    # grad_form: a leaf's gradient -> the gradient stored (a parameter held in another form than it is
+    # saved, nn.module.RepeatedRows: the repeated copies share one gradient)
+    __slots__ = ("requires_grad", "grad_fn", "output_nr", "grad", "retains_grad", "grad_form")
 
     def __init__(self, requires_grad: bool = False, grad_fn: "Node | None" = None, output_nr: int = 0):
         self.requires_grad = requires_grad
@@ -21,6 +23,7 @@ class AutogradMeta:
         self.output_nr = output_nr
         self.grad = None
         self.retains_grad = False
+        self.grad_form = None
 
 
 def requires_grad(t) -> bool:

@@ -216,7 +216,9 @@ def _replicate_kv_heads(proj: nn.Linear, form: RepeatedRows) -> None:
         p = getattr(proj, name)
         if p is not None:
             held = Tensor(form.load(p.to_torch()), device_mesh=p.device_mesh, placements=p.placements)
-            proj.register_parameter(name, nn.Parameter(held))
+            param = nn.Parameter(held)
+            param._ag.grad_form = form.tie_grad  # the copies of a head are one parameter: one gradient
+            proj.register_parameter(name, param)
             proj._saved_forms[name] = form
     proj.out_features *= form.repeats
 

@@ -79,6 +79,13 @@ class RepeatedRows:
     def load(self, saved: torch.Tensor) -> torch.Tensor:
         return saved.unflatten(0, (-1, self.block)).repeat_interleave(self.repeats, 0).flatten(0, 1)
 
+    def tie_grad(self, grad: Tensor) -> Tensor:
+        """The gradient of the held tensor when its repeated copies are one parameter: each copy gets the sum
+        over the copies (so an optimizer step keeps them equal)."""
+        rest = tuple(grad.shape[1:])
+        g = grad.reshape((-1, self.repeats, self.block) + rest).sum(1, keepdim=True)
+        return g.expand((g.shape[0], self.repeats, self.block) + rest).reshape(tuple(grad.shape))
+
     def held_slice(self, saved_slice) -> "_HeldSlice":
         """A view of a safetensors slice of the saved tensor (``get_shape``, ``[...]``) in the held layout, so a
         device's block is read straight from the rows it repeats."""
