@@ -16,6 +16,7 @@ Parameter names are Hugging Face's, so ``model.load_state_dict(hf_model.state_di
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -446,11 +447,16 @@ class LlamaForCausalLM(nn.Module):
     def is_gradient_checkpointing(self) -> bool:
         return self.model.gradient_checkpointing
 
-    def __call__(self, input_ids, *args, **kwargs):
+    def __call__(self, input_ids, *args, labels=None, **kwargs):
         # Hugging Face's attention_mask / position_ids / past_key_values / use_cache: models/generation.py
         from .generation import cached_forward, split_cache_arguments
 
         cache_kw, args, kwargs = split_cache_arguments(args, kwargs)
+        if labels is not None:
+            if cache_kw or args or kwargs:
+                raise TypeError("LlamaForCausalLM(input_ids, labels=...) takes no masks or caches with labels yet; "
+                                f"got {sorted(cache_kw) + sorted(kwargs) + ['positional'] * bool(args)}")
+            return self._with_loss(input_ids, labels)
         if cache_kw:
             return cached_forward(self, input_ids, *args, **cache_kw, **kwargs)
         return super().__call__(input_ids, *args, **kwargs)
@@ -496,6 +502,28 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids) -> Tensor:
         return self.lm_head(self.model(input_ids))  # ids laid out by LlamaModel; [B, S, H] -> [B, S, vocab]
 
+    def _with_loss(self, input_ids, labels) -> "CausalLMOutput":
+        """Hugging Face's causal-LM loss: the logits at position i predict ``labels[:, i + 1]``; -100 is
+        ignored; the mean over the counted positions. The labels are shifted instead of the logits (HF does
+        the same), so the sequence-sharded logits stay as they lie; vocab-sharded logits are never gathered
+        (cross_entropy reduces max and sum-exp over the vocab shards)."""
+        if isinstance(labels, Tensor):
+            labels = labels.to_torch()
+        labels = torch.as_tensor(labels)
+        if tuple(labels.shape) != tuple(input_ids.shape):
+            raise ValueError(f"labels must have the shape of input_ids {list(input_ids.shape)}, got {list(labels.shape)}")
+        (ids,), _ = self.redistribute_input(input_ids)
+        self._caller = self._real_len = None
+        shifted = torch.nn.functional.pad(labels, (0, 1 + ids.shape[1] - labels.shape[1]), value=-100)[:, 1:]
+        logits = self.forward(ids)  # [B, S, vocab]: batch over dp/fsdp, sequence over cp, vocab over tp
+        placements = [Replicate() if isinstance(p, Partial) or (isinstance(p, Shard) and p.dim == 2) else p
+                      for p in logits.placements]
+        target = Tensor(shifted.to(torch.long), device_mesh=logits.device_mesh, placements=placements)
+        loss = F.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100)
+        if labels.shape[1] != ids.shape[1]:  # (positions appended for an even cp split: cut off)
+            logits = logits[:, :labels.shape[1]]
+        return CausalLMOutput(loss=loss, logits=logits)
+
     def redistribute_output(self, logits: Tensor):
         caller, self._caller = self._caller, None
         real, self._real_len = self._real_len, None
@@ -526,6 +554,14 @@ class LlamaForCausalLM(nn.Module):
             model = cls(config, device_mesh)
         read_sharded(model, path, progress=progress)
         return model
+
+
+@dataclass
+class CausalLMOutput:
+    """``model(input_ids, labels=...)``: ``loss`` (a 0-d dtorch tensor, ``.backward()`` trains) and ``logits``
+    (dtorch, laid out as computed: fetch with ``.to_torch()`` only when needed)."""
+    loss: Tensor
+    logits: Tensor
 
 
 def _config_dtype(config) -> torch.dtype | None:
