@@ -1,0 +1,492 @@
+"""The Llama's KV cache: preallocated dtorch tensors written in place, laid out like the attention.
+
+Per decoder layer, keys and values ``[batch, kv_heads, slots, head_dim]`` on the layer's pipeline stage:
+
+    dp          Shard(0)  each dp device keeps the rows of its part of the batch
+    tp          Shard(1)  each tp device keeps the kv heads its query heads use
+    ulysess_cp,
+    ring_cp     Shard(2)  each cp device keeps a block of slots (nested, mesh-dim order, outer to inner)
+
+Slots are not positions. Attention is a sum over keys, so a key may sit in any slot as long as the mask
+knows which token it holds: the controller keeps the slot table (the order index of the token in each
+slot, and for each batch row whether it is a real token or padding) and sends the mask each step. So
+every cp block fills its own slots from the front:
+
+- prefill (nothing cached yet): the prompt is laid out by sequence over cp (the model's usual layout,
+  ring or Ulysses attention over the prompt itself); device ``r`` writes its chunk of keys and values
+  into the first slots of its own block. Nothing moves.
+- decode (anything cached): the new tokens are replicated over cp; each goes to the block with the most
+  free slots, so the blocks stay within one slot of each other. Each cp device attends the query to its
+  block alone (``kv_cache.attend``: a partial output and its log-sum-exp) and the partials are merged by
+  their log-sum-exp (``kv_cache.combine``, flash-decoding): what crosses devices is the partial outputs
+  of the new tokens, never the cache.
+
+The shapes are static (the slot count is fixed; the mask has the slot count as its last dim), so every
+decode step runs the plans of the step before. The cache grows (a new slot count, copied locally) only
+when a forward with ``use_cache`` outgrows it; ``generate`` sizes it once for prompt + new tokens.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..errors import DTorchError
+from ..mesh import DeviceMesh
+from ..ops.registry import OpPlan, dispatch, spec_like
+from ..placement import Partial, Replicate, Shard
+from ..runtime.kernels import kernel
+from ..spec import DTensorSpec
+from ..tensor import Tensor
+from .llama import activation_placements
+
+CP_DIMS = ("ulysess_cp", "ulysses_cp", "ring_cp")
+BATCH_DIMS = ("dp", "fsdp")  # mesh dims that split the batch
+
+
+class KVCacheError(DTorchError, ValueError):
+    """The cache cannot take this forward (another batch size, full, another model)."""
+
+
+# ------------------------------------------------------------------------------------------------
+# layouts, by mesh dim name
+
+
+def cache_placements(mesh: DeviceMesh) -> tuple:
+    """[B, kv_heads, slots, d]: batch over dp, kv heads over tp, slots over the cp dims."""
+    out = []
+    for name in mesh.dim_names or [None] * mesh.ndim:
+        out.append(Shard(0) if name in BATCH_DIMS else Shard(1) if name == "tp" else Shard(2) if name in CP_DIMS
+                   else Replicate())
+    return tuple(out)
+
+
+def decode_placements(mesh: DeviceMesh, ndim: int = 2) -> list:
+    """Activations of a decode step: batch over dp, replicated everywhere else (the cp devices each hold
+    their block of the cache, not of the new tokens)."""
+    names = mesh.dim_names or [None] * mesh.ndim
+    return [Shard(0) if name in BATCH_DIMS and ndim else Replicate() for name in names]
+
+
+def cp_size(mesh: DeviceMesh) -> int:
+    n = 1
+    for name, size in zip(mesh.dim_names or (), mesh.shape):
+        n *= size if name in CP_DIMS else 1
+    return n
+
+
+def _cp_dims(mesh: DeviceMesh) -> list[int]:
+    return [i for i, name in enumerate(mesh.dim_names or ()) if name in CP_DIMS]
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels (leading grid dims allowed: ``lead``)
+
+
+@kernel("kv_cache.write")
+def _write_kernel(cache, new, *, lead=0, src=0, dst=0, count=0):
+    """``new[..., src:src + count, :]`` into ``cache[..., dst:dst + count, :]`` on each device (count 0:
+    nothing). Per-device values come as python ints (one device, or the same on every device) or as
+    tensors of the mesh's shape (stacked devices)."""
+    if not isinstance(count, torch.Tensor):
+        if count:
+            cache[..., dst:dst + count, :] = new[..., src:src + count, :]
+        return
+    count, src, dst = (torch.as_tensor(x).cpu() for x in (count, src, dst))
+    grid_c, grid_n = cache.shape[:lead], new.shape[:lead]
+    for idx in np.ndindex(tuple(count.shape)):
+        c = int(count[idx])
+        if c:
+            s, d = int(src[idx]), int(dst[idx])
+            ci = tuple(min(i, g - 1) for i, g in zip(idx, grid_c))  # (a grid dim of 1: replicas share a block)
+            ni = tuple(min(i, g - 1) for i, g in zip(idx, grid_n))
+            cache[ci][..., d:d + c, :] = new[ni][..., s:s + c, :]
+
+
+@kernel("kv_cache.grow")
+def _grow_kernel(x, *, slots: int):
+    """Each device's block of slots with free slots appended (a larger cache, same tokens in the same slots)."""
+    out = x.new_zeros(x.shape[:-2] + (slots, x.shape[-1]))
+    out[..., : x.shape[-2], :] = x
+    return out
+
+
+@kernel("kv_cache.attend")
+def _attend_kernel(q, k, v, mask, *, lead=0, scale: float, parts: bool, out_dtype: torch.dtype):
+    """Queries ``[B, nh, L, d]`` against this device's keys/values ``[B, hk, M, d]`` where ``mask``
+    ``[B, 1, L, M]`` allows. ``parts``: return the output normalised over these keys and its log-sum-exp
+    (to be merged over the cp devices), each with a leading dim of 1 (this device's part); else the output.
+    Query head ``i`` uses kv head ``i // (nh / hk)`` (grouped-query attention without copying the cache)."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    hk = k.shape[-3]
+    g = q.shape[-3] // hk
+    qf = q.to(acc).unflatten(-3, (hk, g))  # [.., B, hk, g, L, d]
+    kf, vf = k.to(acc).unsqueeze(-3), v.to(acc).unsqueeze(-3)  # [.., B, hk, 1, M, d]
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [.., B, hk, g, L, M]
+    s = s.masked_fill(~mask.unsqueeze(-3), float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=acc, device=m.device))  # rows that see no key
+    p = torch.exp(s - m)
+    denom = p.sum(-1, keepdim=True)
+    out = torch.matmul(p, vf) / torch.where(denom > 0, denom, torch.ones((), dtype=acc, device=m.device))
+    out = out.flatten(-4, -3)  # [.., B, nh, L, d]
+    if not parts:
+        return out.to(out_dtype)
+    lse = (m + torch.log(denom)).squeeze(-1).flatten(-3, -2)  # [.., B, nh, L]; -inf: no key here
+    return out.unsqueeze(-5), lse.unsqueeze(-4)
+
+
+@kernel("kv_cache.combine")
+def _combine_kernel(out, lse, *, out_dtype: torch.dtype):
+    """Merge the cp devices' partial outputs ``[C, B, nh, L, d]`` by their log-sum-exps ``[C, B, nh, L]``."""
+    total = torch.logsumexp(lse, dim=-4, keepdim=True)
+    total = torch.where(torch.isfinite(total), total, torch.zeros((), dtype=total.dtype, device=total.device))
+    w = torch.exp(lse - total).unsqueeze(-1)  # a part with no visible key weighs 0
+    return (out * w).sum(-5).to(out_dtype)
+
+
+@kernel("kv_cache.last_row")
+def _last_row_kernel(x, *, lead=0, holds=1):
+    """The last row of this device's block of the sequence (dim -2), where this device holds the sequence's
+    last position (``holds``), else zeros: summed over the sequence's devices, the global last row."""
+    if x.shape[-2] == 0:
+        return x.new_zeros(x.shape[:-2] + (1, x.shape[-1]))
+    row = x[..., -1:, :]
+    if isinstance(holds, torch.Tensor):
+        holds = holds.to(torch.bool).reshape(tuple(holds.shape) + (1,) * (row.ndim - holds.ndim)).to(row.device)
+        return torch.where(holds, row, torch.zeros((), dtype=row.dtype, device=row.device))
+    return row if holds else torch.zeros_like(row)
+
+
+# ------------------------------------------------------------------------------------------------
+# rules
+
+
+def _attend_rule(specs, scale: float, parts: bool):
+    q, k, v, mask = specs
+    mesh = q.mesh
+    qp, kp, mp, op, pp = [], [], [], [], []
+    for name in mesh.dim_names or [None] * mesh.ndim:
+        if name in BATCH_DIMS:
+            row = (Shard(0), Shard(0), Shard(0), Shard(0), Shard(1))
+        elif name == "tp":
+            row = (Shard(1), Shard(1), Replicate(), Shard(1), Shard(2))
+        elif name in CP_DIMS:
+            row = (Replicate(), Shard(2), Shard(3), Replicate(), Shard(0))
+        else:
+            row = (Replicate(),) * 5
+        for lst, p in zip((qp, kp, mp, op, pp), row):
+            lst.append(p)
+    in_specs = (spec_like(q, placements=qp), spec_like(k, placements=kp), spec_like(v, placements=kp),
+                spec_like(mask, placements=mp))
+    n, nh, length, _ = q.shape
+    dv = v.shape[-1]
+    kw = {"scale": scale, "parts": parts, "out_dtype": q.dtype}
+    if not parts:
+        return OpPlan(in_specs, (DTensorSpec(mesh, tuple(op), (n, nh, length, dv), q.dtype),), _attend_kernel, kw)
+    c = cp_size(mesh)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    outs = (DTensorSpec(mesh, tuple(pp), (c, n, nh, length, dv), acc),
+            DTensorSpec(mesh, tuple(pp), (c, n, nh, length), acc))
+    return OpPlan(in_specs, outs, _attend_kernel, kw, multi_output=True)
+
+
+def _combine_rule(specs, out_dtype: torch.dtype):
+    out, lse = specs
+    # the parts of every cp device on each device (an all_gather of the new tokens' outputs, not the cache)
+    pl = tuple(Replicate() if isinstance(p, Shard) and p.dim == 0 else p for p in out.placements)
+    res = tuple(Replicate() if isinstance(p, Replicate) else Shard(p.dim - 1) for p in pl)
+    return OpPlan((out.with_placements(pl), lse.with_placements(pl)),
+                  (DTensorSpec(out.mesh, res, out.shape[1:], out_dtype),), _combine_kernel, {"out_dtype": out_dtype})
+
+
+def _last_row_rule(specs):
+    (x,) = specs
+    seq = x.ndim - 2
+    holds = np.zeros(x.mesh.shape, dtype=np.int64)
+    for c in x.mesh.coordinates():
+        off, n = x.local_box(c)[seq]
+        holds[c] = int(n > 0 and off + n == x.shape[seq])
+    pl = tuple(Partial() if isinstance(p, Shard) and p.dim == seq else p for p in x.placements)
+    shape = x.shape[:seq] + (1,) + x.shape[seq + 1:]
+    if holds.min() == holds.max():
+        return OpPlan((x,), (DTensorSpec(x.mesh, pl, shape, x.dtype),), _last_row_kernel, {"holds": int(holds.flat[0])})
+    return OpPlan((x,), (DTensorSpec(x.mesh, pl, shape, x.dtype),), _last_row_kernel, {}, {"holds": holds})
+
+
+def last_position(h: Tensor) -> Tensor:
+    """``h[:, -1:]`` of ``[B, S, H]`` without gathering the sequence: the device holding the last position
+    gives it, the others zeros, summed over the sequence's mesh dims (an all_reduce of ``[B, 1, H]``)."""
+    if not any(isinstance(p, Shard) and p.dim == 1 for p in h.placements):
+        return h.narrow(1, h.shape[1] - 1, 1)
+    out = dispatch("kv_cache.last_row", _last_row_rule, (h,))
+    return out.redistribute(h.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in out.placements])
+
+
+# ------------------------------------------------------------------------------------------------
+# the cache
+
+
+def _llama_model(model):
+    inner = getattr(model, "model", model)
+    if not hasattr(inner, "stage_meshes") or not hasattr(inner, "layers"):
+        raise KVCacheError(f"KVCache needs a dtorch Llama (LlamaForCausalLM or LlamaModel), got {type(model).__name__}")
+    return inner
+
+
+class KVCache:
+    """Keys and values of every decoder layer, preallocated for ``batch_size`` rows and ``max_length`` tokens.
+
+    ``KVCache(model, batch_size, max_length)`` holds ``key_cache[i]`` / ``value_cache[i]`` (dtorch tensors
+    ``[batch, kv_heads, slots, head_dim]``, see the module doc for their layout) on layer ``i``'s pipeline
+    stage. Pass it as ``past_key_values=`` to the model's forward (which fills it) or let ``generate`` make
+    one. ``get_seq_length()`` is the number of tokens cached (Hugging Face's); ``memory_per_device()`` the
+    bytes each device holds for it.
+    """
+
+    def __init__(self, model, batch_size: int, max_length: int, *, dtype: torch.dtype | None = None):
+        llama = _llama_model(model)
+        if not (isinstance(batch_size, int) and batch_size >= 1 and isinstance(max_length, int) and max_length >= 1):
+            raise KVCacheError(f"KVCache needs batch_size >= 1 and max_length >= 1 (ints), got {batch_size!r} and "
+                               f"{max_length!r}")
+        self._model = llama
+        self.batch_size = batch_size
+        self.layer_meshes = [llama.stage_meshes[s] for s in llama.layer_stages]
+        self.cp = cp_size(llama.stage_meshes[0])
+        attn = llama.layers[0].self_attn
+        self.kv_heads, self.head_dim = attn.kv_heads_held, attn.head_dim
+        self.dtype = dtype or attn.k_proj.weight.dtype
+        self.block = -(-max_length // self.cp)  # slots per cp block
+        self.key_cache = [self._empty(mesh) for mesh in self.layer_meshes]
+        self.value_cache = [self._empty(mesh) for mesh in self.layer_meshes]
+        # the slot table (controller side): the order index of the token in each slot (-1: free) and,
+        # per batch row, whether that token is a real one (padding and free slots are never attended)
+        self.order = torch.full((self.slots,), -1, dtype=torch.int64)
+        self.valid = torch.zeros(batch_size, self.slots, dtype=torch.bool)
+        self.fill = [0] * self.cp  # used slots per cp block
+        self._seen = 0  # tokens the caller gave (Hugging Face's sequence length)
+        self._next = 0  # order index of the next token (with the padding added for an even cp split)
+
+    @property
+    def slots(self) -> int:
+        return self.block * self.cp
+
+    @property
+    def max_length(self) -> int:
+        """Tokens the cache can hold without growing (a prompt under cp may use up to cp - 1 more for padding)."""
+        return self.slots
+
+    def _empty(self, mesh: DeviceMesh) -> Tensor:
+        shape = (self.batch_size, self.kv_heads, self.slots, self.head_dim)
+        return Tensor(torch.zeros(shape, dtype=self.dtype), device_mesh=mesh, placements=cache_placements(mesh))
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._seen
+
+    def __len__(self) -> int:
+        return len(self.key_cache)
+
+    def memory_per_device(self) -> dict:
+        """``{(device_type, device id): bytes}`` the keys and values take on each device."""
+        out: dict = {}
+        for t in self.key_cache + self.value_cache:
+            mesh = t.device_mesh
+            for dev, b in zip(mesh.device_ids, t._spec.device_bytes()):
+                key = (mesh.device_type, dev)
+                out[key] = out.get(key, 0) + int(b)
+        return dict(sorted(out.items()))
+
+    def ideal_bytes(self) -> int:
+        """Bytes of every layer's keys and values for the tokens the cache was sized for, on one device."""
+        return 2 * len(self.key_cache) * self.batch_size * self.kv_heads * self.slots * self.head_dim \
+            * self.dtype.itemsize
+
+    # -- the slot table ---------------------------------------------------------------------------
+    def _device_blocks(self, mesh: DeviceMesh) -> np.ndarray:
+        """Per device (mesh shape): the index of its cp block of slots."""
+        spec = self.key_cache[0]._spec
+        out = np.zeros(mesh.shape, dtype=np.int64)
+        for c in mesh.coordinates():
+            out[c] = spec.local_box(c)[2][0] // self.block
+        return out
+
+    def _grow(self, block: int) -> None:
+        """More slots per cp block (a new shape: plans are made again once); tokens keep their blocks."""
+        old = self.block
+        for caches in (self.key_cache, self.value_cache):
+            for i, t in enumerate(caches):
+                spec = spec_like(t._spec, shape=t.shape[:2] + (block * self.cp,) + t.shape[3:])
+                h = t._graph.runtime.run_local(_grow_kernel, [t._h], [t._spec], [spec], {"slots": block}, None)
+                caches[i] = Tensor._make(spec, h[0], t._graph)
+        idx = torch.arange(self.cp * old)
+        new = (idx // old) * block + idx % old
+        order = torch.full((self.cp * block,), -1, dtype=torch.int64)
+        valid = torch.zeros(self.batch_size, self.cp * block, dtype=torch.bool)
+        order[new], valid[:, new] = self.order, self.valid
+        self.order, self.valid, self.block = order, valid, block
+
+    def _take(self, n: int, valid: torch.Tensor, sharded: bool, grow: bool) -> tuple:
+        """Slots for ``n`` new tokens (``valid`` [B, n]: real or padding): returns (write arguments, their
+        order indices). ``sharded``: the tokens arrive split over cp like the prompt (each device's chunk goes
+        to its own block), else replicated (each goes to the block with the most free slots)."""
+        mesh = self.layer_meshes[0]
+        blocks = self._device_blocks(mesh)
+        if sharded:
+            probe = DTensorSpec(mesh, cache_placements(mesh), (self.batch_size, self.kv_heads, n, self.head_dim),
+                                self.dtype)
+            runs = [None] * self.cp  # block -> (first token, count)
+            for c in mesh.coordinates():
+                runs[int(blocks[c])] = probe.local_box(c)[2]
+        else:
+            counts = [0] * self.cp
+            for _ in range(n):  # water filling: the least used block first (ties: the first)
+                b = min(range(self.cp), key=lambda j: (self.fill[j] + counts[j], j))
+                counts[b] += 1
+            starts = np.cumsum([0] + counts[:-1])
+            runs = [(int(s), c) for s, c in zip(starts, counts)]
+        need = max(self.fill[b] + runs[b][1] for b in range(self.cp))
+        if need > self.block:
+            if not grow:
+                raise KVCacheError(f"the KV cache is full: {self._seen} tokens cached, {self.slots} slots "
+                                   f"({self.block} per cp block), {n} more do not fit; make it with a larger "
+                                   "max_length")
+            self._grow(max(need, 2 * self.block))
+        order = torch.arange(self._next, self._next + n)
+        for b, (first, count) in enumerate(runs):
+            slots = b * self.block + self.fill[b] + torch.arange(count)
+            self.order[slots] = order[first:first + count]
+            self.valid[:, slots] = valid[:, first:first + count]
+        src = np.zeros(mesh.shape, dtype=np.int64)
+        dst, cnt = np.zeros_like(src), np.zeros_like(src)
+        for c in mesh.coordinates():
+            b = int(blocks[c])
+            first, count = runs[b]
+            src[c] = 0 if sharded else first
+            dst[c], cnt[c] = self.fill[b], count
+        for b in range(self.cp):
+            self.fill[b] += runs[b][1]
+        self._next += n
+        args = {"src": src, "dst": dst, "count": cnt}
+        if all(a.min() == a.max() for a in args.values()):  # the same on every device: plain arguments
+            return ({k: int(a.flat[0]) for k, a in args.items()}, None), order
+        return ({}, args), order
+
+    def _mask(self, q_order: torch.Tensor) -> torch.Tensor:
+        """[B, 1, L, slots]: the slots each new token (order ``q_order`` [L]) attends."""
+        seen = (self.order[None, :] <= q_order[:, None]) & (self.order[None, :] >= 0)  # [L, slots]
+        return (self.valid[:, None, :] & seen[None]).unsqueeze(1)
+
+    # -- per layer ---------------------------------------------------------------------------------
+    def _write(self, layer_idx: int, k: Tensor, v: Tensor, args) -> None:
+        kwargs, device_args = args
+        for caches, new in ((self.key_cache, k), (self.value_cache, v)):
+            target = caches[layer_idx]
+            rt = target._graph.runtime
+            h = rt.write(_write_kernel, target._h, target._spec, [new._h], [new._spec], kwargs, device_args)
+            target._written(h)
+
+    def _attend(self, layer_idx: int, q: Tensor, mask: Tensor, scale: float) -> Tensor:
+        k, v = self.key_cache[layer_idx], self.value_cache[layer_idx]
+        if self.cp == 1:
+            return dispatch("kv_cache.attend", _attend_rule, (q, k, v, mask), (scale, False))
+        out, lse = dispatch("kv_cache.attend", _attend_rule, (q, k, v, mask), (scale, True))
+        return dispatch("kv_cache.combine", _combine_rule, (out, lse), (q.dtype,))
+
+    def __repr__(self):
+        return (f"KVCache({len(self)} layers, batch {self.batch_size}, {self.slots} slots over cp {self.cp}, "
+                f"{self.kv_heads} kv heads x {self.head_dim}, {self._seen} tokens cached)")
+
+
+class CachedForward:
+    """One forward with padding, given positions and/or a KV cache: what the model's layers ask of it.
+
+    ``ids`` [B, S] (torch), ``valid`` [B, S] bool (False: padding), ``positions`` [B, S] (rope),
+    ``cache`` a KVCache or None, ``grow`` whether the cache may grow. Under cp a prefill's sequence is
+    left-padded to a multiple of the cp size (masked keys: nothing changes for the real tokens);
+    ``self.pad`` columns were added in front.
+    """
+
+    def __init__(self, model, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
+                 cache: KVCache | None, grow: bool = False):
+        llama = _llama_model(model)
+        self.model = llama
+        self.cache = cache
+        self.decode = cache is not None and cache._next > 0
+        b, s = ids.shape
+        cp = cp_size(llama.stage_meshes[0])
+        self.pad = 0 if self.decode else -s % cp
+        if self.pad:
+            ids = torch.cat([ids.new_zeros(b, self.pad), ids], dim=1)
+            valid = torch.cat([valid.new_zeros(b, self.pad), valid], dim=1)
+            positions = torch.cat([positions.new_zeros(b, self.pad), positions], dim=1)
+        self.ids, self.valid, self.positions = ids, valid, positions
+        self.seq_len = int(positions.max()) + 1 if positions.numel() else 1  # for the length-dependent rope types
+        self._per_mesh: dict = {}
+        self.write_args = None
+        if cache is not None:
+            if cache.batch_size != b:
+                raise KVCacheError(f"the KV cache holds {cache.batch_size} rows; this forward has {b}")
+            start = cache._next
+            self.write_args, order = cache._take(ids.shape[1], valid, sharded=not self.decode, grow=grow)
+            cache._seen += s
+            if self.decode:
+                self.mask_full = cache._mask(order)
+        self.all_valid = bool(valid.all())
+        if not self.decode and not self.all_valid:
+            causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()
+            self.mask_full = valid[:, None, None, :] & causal[None, None]
+
+    def placements(self, mesh: DeviceMesh, ndim: int = 2) -> list:
+        if self.decode:
+            return decode_placements(mesh, ndim)
+        return activation_placements(mesh, 0 if ndim else None, 1)
+
+    def input_ids(self, mesh: DeviceMesh) -> Tensor:
+        return Tensor(self.ids, device_mesh=mesh, placements=self.placements(mesh))
+
+    def _on(self, mesh: DeviceMesh, name: str, make):
+        key = (mesh, name)
+        if key not in self._per_mesh:
+            self._per_mesh[key] = make()
+        return self._per_mesh[key]
+
+    def rope(self, rotary, mesh: DeviceMesh, dtype: torch.dtype):
+        """cos, sin [B, S, d] at each token's own position, on ``mesh``."""
+        def make():
+            pos = Tensor(self.positions, device_mesh=mesh, placements=self.placements(mesh))
+            return rotary(pos, dtype, seq_len=self.seq_len)
+
+        return self._on(mesh, ("rope", dtype), make)
+
+    def _mask(self, mesh: DeviceMesh) -> Tensor:
+        def make():
+            if self.decode:  # [B, 1, L, slots]: slots over cp like the cache's
+                pl = [Shard(0) if n in BATCH_DIMS else Shard(3) if n in CP_DIMS else Replicate()
+                      for n in mesh.dim_names or [None] * mesh.ndim]
+            else:  # [B, 1, S, S] for the prompt's own attention
+                pl = [Shard(0) if n in BATCH_DIMS else Replicate() for n in mesh.dim_names or [None] * mesh.ndim]
+            return Tensor(self.mask_full, device_mesh=mesh, placements=pl)
+
+        return self._on(mesh, "mask", make)
+
+    def attention(self, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """The attention of layer ``attn`` (q/k/v [B, heads, S, d], rotated) with the padding mask, writing the
+        new keys and values into the cache."""
+        from ..nn import functional as F
+
+        if self.decode:
+            self.cache._write(attn.layer_idx, k, v, self.write_args)
+            return self.cache._attend(attn.layer_idx, q, self._mask(q.device_mesh), attn.scaling)
+        gqa = attn.kv_heads_held != attn.num_heads
+        if self.all_valid:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(q.device_mesh), scale=attn.scaling,
+                                               enable_gqa=gqa)
+        if self.cache is not None:
+            self.cache._write(attn.layer_idx, k, v, self.write_args)
+        return o
+
+
+__all__ = ["BATCH_DIMS", "KVCache", "KVCacheError", "CachedForward", "cache_placements", "decode_placements", "last_position"]
