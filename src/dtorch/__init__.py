@@ -28,6 +28,7 @@ _install_autograd(Tensor)
 from .visualize import visualize_sharding  # noqa: E402
 from . import testing  # noqa: E402,F401
 from . import nn  # noqa: E402,F401
+from . import optim  # noqa: E402,F401
 
 DTensor = Tensor
 

@@ -1,5 +1,5 @@
 """dtorch.nn: modules whose parameters are dtorch tensors."""
-from . import functional  # noqa: F401
+from . import functional, utils  # noqa: F401
 from .containers import ModuleDict, ModuleList, Sequential
 from .layers import (GELU, Dropout, Embedding, EmbeddingWithReplicateOutput, Identity, LayerNorm, ReLU, RMSNorm,
                      SiLU)

@@ -1,0 +1,71 @@
+"""AdamW with torch's update (``torch.optim.adam._single_tensor_adam`` with decoupled weight decay, in its
+order of operations: the same float32 results up to rounding of fused kernels)."""
+from __future__ import annotations
+
+import torch
+
+from ..ops.pointwise import addcmul, maximum
+from .optimizer import Optimizer, scalar_dtype, zeros_state
+
+
+class AdamW(Optimizer):
+    """``torch.optim.AdamW`` for dtorch parameters. ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with
+    amsgrad) have the parameter's placements; ``step`` is a host-side float tensor, as in torch."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 amsgrad: bool = False, *, maximize: bool = False, foreach=None, capturable: bool = False,
+                 differentiable: bool = False, fused=None):
+        for name, v in (("learning rate", lr), ("epsilon value", eps), ("weight_decay value", weight_decay)):
+            if not isinstance(v, (int, float)):
+                raise TypeError(f"Invalid {name}: {v!r}; dtorch takes a Python number")
+            if v < 0.0:
+                raise ValueError(f"Invalid {name}: {v}")
+        for i, b in enumerate(betas):
+            if not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {b!r}")
+        if capturable or differentiable or fused:
+            raise NotImplementedError("dtorch.optim.AdamW: capturable, differentiable and fused are not supported")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, foreach=foreach, capturable=capturable, differentiable=differentiable,
+                        fused=fused, decoupled_weight_decay=True)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter that has a gradient; returns ``closure()``'s loss when given."""
+        loss = self._closure_loss(closure)
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+            weight_decay, amsgrad, maximize = group["weight_decay"], group["amsgrad"], group["maximize"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = -p.grad if maximize else p.grad
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0, dtype=scalar_dtype())
+                    state["exp_avg"] = zeros_state(p)
+                    state["exp_avg_sq"] = zeros_state(p)
+                    if amsgrad:
+                        state["max_exp_avg_sq"] = zeros_state(p)
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                state["step"] += 1
+                if weight_decay != 0:
+                    p.mul_(1 - lr * weight_decay)
+                exp_avg.lerp_(grad, 1 - beta1)
+                exp_avg_sq.mul_(beta2)
+                exp_avg_sq.copy_(addcmul(exp_avg_sq, grad, grad, value=1 - beta2))  # torch's addcmul_
+                step = state["step"].item()
+                bias_correction1 = 1 - beta1 ** step
+                bias_correction2 = 1 - beta2 ** step
+                step_size = lr / bias_correction1
+                bias_correction2_sqrt = bias_correction2 ** 0.5
+                if amsgrad:
+                    max_sq = state["max_exp_avg_sq"]
+                    max_sq.copy_(maximum(max_sq, exp_avg_sq))
+                    denom = (max_sq.sqrt() / bias_correction2_sqrt).add(eps)
+                else:
+                    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add(eps)
+                # torch's p.addcdiv_(exp_avg, denom, value=-step_size): p + (value * exp_avg) / denom
+                p.add_(exp_avg.mul(-step_size).div(denom))
+        return loss
