@@ -5,8 +5,10 @@ Shard(2) on the cp dims (GQA 8/2 heads, head dim 64, batch 2, causal); prints th
 both and their ratio. An uneven split (torch.chunk blocks, some possibly empty) should cost about
 what the next even length costs: goal <= 1.3x. ``--llama`` adds the forward of the small Llama of
 bench/llama_simulation.py on ring_cp=3 (every op of the model on the uneven layout, not only attention).
+``--backward`` times forward + backward instead (Q/K/V require grad, the output gradient given), reports
+the largest gradient error against torch.autograd and the backward's share as fwd+bwd / fwd.
 
-    .venv/bin/python bench/ring_attention.py [--reps 30] [--threads 1] [--llama]
+    .venv/bin/python bench/ring_attention.py [--reps 30] [--threads 1] [--llama] [--backward]
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ CASES = [
 ]
 
 
-def make_case(names, shape, seq, causal=True):
+def make_case(names, shape, seq, causal=True, backward=False):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 8, seq, 64, generator=g)
     k, v = (torch.randn(2, 2, seq, 64, generator=g) for _ in range(2))
@@ -39,9 +41,31 @@ def make_case(names, shape, seq, causal=True):
     pl = [Shard(2)] * len(shape)
     qd, kd, vd = (dtorch.Tensor(x, device_mesh=mesh, placements=pl) for x in (q, k, v))
     fn = lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, enable_gqa=True)  # noqa: E731
+    if backward:
+        return backward_case(fn, mesh, pl, (q, k, v), (qd, kd, vd), causal)
     out = fn()  # plans once; also checks the result
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
     err = (out.to_torch() - ref).abs().max().item()
+    return fn, err
+
+
+def backward_case(forward, mesh, pl, ts, ds, causal):
+    """forward + backward of the laid-out case; the error is the largest gradient difference to torch's."""
+    ts = [x.clone().requires_grad_() for x in ts]
+    ref = F.scaled_dot_product_attention(*ts, is_causal=causal, enable_gqa=True)
+    go = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
+    ref.backward(go)
+    for d in ds:
+        d.requires_grad_()
+    gd = dtorch.Tensor(go, device_mesh=mesh, placements=pl)
+
+    def fn():
+        for d in ds:
+            d.grad = None
+        forward().backward(gd)
+
+    fn()
+    err = max((d.grad.to_torch() - t.grad).abs().max().item() for d, t in zip(ds, ts))
     return fn, err
 
 
@@ -63,7 +87,11 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (1: tiny kernels on a busy machine time far more steadily)")
     ap.add_argument("--llama", action="store_true", help="also the small Llama forward on ring_cp=3")
+    ap.add_argument("--backward", action="store_true",
+                    help="time forward + backward (gradients of Q/K/V) instead of the forward alone")
     args = ap.parse_args(argv)
+    if args.backward:
+        return backward_table(args.reps, args.threads)
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     header = f"{'mesh':24} {'seq uneven/even':>15} {'uneven ms':>10} {'even ms':>8} {'ratio':>6} {'max err':>8}"
@@ -81,6 +109,24 @@ def main(argv=None):
         print(f"{mesh_s:24} {f'{uneven}/{even}':>15} {t:10.2f} {t_even:8.2f} {t / t_even:6.2f} {err:8.1e}")
     if args.llama:
         llama_forward(args.reps)
+
+
+def backward_table(reps: int, threads: int):
+    torch.set_num_threads(threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; forward + backward\n")
+    header = (f"{'mesh':24} {'seq uneven/even':>15} {'uneven ms':>10} {'even ms':>8} {'ratio':>6} "
+              f"{'fwd+bwd/fwd':>11} {'max grad err':>12}")
+    print(header)
+    print("-" * len(header))
+    for names, shape, uneven, even in CASES:
+        mesh_s = " x ".join(f"{n}{s}" for n, s in zip(names, shape))
+        even_fn, _ = make_case(names, shape, even, backward=True)
+        fn, err = make_case(names, shape, uneven, backward=True)
+        fwd_fn, _ = make_case(names, shape, even)
+        t, t_even = best_ms_interleaved(fn, even_fn, reps)
+        t_fwd, _ = best_ms_interleaved(fwd_fn, fwd_fn, max(1, reps // 2))
+        print(f"{mesh_s:24} {f'{uneven}/{even}':>15} {t:10.2f} {t_even:8.2f} {t / t_even:6.2f} "
+              f"{t_even / t_fwd:11.2f} {err:12.1e}")
 
 
 def llama_forward(reps: int):

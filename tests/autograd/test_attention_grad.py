@@ -82,6 +82,7 @@ LAYOUTS = [
     ("ring3_seq10", RING_3, 10),
     ("ring4_seq6_empty_block", RING_4, 6),
     ("ulysses2_ring2_seq12", UR_22, 12),  # per Ulysses chunk 6 over ring 2
+    ("ulysses2_ring2_seq10", UR_22, 10),  # per Ulysses chunk 5 over ring 2: the padded [U, L / U] view
     ("ring3_ulysses2_seq10", RU_32, 10),  # ring outside Ulysses: ring block of 10 over 3
     ("dp2_ring3_seq10", DP_RING, 10),
     ("dp_tp_ring_seq7", DP_TP_RING, 7),
@@ -150,17 +151,19 @@ def test_dropout_same_seed_as_torch():
         torch.testing.assert_close(d.grad.to_torch(), t.grad, **F64)
 
 
-def test_only_some_inputs_require_grad():
+@pytest.mark.parametrize("mesh", [RING_3, UR_22], ids=str)
+@pytest.mark.parametrize("which", [0, 1, 2], ids=["q", "k", "v"])
+def test_only_one_input_requires_grad(mesh, which):
     q, k, v = _qkv(l=10)
-    ds = [distribute(x, RING_3, [Shard(2)]) for x in (q, k, v)]
-    ds[2].requires_grad_()
-    tv = v.clone().requires_grad_()
-    ref = F.scaled_dot_product_attention(q, k, tv, is_causal=True)
+    ds = [distribute(x, mesh, [Shard(2)] * mesh.ndim) for x in (q, k, v)]
+    ds[which].requires_grad_()
+    ts = [q, k, v]
+    ts[which] = ts[which].clone().requires_grad_()
     out = F.scaled_dot_product_attention(*ds, is_causal=True)
-    (gv,) = dtorch.autograd.grad(out.sum(), [ds[2]])
-    (want,) = torch.autograd.grad(ref.sum(), [tv])
-    torch.testing.assert_close(gv.to_torch(), want, **F64)
-    assert ds[0].grad is None and ds[1].grad is None
+    (got,) = dtorch.autograd.grad(out.sum(), [ds[which]])
+    (want,) = torch.autograd.grad(F.scaled_dot_product_attention(*ts, is_causal=True).sum(), [ts[which]])
+    torch.testing.assert_close(got.to_torch(), want, **F64)
+    assert all(d.grad is None for d in ds)
 
 
 def test_replicated_inputs_and_three_dim_inputs():

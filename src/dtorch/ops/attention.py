@@ -264,7 +264,8 @@ def _ring_step_backward_kernel(q, k, v, *extra, lead, need, has_acc, out_dtypes,
         dof = do.to(a)
         g_out = w.unsqueeze(-1) * dof
         g_lse = w * (dof * (ob.detach() - o.to(a))).sum(-1)
-        grads = torch.autograd.grad([ob, lb], leaves, [g_out, g_lse], allow_unused=True)
+        pairs = [(y, c) for y, c in ((ob, g_out), (lb, g_lse)) if y.requires_grad]  # lse does not depend on v
+        grads = torch.autograd.grad([y for y, _ in pairs], leaves, [c for _, c in pairs], allow_unused=True)
     res = []
     for i, (g, leaf) in enumerate(zip(grads, leaves)):
         g = torch.zeros_like(leaf) if g is None else g
@@ -442,6 +443,8 @@ class _CPPlan:
     o_unpad: tuple | None  # (the real output spec, per-device row counts) when q was padded
     o_back: DTensorSpec | None  # output after the all_to_all back (Ulysses)
     o_final: DTensorSpec
+    # per q, k, v: (unpadded spec, per-device real rows) where the ring pads it: the backward cuts its gradient
+    in_unpad: tuple = (None, None, None)
     bwd: dict = field(default_factory=dict, repr=False, compare=False)  # _ring_backward_plan's cache
 
 
@@ -604,23 +607,26 @@ def _cp_plan(q, k, v, mask, noise, causal, scale, gqa, u, r) -> _CPPlan:
         steps.append(_RingStep((q_run, k_run, v_run) + extra + ((o_acc, lse) if st else ()),
                                (o_out if last else o_acc, lse), kwargs,
                                {"q_off": q_off, "k_off": block_offsets(k_run, sd, src)}))
+    in_unpad = tuple((x, {"length": real_rows(x)}) if p is not None else None
+                     for x, p in zip((q_cur, k_cur, v_cur), ring_pad))
     return _CPPlan(q_in, k_in, v_in, expand, k_exp, v_exp, ulysses, o_merge, r, tuple(steps), mask_r, noise_r, k_run,
-                   v_run, ring_pad, o_unpad, o_back, o_final)
+                   v_run, ring_pad, o_unpad, o_back, o_final, in_unpad)
 
 
 # ------------------------------------------------------------------------------------------------
 # execution
 
 
-def _local(kern: Kernel, xs: list, out_specs, kwargs: dict, device_args=None) -> list:
-    """Run a local kernel on every device's blocks of ``xs`` (recorded for autograd: its VJP is torch's
-    autograd on the same blocks, like any dispatched op) -> one Tensor per output spec."""
+def _local(kern: Kernel, xs: list, out_specs, kwargs: dict, device_args=None, record: bool = True) -> list:
+    """Run a local kernel on every device's blocks of ``xs`` -> one Tensor per output spec. Recorded for
+    autograd (its VJP is torch's autograd on the same blocks, like any dispatched op) unless ``record`` is
+    False (a node that covers the kernel records instead)."""
     graph = xs[0]._graph
     handles = [x._h for x in xs]
     in_specs = [x._spec for x in xs]
     hs = graph.runtime.run_local(kern, handles, in_specs, out_specs, kwargs, device_args)
     outs = [Tensor._make(spec, h, graph) for spec, h in zip(out_specs, hs)]
-    if _grad_enabled():
+    if record and _grad_enabled():
         record_kernel(f"{_NAME}.{kern.name}", kern, in_specs, out_specs, kwargs, device_args, xs, handles, outs)
     return outs
 
@@ -678,10 +684,11 @@ def _ring(cp: _CPPlan, q, k, v, mask, noise) -> Tensor:
     graph = q._graph
     rt = graph.runtime
     extra = [redistribute_spec(x, s) for x, s in ((mask, cp.mask_r), (noise, cp.noise_r)) if x is not None]
+    inputs = [q, k, v] + extra
     pad = [(x, p) for x, p in zip((q, k, v), cp.ring_pad) if p is not None]
-    if pad:
+    if pad:  # (the ring's node covers the padding and the cut: its backward pads dO and cuts dQ/dK/dV)
         padded = iter(_local(_pad_seq_kernel, [x for x, _ in pad], [p for _, p in pad],
-                             {"sizes": tuple(p.even_local_shape()[-2] for _, p in pad)}))
+                             {"sizes": tuple(p.even_local_shape()[-2] for _, p in pad)}, record=False))
         q, k, v = (x if p is None else next(padded) for x, p in zip((q, k, v), cp.ring_pad))
     kh, vh = k._h, v._h
     acc: list = []
@@ -697,13 +704,11 @@ def _ring(cp: _CPPlan, q, k, v, mask, noise) -> Tensor:
         if st + 1 < len(cp.ring_steps):  # pass K/V on: device j now holds block j - st - 1
             kh = ring_shift(rt, kh, cp.k_r, cp.ring_dim, 1)  # the executor records the send_recv
             vh = ring_shift(rt, vh, cp.v_r, cp.ring_dim, 1)
-    out = Tensor._make(cp.ring_steps[-1].out_specs[0], acc[0], graph)
-    inputs = [q, k, v] + extra
-    if _grad_enabled() and any(_differentiable(x) for x in inputs):
-        node = RingAttentionNode(cp, inputs, out, acc[1])
-        attach(node, [out])
+    out = merged = Tensor._make(cp.ring_steps[-1].out_specs[0], acc[0], graph)
     if cp.o_unpad is not None:  # drop the padded query rows
-        out = _run(_unpad_seq_kernel, out, cp.o_unpad[0], cp.o_unpad[1])
+        out = _local(_unpad_seq_kernel, [out], [cp.o_unpad[0]], {}, cp.o_unpad[1], record=False)[0]
+    if _grad_enabled() and any(_differentiable(x) for x in inputs):
+        attach(RingAttentionNode(cp, inputs, [q, k, v] + extra, merged, acc[1]), [out])
     return out
 
 
@@ -755,7 +760,7 @@ def _ring_backward_plan(cp: _CPPlan, need: tuple) -> tuple:
 
 
 class RingAttentionNode(Node):
-    """The backward of the ring (``_ring`` on padded blocks, the padding and cut recorded apart).
+    """The backward of ``_ring`` (from the unpadded Q/K/V to the unpadded output).
 
     It runs the ring again: at step s device j holds K/V block (j - s) mod R together with that block's
     dK/dV accumulators, adds the local contribution (``sdpa_ring_step_backward``), and passes all four
@@ -763,23 +768,24 @@ class RingAttentionNode(Node):
     brings every dK/dV home. Communication: send_recv on the ring dim only (K/V R - 1 times each,
     dK/dV R times each); the sequence is never gathered."""
 
-    __slots__ = ("cp", "saved", "need", "out_h", "lse_h", "graph")
+    __slots__ = ("cp", "versions", "run", "need", "out_h", "lse_h", "graph")
     name = _NAME
 
-    def __init__(self, cp: _CPPlan, inputs: list, out: Tensor, lse_h):
+    def __init__(self, cp: _CPPlan, inputs: list, run: list, out: Tensor, lse_h):
         need = tuple(_differentiable(x) for x in inputs[:3]) + (
             cp.mask_r is not None and _differentiable(inputs[3]),)
         super().__init__([x for x, n in zip(inputs, need) if n], 1)
         self.cp = cp
         self.need = need
-        self.saved = [(x, x._version) for x in inputs]
+        self.versions = [(x, x._version) for x in inputs]
+        self.run = run  # q, k, v as the ring ran them (padded), mask/noise
         self.out_h = out._h  # the merged output and log-sum-exp: the backward recomputes no global softmax
         self.lse_h = lse_h
         self.graph = out._graph
 
     def release(self):
         super().release()
-        self.saved = self.out_h = self.lse_h = None
+        self.versions = self.run = self.out_h = self.lse_h = None
 
     def apply(self, grads):
         from ..redistribute import relayout
@@ -787,7 +793,7 @@ class RingAttentionNode(Node):
         g = grads[0]
         if g is None:
             return [None] * len(self.edges)
-        for n, (x, version) in enumerate(self.saved):
+        for n, (x, version) in enumerate(self.versions):
             if x._version != version:
                 raise RuntimeError(
                     f"one of the variables needed for gradient computation has been modified by an inplace "
@@ -799,9 +805,11 @@ class RingAttentionNode(Node):
         o_out = cp.ring_steps[-1].out_specs[0]
         if g.dtype != o_out.dtype:
             g = g.to(o_out.dtype)
+        if cp.o_unpad is not None:  # padded query rows got no gradient
+            g = relayout(g, cp.o_unpad[0])
+            g = _local(_pad_seq_kernel, [g], [o_out], {"sizes": (o_out.even_local_shape()[-2],)}, record=False)[0]
         g = relayout(g, o_out)
-        xs = [x for x, _ in self.saved]
-        q, k, v, extra = xs[0], xs[1], xs[2], xs[3:]
+        q, k, v, extra = self.run[0], self.run[1], self.run[2], self.run[3:]
         kh, vh = k._h, v._h
         order = [i for i, n in enumerate(self.need) if n]  # which of q, k, v, mask each accumulator is
         travel = [j for j, i in enumerate(order) if i in (1, 2)]
@@ -816,7 +824,10 @@ class RingAttentionNode(Node):
             # dK/dV go with their blocks; after the last step the shift brings each home
             for j in travel:
                 acc[j] = ring_shift(rt, acc[j], step.out_specs[j], cp.ring_dim, 1)
-        return [Tensor._make(spec, h, self.graph) for spec, h in zip(final, acc)]
+        grads = [Tensor._make(spec, h, self.graph) for spec, h in zip(final, acc)]
+        cuts = [c for c, n in zip(cp.in_unpad + (None,), self.need) if n]
+        return [x if c is None else _local(_unpad_seq_kernel, [x], [c[0]], {}, c[1], record=False)[0]
+                for x, c in zip(grads, cuts)]
 
 
 # ------------------------------------------------------------------------------------------------
