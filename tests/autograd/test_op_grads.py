@@ -323,3 +323,34 @@ def test_no_derivative_names_the_op():
     y = dtorch.floor_divide(x, 2.0)
     with pytest.raises(RuntimeError, match=r"dtorch\.floor_divide has no gradient"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("op,make,placements", [
+    ("embedding", lambda: (torch.tensor([[0, 3, 9], [4, 1, 0]]), _f64(10, 6)), [[Replicate(), Replicate()],
+                                                                                [Shard(0), Replicate()]]),
+    ("tril", lambda: (_f64(7, 5), 1), [[Shard(0), Replicate()]]),
+    ("triu", lambda: (_f64(7, 5), -1), [[Replicate(), Shard(1)]]),
+    ("cross_entropy", lambda: (_f64(5, 6), torch.tensor([0, 5, 2, 3, 3])), [[Shard(1), Replicate()],
+                                                                          [Replicate(), Replicate()]]),
+])
+def test_per_device_values_on_a_mesh_dim_every_input_replicates(op, make, placements):
+    # a shard's offset differs over mesh dim 0 while the blocks are stored once on dim 1 (replicated):
+    # the local VJP must keep each device's gradient apart (it summed the two replicas: twice the gradient)
+    args = make()
+    fn = getattr(dtorch.nn.functional, op, None) or getattr(dtorch, op)
+    ref_fn = getattr(torch.nn.functional, op, None) or getattr(torch, op)
+    leaves_t = [a.clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                for a in args]
+    ref_fn(*leaves_t).sum().backward() if op != "cross_entropy" else ref_fn(*leaves_t).backward()
+    d_args = []
+    for a, pl in zip(args, placements + [None]):
+        if isinstance(a, torch.Tensor):
+            a = distribute(a, MESH_2D, pl)
+            if a.is_floating_point():
+                a.requires_grad_()
+        d_args.append(a)
+    out = fn(*d_args)
+    (out.sum() if op != "cross_entropy" else out).backward()
+    for d, t in zip(d_args, leaves_t):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            torch.testing.assert_close(d.grad.to_torch(), t.grad, **TOL)

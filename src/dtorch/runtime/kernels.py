@@ -83,8 +83,12 @@ def vjp_kernel(forward: Kernel) -> Kernel:
         n_in = len(diff)
         xs, cts = args[:n_in], args[n_in:]
         # stacked grids store a replicated block once (grid dim 1): expand every input to the full grid so
-        # that each device's gradient stays its own (a broadcast would sum them over devices)
-        grid = torch.broadcast_shapes(*(t.shape[:lead] for t in args)) if lead else ()
+        # that each device's gradient stays its own (a broadcast would sum them over devices). Per-device
+        # values (a shard's offset, grid-shaped) count too: they make the outputs differ over a mesh dim on
+        # which every tensor input is replicated
+        grid = torch.broadcast_shapes(*(t.shape[:lead] for t in args),
+                                      *(v.shape for v in kw.values() if isinstance(v, torch.Tensor)
+                                        and v.ndim == lead)) if lead else ()
         rank = max((x.ndim - lead for x in xs if isinstance(x, torch.Tensor)), default=0)
         with torch.enable_grad():
             leaves, call = [], []
