@@ -184,7 +184,9 @@ def test_cross_entropy_dtorch_target_out_of_range_raises():
     x, t, _ = _data()
     t[0] = 11
     dx = dtorch.Tensor(x, device_mesh=MESH_3, placements=[Shard(1)])
-    with pytest.raises(dtorch.OpError, match="out of bounds"):
+    # dtorch targets: the pick kernel checks them (on the process backend its error comes back as the
+    # WorkerError that stops the workers, with the kernel's message)
+    with pytest.raises((IndexError, dtorch.OpError, dtorch.RuntimeBackendError), match="target 11 is out of bounds"):
         F.cross_entropy(dx, dtorch.Tensor(t, device_mesh=MESH_3)).to_torch()
 
 
