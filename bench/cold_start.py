@@ -61,6 +61,7 @@ config = types.SimpleNamespace(hidden_size=64, intermediate_size=176, num_hidden
                                rope_theta=10000.0, attention_bias=False, mlp_bias=False, hidden_act="silu",
                                tie_word_embeddings=False)
 torch.manual_seed(0)
+torch.set_grad_enabled(False)  # inference: no autograd history (parameters require grad)
 model = LlamaForCausalLM(config, dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["tp"]))
 ids = torch.randint(0, 160, (3, 7))
 t_build = time.perf_counter()

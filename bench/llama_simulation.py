@@ -72,6 +72,7 @@ def pytorch_dtensor_tp_time(hf, ids, tp: int, repeat: int):
 
 
 def main(argv=None):
+    torch.set_grad_enabled(False)  # an inference benchmark: no autograd history (parameters require grad)
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", type=int, nargs="+", default=[16, 256])
     ap.add_argument("--batch", type=int, default=2)

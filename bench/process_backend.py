@@ -159,6 +159,7 @@ def bench_dtensor(args):
 
 
 def main(argv=None) -> int:
+    torch.set_grad_enabled(False)  # inference: no autograd history (parameters require grad)
     args = parse(argv)
     if args.dtensor_rank is not None:
         dtensor_worker(args)

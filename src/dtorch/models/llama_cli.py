@@ -338,7 +338,8 @@ def main(argv=None) -> int:
         print(f"{parser.prog}: error: " + "; ".join(problems), file=sys.stderr)
         return 2
     try:
-        return run(args)
+        with torch.no_grad():  # inference: no autograd history (parameters require grad)
+            return run(args)
     except (DTorchError, ValueError, FileNotFoundError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
