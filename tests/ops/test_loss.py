@@ -59,6 +59,7 @@ LAYOUTS = [
     (MESH_3, (R,)), (MESH_3, (Shard(1),)), (MESH_3, (Shard(0),)), (MESH_3, (Partial(),)),
     (MESH_2, (Shard(1),)),
     (MESH_22, (Shard(0), Shard(1))), (MESH_22, (Shard(1), Shard(0))), (MESH_22, (Shard(1), Shard(1))),
+    (MESH_22, (Shard(1), R)), (MESH_22, (R, Shard(1))),
     (MESH_22, (Shard(0), Shard(0))),
 ]
 COMBOS = list(itertools.product(("mean", "sum", "none"), (0.0, 0.2), (False, True)))
@@ -133,6 +134,21 @@ def test_cross_entropy_float32_and_entry_points():
         got = fn(dx, t)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.to_torch(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_cross_entropy_bfloat16_computes_the_log_softmax_in_float32_like_torch():
+    x, t, _ = _data(shape=(9, 50))
+    x = x.bfloat16()
+    xt = x.clone().requires_grad_()
+    want = F.cross_entropy(xt, t, label_smoothing=0.1)
+    want.backward()
+    dx = dtorch.Tensor(x, device_mesh=MESH_3, placements=[Shard(1)]).requires_grad_()
+    got = F.cross_entropy(dx, t, label_smoothing=0.1)
+    got.backward()
+    assert got.dtype == dx.grad.dtype == torch.bfloat16
+    # bfloat16 sums in another order: within a rounding step of torch's
+    torch.testing.assert_close(got.to_torch(), want.detach(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(dx.grad.to_torch(), xt.grad, rtol=2e-2, atol=2e-3)
 
 
 def test_cross_entropy_vocab_sharded_never_gathers_the_logits():

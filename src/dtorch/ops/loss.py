@@ -125,10 +125,14 @@ def _pick(logp: Tensor, target: Tensor, cd: int, ignore_index: int) -> Tensor:
 # -- cross_entropy ----------------------------------------------------------------------------------
 
 def _log_softmax(x: Tensor, cd: int) -> Tensor:
+    dtype = x.dtype
+    if dtype in (torch.float16, torch.bfloat16):  # torch's log_softmax computes in float32, rounds once
+        x = x.float()
     m = _reduced(x.detach().amax(cd, keepdim=True))  # [N, 1, d...]: the shift changes no gradient
     z = x - m
     se = _reduced(z.exp().sum(cd, keepdim=True))  # [N, 1, d...]
-    return z - se.log()
+    logp = z - se.log()
+    return logp if logp.dtype == dtype else logp.to(dtype)
 
 
 def _check_ce(x: Tensor, target: Tensor, weight, cd: int, label_smoothing: float) -> bool:
