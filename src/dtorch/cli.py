@@ -35,6 +35,9 @@ def main(argv=None) -> int:
         demo = sub.add_parser(name, add_help=False, help="the main demo (Llama under a parallel layout on simulated "
                               "CPU devices)" if name == "demo" else "the same as demo")
         demo.set_defaults(func=_demo)
+    train = sub.add_parser("train", add_help=False, help="train a small Llama on a text file (byte tokens) under "
+                           "any layout; memory and communication of a step; --save a Hugging Face checkpoint")
+    train.set_defaults(func=_train)
     walk = sub.add_parser("walkthrough", help="a DTensor walk-through with visualize_sharding")
     walk.set_defaults(func=_walkthrough)
     worker = sub.add_parser("worker", add_help=False, help="start process-backend workers that join a controller "
@@ -52,6 +55,12 @@ def _worker(args) -> int:
     from .runtime.registry import run_command  # the worker is the process backend's own business
 
     return run_command("worker", args.rest)
+
+
+def _train(args) -> int:
+    from .models import train_cli
+
+    return train_cli.main(args.rest)
 
 
 def _demo(args) -> int:

@@ -1,0 +1,288 @@
+"""dtorch train: train a small Llama on a text file (byte-level tokens) under any parallel layout.
+
+    dtorch train                                        # dp2 x tp2 x pp2 x ulysses2 on 16 simulated CPU devices
+    dtorch train --fsdp 2 --tp 2 --dp 1 --pp 1 --ulysses-cp 1 --steps 100
+    dtorch train --text my.txt --save out/ --plot loss.png
+
+The corpus (a few public-domain texts, shipped with dtorch) is read as bytes: vocabulary 256, no
+tokenizer. Each step takes ``--batch`` random windows of ``--seq + 1`` bytes, runs the forward with
+``labels`` (Hugging Face's shifted loss), the backward and one AdamW step. After training: memory per
+device (weights, gradients, optimizer states, activation peak) and the collectives of one step per mesh
+dim. ``--save DIR`` writes a Hugging Face checkpoint (config.json + model.safetensors) that
+``transformers.LlamaForCausalLM.from_pretrained`` loads to the same logits.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import dtorch
+
+from ..errors import DTorchError
+from .llama import LlamaForCausalLM
+from .llama_cli import _DIM_ORDER, _ids, _mesh_problems, _mib, _random_config, _where
+
+CORPUS = Path(__file__).parent / "data" / "corpus.txt"
+_TRAIN_DIMS = _DIM_ORDER + (("fsdp", "fsdp"),)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dtorch train", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("layout (mesh dim sizes; their product is the number of devices)")
+    g.add_argument("--dp", type=int, default=2, help="data parallel: the batch is split, gradients all-reduced")
+    g.add_argument("--fsdp", type=int, default=1, help="fully sharded data parallel: the batch and every "
+                   "parameter, gradient and optimizer state are split")
+    g.add_argument("--tp", type=int, default=2, help="tensor parallel: heads and MLP features are split")
+    g.add_argument("--pp", type=int, default=2, help="pipeline parallel: layers are split into stages")
+    g.add_argument("--ulysses-cp", type=int, default=2, help="Ulysses context parallel: the sequence is split")
+    g.add_argument("--ring-cp", type=int, default=1, help="Ring context parallel: the sequence is split")
+    m = p.add_argument_group("model (a random Llama over byte tokens)")
+    m.add_argument("--layers", type=int, default=4)
+    m.add_argument("--hidden", type=int, default=128)
+    m.add_argument("--heads", type=int, default=8)
+    m.add_argument("--kv-heads", type=int, default=4)
+    m.add_argument("--intermediate", type=int, default=None, help="MLP width (default: ~2.75 x hidden)")
+    t = p.add_argument_group("training")
+    t.add_argument("--text", metavar="FILE", help="a text file to train on (default: the shipped corpus)")
+    t.add_argument("--steps", type=int, default=20)
+    t.add_argument("--batch", type=int, default=8)
+    t.add_argument("--seq", type=int, default=64)
+    t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    t.add_argument("--grad-checkpointing", action="store_true", help="recompute each layer in the backward")
+    t.add_argument("--seed", type=int, default=0)
+    o = p.add_argument_group("output")
+    o.add_argument("--save", metavar="DIR", help="write a Hugging Face checkpoint (safetensors) here")
+    o.add_argument("--plot", metavar="PNG", help="draw the loss curve (needs matplotlib: pip install 'dtorch[plot]')")
+    return p
+
+
+def check_args(args) -> list[str]:
+    """Every problem with the flags at once, each saying what to change."""
+    problems = []
+    positive = [a for a, _ in _TRAIN_DIMS] + ["layers", "hidden", "heads", "kv_heads", "steps", "batch", "seq"]
+    problems += [f"--{a.replace('_', '-')} {getattr(args, a)} must be at least 1" for a in positive if getattr(args, a) < 1]
+    if problems:
+        return problems
+    if args.hidden % (2 * args.heads):
+        problems.append(f"--hidden {args.hidden} must be a multiple of 2 x --heads ({2 * args.heads}): each head "
+                        "takes an even number of features")
+    if args.heads % args.kv_heads:
+        problems.append(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    if args.seq % args.ulysses_cp:
+        problems.append(f"--seq {args.seq} must be divisible by --ulysses-cp {args.ulysses_cp}")
+    text = Path(args.text) if args.text else CORPUS
+    if not text.is_file():
+        problems.append(f"--text {text}: no such file")
+    elif text.stat().st_size < args.seq + 2:
+        problems.append(f"--text {text} has {text.stat().st_size} bytes; it needs more than --seq + 1 = {args.seq + 1}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            problems.append("--plot needs matplotlib: pip install 'dtorch[plot]' (or pip install matplotlib)")
+    if not problems:
+        from types import SimpleNamespace
+
+        from .llama import LlamaLayoutError, check_layout
+
+        mesh = train_mesh(args)
+        problems += _mesh_problems(mesh)
+        try:
+            check_layout(SimpleNamespace(num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                                         num_hidden_layers=args.layers), mesh)
+        except LlamaLayoutError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def train_mesh(args):
+    dims = [(name, getattr(args, attr)) for attr, name in _TRAIN_DIMS if getattr(args, attr) > 1]
+    if not dims:
+        return dtorch.DeviceMesh("cpu")
+    names, sizes = zip(*dims)
+    return dtorch.init_device_mesh("cpu", sizes, mesh_dim_names=list(names))
+
+
+def byte_batches(data: np.ndarray, batch: int, seq: int, generator: torch.Generator):
+    """Endless random windows of ``seq`` + 1 bytes: (input ids, labels) with labels = input ids (the model
+    shifts them, like Hugging Face)."""
+    n = len(data) - seq
+    tokens = torch.from_numpy(data.astype(np.int64))
+    while True:
+        starts = torch.randint(0, n, (batch,), generator=generator)
+        ids = torch.stack([tokens[s: s + seq] for s in starts.tolist()])
+        yield ids, ids
+
+
+def bytes_per_device(tensors) -> dict:
+    """Logical bytes each device holds of ``tensors``: {device id: bytes}."""
+    from ..graph import _device_bytes
+
+    out: dict = {}
+    for t in tensors:
+        spec = t._spec
+        per = _device_bytes(spec)
+        ids = spec.mesh.device_ids
+        for k, dev in enumerate(ids):
+            out[dev] = out.get(dev, 0) + int(per if isinstance(per, int) else per[k])
+    return out
+
+
+def memory_table(model, optimizer, peaks: dict, base: dict) -> str:
+    """One row per group of devices holding the same bytes. ``base``: bytes each device held when the step
+    began (weights, optimizer states), ``peaks``: its peak during the step; the activation peak is the rest
+    once the gradients are counted out."""
+    params = list(model.parameters())
+    weights = bytes_per_device(params)
+    grads = bytes_per_device([p.grad for p in params if p.grad is not None])
+    states = bytes_per_device([v for st in optimizer.state.values() for v in st.values() if isinstance(v, dtorch.Tensor)])
+    rows = {}
+    for dev in sorted(weights):
+        act = max(0, peaks.get(dev, 0) - base.get(dev, 0) - grads.get(dev, 0))
+        key = (weights.get(dev, 0), grads.get(dev, 0), states.get(dev, 0), act)
+        rows.setdefault(key, []).append(dev)
+    table = [("devices", "weights", "grads", "optimizer", "activation peak")]
+    for (w, g, s, a), devs in sorted(rows.items(), key=lambda kv: kv[1][0]):
+        table.append((_ids(devs), _mib(w), _mib(g), _mib(s), _mib(a)))
+    widths = [max(len(r[c]) for r in table) for c in range(5)]
+    lines = ["  ".join(c.rjust(w) if k else c.ljust(w) for k, (c, w) in enumerate(zip(r, widths))) for r in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+class TrainResult:
+    def __init__(self, model, optimizer, config, losses, elapsed, tokens, log, base, peaks):
+        self.model, self.optimizer, self.config, self.losses = model, optimizer, config, losses
+        self.elapsed, self.tokens, self.log, self.base, self.peaks = elapsed, tokens, log, base, peaks
+
+
+def train(args, progress: bool = True) -> TrainResult:
+    """Build the model on the flags' mesh and train it; the last step's memory and communication recorded."""
+    import transformers
+    from tqdm import tqdm
+
+    torch.manual_seed(args.seed)
+    mesh = train_mesh(args)
+    graph = dtorch.default_graph()
+    text = Path(args.text) if args.text else CORPUS
+    data = np.frombuffer(text.read_bytes(), dtype=np.uint8)
+    cfg = _random_config(argparse.Namespace(intermediate=args.intermediate, hidden=args.hidden, layers=args.layers,
+                                            heads=args.heads, kv_heads=args.kv_heads, vocab=256, seq=args.seq))
+    cfg.initializer_range = 0.02
+    hf = transformers.LlamaForCausalLM(cfg)  # torch's initialisation, then laid out on the mesh
+    model = LlamaForCausalLM(cfg, mesh)
+    model.load_state_dict(hf.state_dict())
+    del hf
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable()
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"dtorch train: Llama over bytes, single controller, {_where(mesh)[0]}")
+    print(f"model   {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads "
+          f"({cfg.num_key_value_heads} kv), vocab 256; {n_params / 1e6:.2f} M parameters")
+    print(f"mesh    {mesh}  ({_where(mesh)[1]})")
+    print(f"data    {text.name}: {len(data)} bytes; batch {args.batch} x seq {args.seq}; AdamW lr {args.lr:g}\n")
+    opt = dtorch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    gen = torch.Generator().manual_seed(args.seed)
+    batches = byte_batches(data, args.batch, args.seq, gen)
+    losses = []
+    measured = None
+    bar = tqdm(range(args.steps), desc="training", unit="step", file=sys.stdout, dynamic_ncols=True,
+               disable=not progress)
+    t_start = time.perf_counter()
+    tokens = 0
+    for step in bar:
+        ids, labels = next(batches)
+        last = step == args.steps - 1
+        if last:  # the final step is the one measured: memory and communication
+            graph.track_memory()
+            base = {dev: st["allocated"] for (_, dev), st in graph.get_memory_stats(mesh).items()}
+            graph.reset_peak_memory_stats()
+            log = dtorch.CommLog().__enter__()
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+        if args.clip > 0:
+            dtorch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        if last:
+            log.__exit__(None, None, None)
+            peaks = {dev: st["peak"] for (_, dev), st in graph.get_memory_stats(mesh).items()}
+            graph.track_memory(False)
+            measured = (log, base, peaks)
+        else:
+            opt.zero_grad()
+        losses.append(loss.item())
+        tokens += ids.numel()
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens / (time.perf_counter() - t_start):.0f}")
+    bar.close()
+    elapsed = time.perf_counter() - t_start
+    return TrainResult(model, opt, cfg, losses, elapsed, tokens, *measured)
+
+
+def run(args) -> int:
+    r = train(args)
+    print(f"\nloss {r.losses[0]:.3f} -> {r.losses[-1]:.3f} in {args.steps} steps, {r.elapsed:.1f} s "
+          f"({r.tokens / r.elapsed:.0f} tokens/s)\n")
+    print("memory per device in the last step (logical bytes)")
+    print(memory_table(r.model, r.optimizer, r.peaks, r.base) + "\n")
+    print("communication in one step (forward, backward, clipping, AdamW)")
+    print(r.log.table())
+    losses = r.losses
+    if args.save:
+        save_hf_checkpoint(r.model, r.config, Path(args.save))
+        print(f"\nsaved a Hugging Face checkpoint to {args.save} (transformers.LlamaForCausalLM.from_pretrained)")
+    if args.plot:
+        plot_losses(losses, Path(args.plot))
+        print(f"loss curve: {args.plot}")
+    return 0
+
+
+def save_hf_checkpoint(model, cfg, path: Path) -> None:
+    import transformers
+
+    hf = transformers.LlamaForCausalLM(cfg)
+    hf.load_state_dict(model.state_dict())
+    hf.save_pretrained(path, safe_serialization=True)
+
+
+def plot_losses(losses, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(losses) + 1), losses)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("dtorch train")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    problems = check_args(args)
+    if problems:
+        print(f"{parser.prog}: error: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    try:
+        return run(args)
+    except (DTorchError, ValueError, FileNotFoundError) as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        dtorch.default_graph().track_memory(False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
