@@ -626,7 +626,7 @@ def _local(kern: Kernel, xs: list, out_specs, kwargs: dict, device_args=None, re
     in_specs = [x._spec for x in xs]
     hs = graph.runtime.run_local(kern, handles, in_specs, out_specs, kwargs, device_args)
     outs = [Tensor._make(spec, h, graph) for spec, h in zip(out_specs, hs)]
-    if record and _grad_enabled():
+    if record and _grad_enabled() and any(x._ag is not None for x in xs):
         record_kernel(f"{_NAME}.{kern.name}", kern, in_specs, out_specs, kwargs, device_args, xs, handles, outs)
     return outs
 
