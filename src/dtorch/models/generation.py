@@ -54,7 +54,8 @@ class GenerateOutput:
     logits ``[B, vocab]`` (fetched from the devices only when asked for)."""
     sequences: torch.Tensor
     logits: tuple | None = None
-    timings: dict = field(default_factory=dict)
+    past_key_values: KVCache | None = None
+    timings: dict = field(default_factory=dict)  # prefill_s, decode_s, decode_steps
 
 
 def split_cache_arguments(args: tuple, kwargs: dict):
@@ -257,11 +258,16 @@ def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 20, do
 
     Greedy (``do_sample=False``: argmax, as ``transformers``' ``do_sample=False``) or sampled (temperature,
     ``top_k``, ``top_p``; the uniform numbers come from ``generator``, or torch's global generator).
-    A row that produced ``eos_token_id`` (an int or a list) gets ``pad_token_id`` (default: the first eos id)
-    afterwards; generation stops when every row has. ``streamer``: an object with ``put(ids)`` and ``end()``
+    A row that produced ``eos_token_id`` (an int or a list; None: the config's, as Hugging Face does; ``[]``:
+    none) gets ``pad_token_id`` (default: the config's, else the first eos id) afterwards; generation stops
+    when every row has. ``streamer``: an object with ``put(ids)`` and ``end()``
     (``transformers``' streamers): ``put`` gets the prompt, then each step's new ids ``[B]``.
     Returns the ids ``[B, S + new]`` (torch), or a ``GenerateOutput`` with ``return_dict_in_generate``.
     """
+    if eos_token_id is None:
+        eos_token_id = getattr(model.config, "eos_token_id", None)
+    if pad_token_id is None:
+        pad_token_id = getattr(model.config, "pad_token_id", None)
     ids, eos = _check_generate(model, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k,
                                top_p, eos_token_id, pad_token_id, generator)
     if pad_token_id is None and eos:
@@ -311,7 +317,7 @@ def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 20, do
         streamer.end()
     seqs = torch.cat(out, dim=1)
     if return_dict_in_generate:
-        return GenerateOutput(seqs, tuple(step_logits) if output_logits else None, timings)
+        return GenerateOutput(seqs, tuple(step_logits) if output_logits else None, cache, timings)
     return seqs
 
 
