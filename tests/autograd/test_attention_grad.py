@@ -206,3 +206,44 @@ def test_retain_graph_and_second_backward():
     torch.testing.assert_close(ds[1].grad.to_torch(), 2 * first, **F64)
     with pytest.raises(RuntimeError, match="second time"):
         loss.backward()
+
+
+SP_3 = dtorch.init_device_mesh("cpu", (3,), mesh_dim_names=["sp"])
+TP_4 = dtorch.init_device_mesh("cpu", (4,), mesh_dim_names=["tp"])
+
+
+@pytest.mark.parametrize("mesh, pls, heads", [
+    (SP_3, [[Shard(2)], [Replicate()], [Replicate()]], (4, 4)),  # query rows split, causal by global offsets
+    (TP_4, [[Shard(1)]] * 3, (8, 2)),  # 2 kv heads over 4: kv replicated, each device picks its heads
+    (SP_3, [[Replicate()], [Replicate()], [Shard(3)]], (4, 2)),  # value's embedding split
+    (DP_RING, [[Shard(0), Shard(1)]] * 3, (4, 4)),  # a mesh named ring_cp but nothing on the sequence
+], ids=["q_rows", "gqa_misaligned_heads", "value_embedding", "dp_heads"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_plain_rule_layouts(mesh, pls, heads, causal):
+    h, hk = heads
+    q, k, v = _qkv(h=h, hk=hk, l=7, ev=6)
+    ts = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*ts, is_causal=causal, enable_gqa=h != hk)
+    go = torch.randn(ref.shape, dtype=ref.dtype)
+    ref.backward(go)
+    ds = [distribute(x, mesh, pl).requires_grad_() for x, pl in zip((q, k, v), pls)]
+    out = F.scaled_dot_product_attention(*ds, is_causal=causal, enable_gqa=h != hk)
+    out.backward(dtorch.Tensor(go, device_mesh=mesh, placements=out.placements))
+    for d, t in zip(ds, ts):
+        torch.testing.assert_close(d.grad.to_torch(), t.grad, **F64)
+
+
+@pytest.mark.parametrize("l, s", [(1, 1), (1, 5), (4, 1)], ids=str)
+def test_ring_tiny_sequences_with_empty_blocks(l, s):
+    _check_grads(RING_2, *_qkv(l=l, s=s), is_causal=False)
+    _check_grads(RING_4, *_qkv(l=l, s=s), is_causal=True)
+
+
+def test_input_written_in_place_after_forward_raises():
+    q, k, v = (distribute(x, RING_2, [Shard(2)]) for x in _qkv(l=7))
+    q.requires_grad_()
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with dtorch.no_grad():
+        k.mul_(2)  # k is saved for the backward as it was
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
