@@ -240,7 +240,7 @@ def test_ring_tiny_sequences_with_empty_blocks(l, s):
 
 
 def test_input_written_in_place_after_forward_raises():
-    q, k, v = (distribute(x, RING_2, [Shard(2)]) for x in _qkv(l=7))
+    q, k, v = (distribute(x, RING_2, [Shard(2)]) for x in _qkv(l=8))  # even: the ring reads k itself
     q.requires_grad_()
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     with dtorch.no_grad():

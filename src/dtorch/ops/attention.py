@@ -777,7 +777,9 @@ class RingAttentionNode(Node):
         super().__init__([x for x, n in zip(inputs, need) if n], 1)
         self.cp = cp
         self.need = need
-        self.versions = [(x, x._version) for x in inputs]
+        # inputs the backward reads as they are must not change before it (a padded copy cannot: keeping
+        # the unpadded input alive only for the check would cost its memory)
+        self.versions = [(n, x, x._version) for n, (x, r) in enumerate(zip(inputs, run)) if x is r]
         self.run = run  # q, k, v as the ring ran them (padded), mask/noise
         self.out_h = out._h  # the merged output and log-sum-exp: the backward recomputes no global softmax
         self.lse_h = lse_h
@@ -793,7 +795,7 @@ class RingAttentionNode(Node):
         g = grads[0]
         if g is None:
             return [None] * len(self.edges)
-        for n, (x, version) in enumerate(self.versions):
+        for n, x, version in self.versions:
             if x._version != version:
                 raise RuntimeError(
                     f"one of the variables needed for gradient computation has been modified by an inplace "
