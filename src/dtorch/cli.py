@@ -38,6 +38,9 @@ def main(argv=None) -> int:
     train = sub.add_parser("train", add_help=False, help="train a small Llama on a text file (byte tokens) under "
                            "any layout; memory and communication of a step; --save a Hugging Face checkpoint")
     train.set_defaults(func=_train)
+    gen = sub.add_parser("generate", add_help=False, help="generate text with a KV cache under a parallel layout "
+                         "(a Hugging Face checkpoint or a random Llama)")
+    gen.set_defaults(func=_generate)
     walk = sub.add_parser("walkthrough", help="a DTensor walk-through with visualize_sharding")
     walk.set_defaults(func=_walkthrough)
     worker = sub.add_parser("worker", add_help=False, help="start process-backend workers that join a controller "
@@ -61,6 +64,12 @@ def _train(args) -> int:
     from .models import train_cli
 
     return train_cli.main(args.rest)
+
+
+def _generate(args) -> int:
+    from .models import generate_cli
+
+    return generate_cli.main(args.rest)
 
 
 def _demo(args) -> int:

@@ -389,3 +389,54 @@ def test_process_backend_generates_the_same_and_fetches_only_token_ids():
         graph.runtime.shutdown()
     assert torch.equal(got, ref)
     assert len(fetched) == 8 and all(s.shape == (2,) and s.dtype == torch.int64 for s in fetched), fetched
+
+
+# -- dtorch generate -------------------------------------------------------------------------------------
+
+def _checkpoint_with_tokenizer(path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    text = ["the quick brown fox jumps over the lazy dog", "hello world, hello dtorch", "once upon a time"] * 20
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=120, special_tokens=["[UNK]", "<s>", "</s>"]))
+    tok.save(str(path / "tokenizer.json"))
+    hf_model("gqa").save_pretrained(path)
+    return tok
+
+
+def test_generate_cli_with_a_checkpoint_matches_hugging_face(tmp_path, capsys):
+    from dtorch.cli import main
+
+    tok = _checkpoint_with_tokenizer(tmp_path)
+    rc = main(["generate", "--model", str(tmp_path), "--prompt", "hello world", "--prompt", "the lazy dog jumps",
+               "--tp", "2", "--pp", "1", "--ring-cp", "2", "--max-new-tokens", "6", "--check"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "PASS, the same tokens" in out and "cpu[tp=2, ring_cp=2]" in out
+    assert "prefill 2 x 4 tokens" in out and "tokens/s" in out and "decode  5 steps x 2 rows" in out
+    assert "KV cache" in out and "(1/4.0 of it)" in out  # kv heads over tp, slots over ring_cp
+    hf = hf_model("gqa")
+    ids = torch.tensor([tok.encode("hello world").ids])
+    with torch.no_grad():
+        want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert tok.decode(want[0, ids.shape[1]:].tolist()) in out  # row 0 streamed as text
+
+
+def test_generate_cli_random_model_and_bad_flags(capsys):
+    from dtorch.cli import main
+
+    rc = main(["generate", "--prompt", "ab", "--prompt", "abcd", "--dp", "2", "--pp", "1", "--tp", "1",
+               "--layers", "2", "--hidden", "32", "--heads", "2", "--kv-heads", "2", "--vocab", "64",
+               "--max-new-tokens", "4", "--do-sample", "--top-k", "5"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "sampling, up to 4 new tokens" in out and "[1] abcd" in out and "tokens/s" in out
+    rc = main(["generate", "--tp", "3", "--top-p", "1.5", "--max-new-tokens", "0", "--check", "--do-sample"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    for msg in ("--max-new-tokens 0 must be at least 1", "--top-p 1.5 must be in (0, 1]",
+                "--check compares greedy tokens", "num_attention_heads (8) is not divisible by tp (3)"):
+        assert msg in err
+    rc = main(["generate", "--model", "/nonexistent/dir"])
+    assert rc == 2 and "tokenizer.json" in capsys.readouterr().err
