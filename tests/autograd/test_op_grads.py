@@ -60,7 +60,7 @@ def _options(t: torch.Tensor, mesh, partial: bool) -> list[tuple]:
     """Every layout of ``t`` this sweep may pick on ``mesh``."""
     per_dim = [Replicate()] + [Shard(d) for d in range(t.ndim)]
     if partial and t.is_floating_point() and t.ndim:
-        per_dim += [Partial("sum"), Partial("avg")]
+        per_dim += [Partial("sum"), Partial("avg"), Partial("max"), Partial("min")]
     if t.ndim == 0:
         per_dim = [Replicate()] + ([Partial("sum")] if partial and t.is_floating_point() else [])
     out = [()]
@@ -354,3 +354,24 @@ def test_per_device_values_on_a_mesh_dim_every_input_replicates(op, make, placem
     for d, t in zip(d_args, leaves_t):
         if isinstance(t, torch.Tensor) and t.requires_grad:
             torch.testing.assert_close(d.grad.to_torch(), t.grad, **TOL)
+
+
+@pytest.mark.parametrize("mesh", [MESH_1D, MESH_7])
+def test_partial_max_ties_split_like_torch(mesh):
+    # relu zeroes whole rows: their max is a tie held by every device (as many tied elements on each: 6
+    # columns over 2 or 3 devices), and a replicated operand made Partial(max) ties on every device too
+    x = _f64(4, 6)
+    x[1] = -1.0
+    x[3, :] = 0.25
+    t = x.clone().requires_grad_()
+    torch.relu(t).amax(1).mul(_f64(4, seed=9)).sum().backward()
+    d = _leaf(x, mesh, [Shard(1)])
+    dtorch.relu(d).amax(1).mul(dtorch.Tensor(_f64(4, seed=9), device_mesh=mesh)).sum().backward()
+    torch.testing.assert_close(d.grad.to_torch(), t.grad, **TOL)
+    a, b = _f64(5, 6), _f64(3, 6, seed=4)
+    ta, tb = a.clone().requires_grad_(), b.clone().requires_grad_()
+    torch.cat([ta, tb]).pow(2).sum().backward()
+    da, db = _leaf(a, mesh, [Partial("max")]), _leaf(b, mesh, [Replicate()])
+    dtorch.cat([da, db]).pow(2).sum().backward()
+    torch.testing.assert_close(da.grad.to_torch(), ta.grad, **TOL)
+    torch.testing.assert_close(db.grad.to_torch(), tb.grad, **TOL)

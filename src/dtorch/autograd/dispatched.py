@@ -9,7 +9,11 @@ the placements, per mesh dim (the dual layout):
     output P(sum|avg)    cotangent laid out R        input R    -> grad P(sum|avg) (each device's term)
     output R             cotangent R or P(sum) as it comes; inputs R -> grad R or P(sum) likewise
     input P(sum|avg)     -> grad R (every device's term saw the whole cotangent)
-    output P(max|min)    cotangent R, masked to the devices whose local extreme is the global one
+    output P(max|min)    cotangent R, masked to the devices whose local extreme is the global one and
+                         split evenly between them (exactly torch's tie split when each holds as many
+                         tied elements; a replicated operand made partial ties on every device)
+    input P(max|min)     -> grad P(sum), only where the output keeps that partial (amax of a P(max) input):
+                            the masked cotangent reaches the terms that hold the extreme
 
 The gradient of a redistribution is the gradient itself (a redistribution keeps the global value):
 the gradient of a laid-out input is the gradient of the input as it was, in whatever layout the
@@ -105,7 +109,7 @@ class KernelNode(Node):
                     "the backward.")
             if layout is not None:
                 t = relayout(t, layout)
-            if any(isinstance(p, Partial) and p.reduce_op in ("max", "min") for p in s.placements) and self.diff[n]:
+            if self.diff[n] and not _extreme_input_ok(s, self.out_specs):
                 raise OpError(f"dtorch.{self.op}: no gradient through a Partial(max|min) input ({s}); "
                               "redistribute it to Replicate before the op")
             handles.append(t._h)
@@ -142,6 +146,14 @@ class KernelNode(Node):
         from ..tensor import Tensor
 
         return [Tensor._make(s, h, self.graph) for s, h in zip(grad_specs, outs)]
+
+
+def _extreme_input_ok(s: DTensorSpec, out_specs) -> bool:
+    """A Partial(max|min) input is differentiable where every output keeps that partial (amax of a
+    Partial(max) term): the masked cotangent reaches the devices whose term holds the extreme, so each
+    device's gradient is its term's share (module docstring: the input's gradient is Partial(sum) there)."""
+    return all(not (isinstance(p, Partial) and p.reduce_op in ("max", "min"))
+               or all(o.placements[m] == p for o in out_specs) for m, p in enumerate(s.placements))
 
 
 def cotangent_specs(outs, gs, reduce_partial=()) -> list:
@@ -208,33 +220,59 @@ def input_grad_specs(in_specs, diff, out_specs, has_ct, ct_specs) -> tuple:
         for m, p in enumerate(s.placements):
             if isinstance(p, Shard):
                 places.append(p)
-            elif isinstance(p, Partial):
-                places.append(_R)
+            elif isinstance(p, Partial):  # every term saw the whole cotangent; an extreme's: its masked share
+                places.append(_P if p.reduce_op in ("max", "min") else _R)
             else:
                 places.append(replicated_grad[m])
         specs.append(DTensorSpec(s.mesh, tuple(places), s.shape, s.dtype))
     return tuple(specs)
 
 
+def _extreme(p) -> bool:
+    return isinstance(p, Partial) and p.reduce_op in ("max", "min")
+
+
+@kernel("autograd.holds_extreme")
+def _holds_kernel(local, extreme):
+    return (local == extreme).to(local.dtype)
+
+
 @kernel("autograd.mask_extreme_cotangent")
-def _mask_kernel(local, extreme, g):
-    return torch.where(local == extreme, g, torch.zeros((), dtype=g.dtype, device=g.device))
+def _mask_kernel(local, extreme, g, holders):
+    return torch.where(local == extreme, g / holders, torch.zeros((), dtype=g.dtype, device=g.device))
 
 
 def _mask_extreme_cotangent(out, g):
     """The cotangent of a Partial(max|min) output: each device's term gets the cotangent only where its
-    local extreme is the global one (ties between devices each get it, unlike torch's even split)."""
+    local extreme is the global one, split evenly between the devices that hold it (a replicated operand
+    made partial holds it on every device; ties split like torch's amax does).
+
+    Several partial mesh dims reduce outer first (redistribute/planner.py): for an extreme on mesh dim m,
+    the value each device competes with is the tensor with the partial dims before m reduced, and the
+    extreme is that tensor reduced over m too."""
     from ..redistribute import relayout
     from ..tensor import Tensor
 
     spec = out._spec
-    glob = relayout(out, DTensorSpec(spec.mesh, tuple(_R if isinstance(p, Partial) else p for p in spec.placements),
-                                     spec.shape, spec.dtype))
-    masked = DTensorSpec(spec.mesh, tuple(_P if isinstance(p, Partial) and p.reduce_op in ("max", "min") else q
-                                          for p, q in zip(spec.placements, g._spec.placements)), spec.shape, g.dtype)
+    mesh = spec.mesh
     rt = out._graph.runtime
-    h = rt.run_local(_mask_kernel, [out._h, glob._h, g._h], [spec, glob._spec, g._spec], [masked], {})
-    return Tensor._make(masked, h[0], out._graph)
+
+    def relabel(upto, m=None, place=None):  # partial dims before ``upto`` reduced; mesh dim m -> place
+        return DTensorSpec(mesh, tuple(place if k == m else _R if isinstance(p, Partial) and k < upto else p
+                                       for k, p in enumerate(spec.placements)), spec.shape, spec.dtype)
+
+    masked = DTensorSpec(mesh, tuple(_P if _extreme(p) else q for p, q in zip(spec.placements, g._spec.placements)),
+                         spec.shape, g.dtype)
+    for m, p in enumerate(spec.placements):
+        if not _extreme(p):
+            continue
+        pre, post = relayout(out, relabel(m)), relayout(out, relabel(m + 1))
+        h = rt.run_local(_holds_kernel, [pre._h, post._h], [pre._spec, post._spec], [relabel(m, m, _P)], {})
+        holders = relayout(Tensor._make(relabel(m, m, _P), h[0], out._graph), relabel(m, m, _R))  # how many
+        h = rt.run_local(_mask_kernel, [pre._h, post._h, g._h, holders._h],
+                         [pre._spec, post._spec, g._spec, holders._spec], [masked], {})
+        g = Tensor._make(masked, h[0], out._graph)
+    return g
 
 
 def record_kernel(op, kern, in_specs, out_specs, kwargs, device_args, inputs, handles, outputs) -> None:
