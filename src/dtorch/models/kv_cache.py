@@ -119,21 +119,23 @@ def _attend_kernel(q, k, v, mask, *, lead=0, scale: float, parts: bool, out_dtyp
     (to be merged over the cp devices), each with a leading dim of 1 (this device's part); else the output.
     Query head ``i`` uses kv head ``i // (nh / hk)`` (grouped-query attention without copying the cache)."""
     acc = torch.promote_types(q.dtype, torch.float32)
-    hk = k.shape[-3]
+    hk, length = k.shape[-3], q.shape[-2]
     g = q.shape[-3] // hk
-    qf = q.to(acc).unflatten(-3, (hk, g))  # [.., B, hk, g, L, d]
-    kf, vf = k.to(acc).unsqueeze(-3), v.to(acc).unsqueeze(-3)  # [.., B, hk, 1, M, d]
-    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [.., B, hk, g, L, M]
-    s = s.masked_fill(~mask.unsqueeze(-3), float("-inf"))
+    # the g query heads of a kv head as rows of one matrix: [.., B, hk, g * L, d] (no copy of the cache per head)
+    qf = q.to(acc).reshape(q.shape[:-3] + (hk, g * length, q.shape[-1]))
+    s = torch.matmul(qf, k.to(acc).transpose(-1, -2))  # [.., B, hk, g * L, M]
+    s = s.view(s.shape[:-2] + (g, length, s.shape[-1]))
+    s = torch.where(mask.unsqueeze(-3), s * scale, float("-inf"))  # mask [.., B, 1, 1, L, M]
     m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=acc, device=m.device))  # rows that see no key
+    m = torch.where(torch.isfinite(m), m, 0.0)  # rows that see no key: weights 0, not NaN
     p = torch.exp(s - m)
     denom = p.sum(-1, keepdim=True)
-    out = torch.matmul(p, vf) / torch.where(denom > 0, denom, torch.ones((), dtype=acc, device=m.device))
-    out = out.flatten(-4, -3)  # [.., B, nh, L, d]
+    p = p / torch.where(denom > 0, denom, 1.0)
+    out = torch.matmul(p.view(p.shape[:-3] + (g * length, p.shape[-1])), v.to(acc))  # [.., B, hk, g * L, d]
+    out = out.reshape(q.shape[:-1] + (v.shape[-1],))  # [.., B, nh, L, d]
     if not parts:
         return out.to(out_dtype)
-    lse = (m + torch.log(denom)).squeeze(-1).flatten(-3, -2)  # [.., B, nh, L]; -inf: no key here
+    lse = (m + torch.log(denom)).reshape(q.shape[:-1])  # [.., B, nh, L]; -inf: no key here
     return out.unsqueeze(-5), lse.unsqueeze(-4)
 
 
