@@ -132,10 +132,11 @@ def _attend_kernel(q, k, v, mask, *, lead=0, scale: float, parts: bool, out_dtyp
     denom = p.sum(-1, keepdim=True)
     p = p / torch.where(denom > 0, denom, 1.0)
     out = torch.matmul(p.view(p.shape[:-3] + (g * length, p.shape[-1])), v.to(acc))  # [.., B, hk, g * L, d]
-    out = out.reshape(q.shape[:-1] + (v.shape[-1],))  # [.., B, nh, L, d]
+    # (the grid dims are the broadcast of q's and the cache's: a cp dim is 1 in q's, the cache's size in k's)
+    out = out.reshape(out.shape[:-2] + (g, length, out.shape[-1])).flatten(-4, -3)  # [.., B, nh, L, d]
     if not parts:
         return out.to(out_dtype)
-    lse = (m + torch.log(denom)).reshape(q.shape[:-1])  # [.., B, nh, L]; -inf: no key here
+    lse = (m + torch.log(denom)).squeeze(-1).flatten(-3, -2)  # [.., B, nh, L]; -inf: no key here
     return out.unsqueeze(-5), lse.unsqueeze(-4)
 
 
