@@ -36,6 +36,7 @@ from ..errors import DTorchError
 from ..mesh import DeviceMesh
 from ..ops.registry import OpPlan, dispatch, spec_like
 from ..placement import Partial, Replicate, Shard
+from ..redistribute.executor import ring_shift
 from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
@@ -160,6 +161,102 @@ def _last_row_kernel(x, *, lead=0, holds=1):
         holds = holds.to(torch.bool).reshape(tuple(holds.shape) + (1,) * (row.ndim - holds.ndim)).to(row.device)
         return torch.where(holds, row, torch.zeros((), dtype=row.dtype, device=row.device))
     return row if holds else torch.zeros_like(row)
+
+
+def _flash(q, k, v, causal: bool, scale: float):
+    """(out, lse) of attention on [N, H, L, E] blocks (kv heads repeated for grouped-query attention): torch's
+    fused CPU kernel where it runs (the kernel torch's own SDPA uses), else the same math written out."""
+    g = q.shape[-3] // k.shape[-3]
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
+        return out.to(torch.promote_types(q.dtype, torch.float32)), lse.float()
+    acc = torch.promote_types(q.dtype, torch.float32)
+    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.to(acc)), lse
+
+
+def _flash_lead(q, k, v, causal: bool, scale: float, lead: int):
+    """``_flash`` with ``lead`` leading grid dims (folded into the batch)."""
+    grid = q.shape[:lead]
+    k, v = k.expand(grid + k.shape[lead:]), v.expand(grid + v.shape[lead:])
+    out, lse = _flash(q.reshape((-1,) + q.shape[lead + 1:]) if lead else q,
+                      k.reshape((-1,) + k.shape[lead + 1:]) if lead else k,
+                      v.reshape((-1,) + v.shape[lead + 1:]) if lead else v, causal, scale)
+    if lead:
+        out = out.reshape(grid + q.shape[lead:-1] + (out.shape[-1],))
+        lse = lse.reshape(grid + q.shape[lead:-1])
+    return out, lse
+
+
+def _merge_into(out, lse, o2, l2):
+    total = torch.logaddexp(lse, l2)
+    safe = torch.where(torch.isfinite(total), total, 0.0)
+    return out * torch.exp(lse - safe).unsqueeze(-1) + o2 * torch.exp(l2 - safe).unsqueeze(-1), total
+
+
+@kernel("kv_cache.causal_ring_step")
+def _causal_ring_kernel(q, k, v, *acc, lead=0, scale: float, step: int, axis: int, ring: int, rank=0,
+                        out_dtype=None):
+    """One step of causal ring attention over an even split: this device holds K/V block ``rank - step``
+    (mod ring). Step 0 is the diagonal block (causal); after that the devices past ``step`` attend a whole
+    earlier block and the others hold a later one, which causality hides (skipped, not computed). Stacked
+    devices (``lead``): the devices that attend are the slice ``step:`` of grid dim ``axis``."""
+    if step == 0:
+        out, lse = _flash_lead(q, k, v, True, scale, lead)
+    elif not lead:
+        out, lse = acc
+        if int(rank) >= step:
+            out, lse = _merge_into(out, lse, *_flash(q, k, v, False, scale))
+    else:
+        out, lse = (t.clone() for t in acc)
+        n = ring - step
+        part = [t.narrow(axis, step, n) for t in (q, k, v)]
+        o2, l2 = _flash_lead(*part, False, scale, lead)
+        mo, ml = _merge_into(out.narrow(axis, step, n), lse.narrow(axis, step, n), o2, l2)
+        out.narrow(axis, step, n).copy_(mo)
+        lse.narrow(axis, step, n).copy_(ml)
+    return (out.to(out_dtype), lse) if out_dtype is not None else (out, lse)
+
+
+def causal_ring_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor | None:
+    """Causal attention of q/k/v [B, H, S, d] split evenly over ``ring_cp`` (the only cp dim), as ring
+    attention that skips the blocks causality hides (half the work of computing every block pair) and runs
+    torch's fused kernel on each block. None when the layout is another (the caller uses the general
+    op): Ulysses too, an uneven split, another placement."""
+    mesh = q.device_mesh
+    names = mesh.dim_names or ()
+    cps = [i for i, n in enumerate(names) if n in CP_DIMS and mesh.shape[i] > 1]
+    if len(cps) != 1 or names[cps[0]] != "ring_cp" or q.shape[2] % mesh.shape[cps[0]]:
+        return None
+    axis, ring = cps[0], mesh.shape[cps[0]]
+    want = tuple(Shard(0) if n in BATCH_DIMS else Shard(1) if n == "tp" else Shard(2) if i == axis else Replicate()
+                 for i, n in enumerate(names))
+    if any(tuple(t.placements) != want for t in (q, k, v)):
+        return None
+    rt, graph = q._graph.runtime, q._graph
+    acc = torch.promote_types(q.dtype, torch.float32)
+    o_spec = DTensorSpec(mesh, want, q.shape[:-1] + (v.shape[-1],), acc)
+    l_spec = DTensorSpec(mesh, want, q.shape[:-1], acc)
+    ranks = np.zeros(mesh.shape, dtype=np.int64)
+    for c in mesh.coordinates():
+        ranks[c] = c[axis]
+    kh, vh, state = k._h, v._h, []
+    for st in range(ring):
+        last = st == ring - 1
+        outs = [spec_like(o_spec, dtype=q.dtype) if last else o_spec, l_spec]
+        kw = {"scale": scale, "step": st, "axis": axis, "ring": ring, "out_dtype": q.dtype if last else None}
+        state = rt.run_local(_causal_ring_kernel, [q._h, kh, vh] + state,
+                             [q._spec, k._spec, v._spec] + ([o_spec, l_spec] if st else []), outs, kw,
+                             {"rank": ranks})
+        if not last:  # pass K/V on: device r now holds block r - st - 1
+            kh = ring_shift(rt, kh, k._spec, axis, 1)
+            vh = ring_shift(rt, vh, v._spec, axis, 1)
+    return Tensor._make(spec_like(o_spec, dtype=q.dtype), state[0], graph)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -483,7 +580,9 @@ class CachedForward:
             return self.cache._attend(attn.layer_idx, q, self._mask(q.device_mesh), attn.scaling)
         gqa = attn.kv_heads_held != attn.num_heads
         if self.all_valid:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=gqa)
+            o = causal_ring_attention(q, k, v, attn.scaling) if self.cache is not None else None
+            if o is None:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=gqa)
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(q.device_mesh), scale=attn.scaling,
                                                enable_gqa=gqa)
