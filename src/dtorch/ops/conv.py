@@ -199,6 +199,9 @@ def _halo_extend_kernel(x, *lr, lead=0, dim: int, lh: int, rh: int, core: int, f
         shape = list(x.shape)
         shape[dim] = short
         parts.append(x.new_zeros(shape))
+    if lead:  # a masked slice may have grown grid dims that x's replicas share (size 1): broadcast them all
+        g = tuple(_broadcast_shape([tuple(p.shape[:lead]) for p in parts]))
+        parts = [p.expand(g + tuple(p.shape[lead:])) for p in parts]
     return torch.cat(parts, dim)
 
 
@@ -326,6 +329,10 @@ def _conv_kernel(x, w, *b, lead=0, nd: int, transposed: bool, stride, padding, d
 
     def one(xi, wi, *bi):
         bias = bi[0] if bi else None
+        if xi.shape[1] == 0:  # an empty channel shard (uneven split): torch gives no channels, the sum needs zeros
+            xi = torch.cat([xi, xi.new_zeros((xi.shape[0], 1) + tuple(xi.shape[2:]))], 1)
+            wd = 0 if transposed else 1
+            wi = torch.cat([wi, wi.new_zeros(tuple(wi.shape[:wd]) + (1,) + tuple(wi.shape[wd + 1:]))], wd)
         if transposed:
             return _CONV_T[nd](xi, wi, bias, stride, padding, output_padding, groups, dilation)
         g = xi.shape[1] // wi.shape[1] if wi.shape[1] else groups
