@@ -325,12 +325,7 @@ class Tensor:
     def __hash__(self):
         return id(self)
 
-    def __setitem__(self, index, value):
-        raise TypeError(
-            "item assignment (x[index] = value) is not supported on dtorch tensors yet; write in place with a "
-            "mask instead, e.g. x.masked_fill_(mask, value) or x.copy_(dtorch.where(mask, value, x)), or build "
-            "the new value with dtorch.cat([...])"
-        )
+    # x[index] = value: Tensor.__setitem__ is bound from the op table (ops/index.py)
 
     def contiguous(self, memory_format=None) -> "Tensor":
         return self  # blocks have no strides to fix: dtorch tensors are always "contiguous"

@@ -262,9 +262,10 @@ def test_view_map_vocabulary():
 
 
 def test_unsupported_indexing_raises_typed_error():
+    # (tensor, list and mask indexing: tests/ops/test_indexing.py)
     x = distribute(A, MESH_1D, [Shard(0)])
-    for bad in (torch.tensor([0, 1]), x[0, 0] > 0, [0, 1], True, (slice(None), torch.tensor([1]))):
-        with pytest.raises(V.UnsupportedIndexError, match="ints, slices, None and Ellipsis") as info:
+    for bad in (1.5, "a", False):
+        with pytest.raises(V.UnsupportedIndexError) as info:
             x[bad]
         assert isinstance(info.value, NotImplementedError) and isinstance(info.value, DTorchError)
 
@@ -275,8 +276,7 @@ def test_bad_indices_and_dims():
         x[0, 6]
     with pytest.raises(IndexError, match="too many indices"):
         x[0, 0, 0, 0]
-    with pytest.raises(IndexError, match="single ellipsis"):
-        x[..., 0, ...]
+    assert torch.equal(x[..., 0, ...].to_torch(), A[..., 0, ...])  # torch: later ellipses take no dims
     with pytest.raises(OpError, match="step must be greater than zero"):
         x[::-1]
     with pytest.raises(IndexError, match=r"use a dim in \[-3, 2\]"):

@@ -47,16 +47,24 @@ def _inplace_kernel(target, *xs, inner: str, inner_kw: dict, lead: int = 0, **de
     target.copy_(k.fn(target, *xs, **kw))
 
 
+@kernel("inplace_plain")
+def _inplace_plain_kernel(target, *xs, inner: str, inner_kw: dict, lead: int = 0, **device_kw):
+    """``_inplace_kernel`` for kernels whose inputs must keep their own ranks (index tensors, values of
+    another rank than the target: item assignment)."""
+    _inplace_kernel.fn(target, *xs, inner=inner, inner_kw=inner_kw, lead=lead, **device_kw)
+
+
 @functools.lru_cache(maxsize=1024)  # one entry per registered kernel name
 def _takes_lead(name: str) -> bool:
     return "lead" in inspect.signature(get_kernel(name).fn).parameters
 
 
 def dispatch_inplace(name: str, rule, tensors, static: tuple, kwargs: dict | None = None, *,
-                     writes: bool = False) -> Tensor:
+                     writes: bool = False, align: bool = True) -> Tensor:
     """``tensors[0] <- op(*tensors)`` in place; the plan is the out-of-place op's (same cache).
 
-    ``writes``: the plan's kernel is itself an in-place kernel (``copy_``), run as it is.
+    ``writes``: the plan's kernel is itself an in-place kernel (``copy_``), run as it is. ``align``: the
+    inputs' local ranks are padded to one length, as element-wise kernels expect (False: kept as they are).
     """
     target = tensors[0]
     tspec = target._spec
@@ -77,7 +85,8 @@ def dispatch_inplace(name: str, rule, tensors, static: tuple, kwargs: dict | Non
     if plan.in_specs[0] == tspec and out.placements == tspec.placements:
         others = [t if t._spec == s else redistribute_spec(t, s) for t, s in zip(tensors[1:], plan.in_specs[1:])]
         kw = dict(plan.kwargs, **kwargs) if kwargs else plan.kwargs
-        k, kw = (plan.kernel, kw) if writes else (_inplace_kernel, {"inner": plan.kernel.name, "inner_kw": kw})
+        wrapper = _inplace_kernel if align else _inplace_plain_kernel
+        k, kw = (plan.kernel, kw) if writes else (wrapper, {"inner": plan.kernel.name, "inner_kw": kw})
         try:
             handle = graph.runtime.write(k, target._h, tspec, [o._h for o in others], plan.in_specs[1:], kw,
                                          plan.device_args)

@@ -39,7 +39,7 @@ class IndexOutOfRangeError(OpError, IndexError):
 
 
 class UnsupportedIndexError(OpError, NotImplementedError):
-    """Tensor, list or boolean indexing, which dtorch does not implement."""
+    """An index or argument form dtorch does not implement (a False bool index, per-element repeats)."""
 
 
 def _prod(xs) -> int:
@@ -546,44 +546,6 @@ def _index(name, x, items):
     return dispatch(name, _index_rule, [x], (items,))
 
 
-def _index_items(shape, index) -> tuple:
-    """Normalize ints, slices, None and Ellipsis to ('int', i) / ('slice', start, stop, step) / ('all',) / ('new',)."""
-    items = index if isinstance(index, tuple) else (index,)
-    for it in items:
-        if isinstance(it, (bool, Tensor, torch.Tensor, list, np.ndarray)) or not (
-                it is None or it is Ellipsis or isinstance(it, slice) or hasattr(it, "__index__")):
-            raise UnsupportedIndexError(
-                f"dtorch indexing takes ints, slices, None and Ellipsis; got a {type(it).__name__} index "
-                "(tensor, list and boolean indexing are not implemented). Index the torch tensor from "
-                ".to_torch(), or use narrow/masked_fill/where instead")
-    used = sum(it is not None and it is not Ellipsis for it in items)
-    if used > len(shape):
-        raise IndexOutOfRangeError(f"too many indices for a {len(shape)}-D tensor: {used} given")
-    if sum(it is Ellipsis for it in items) > 1:
-        raise IndexOutOfRangeError("an index can only have a single ellipsis ('...')")
-    out, d = [], 0
-    for it in items:
-        if it is Ellipsis:
-            out += [("all",)] * (len(shape) - used)
-            d += len(shape) - used
-        elif it is None:
-            out.append(("new",))
-        elif isinstance(it, slice):
-            step = 1 if it.step is None else operator.index(it.step)
-            if step <= 0:
-                raise OpError(f"dtorch indexing: slice step must be greater than zero, got {step}")
-            start, stop, step = slice(it.start, it.stop, step).indices(shape[d])
-            out.append(("all",) if (start, stop, step) == (0, shape[d], 1) else ("slice", start, max(stop, start), step))
-            d += 1
-        else:
-            k, n = operator.index(it), shape[d]
-            if not -n <= k < n:
-                raise IndexOutOfRangeError(f"index {k} is out of bounds for dim {d} with size {n}")
-            out.append(("int", k % n))
-            d += 1
-    return tuple(out) + (("all",),) * (len(shape) - d)
-
-
 # ------------------------------------------------------------------------------------------------
 # the op set
 
@@ -768,12 +730,6 @@ def narrow(input, dim, start, length):
         raise IndexOutOfRangeError(f"dtorch.narrow: start {start} + length {length} exceeds dim {dim}'s size {n}")
     item = ("all",) if (start, length) == (0, n) else ("slice", start, start + length, 1)
     return _index("narrow", x, (("all",),) * d + (item,) + (("all",),) * (x.ndim - d - 1))
-
-
-@register(public=False, rule=_index_rule, kernel=_index_kernel, methods=("__getitem__",))
-def getitem(input, index):
-    """``x[index]``: ints, slices, None and Ellipsis."""
-    return _index("getitem", input, _index_items(tuple(input.shape), index))
 
 
 def _split(name, x, dim, sizes, squeeze=False):
