@@ -19,8 +19,8 @@ def proc():
     g.runtime.shutdown()
 
 
-def _step(layout):
-    """(loss, {name: grad}, {name: weight after one AdamW step}, comm counts) of one training step."""
+def _step(layout, make_opt):
+    """(loss, {name: grad}, {name: weight after one optimizer step}, comm counts) of one training step."""
     from dtorch.models.llama import LlamaForCausalLM
 
     hf = hf_model()
@@ -28,7 +28,7 @@ def _step(layout):
     model.load_state_dict(hf.state_dict())
     torch.manual_seed(5)
     ids = torch.randint(0, hf.config.vocab_size, (layout.batch, layout.seq))
-    opt = dtorch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = make_opt(model.parameters())
     with dtorch.CommLog() as log:
         loss = model(ids, labels=ids).loss
         loss.backward()
@@ -41,14 +41,20 @@ def _step(layout):
 @pytest.mark.parametrize("layout", [Layout("tp2", (("tp", 2),), batch=3, seq=6),
                                     Layout("pp2 x fsdp2", (("pp", 2), ("fsdp", 2)), batch=4, seq=5)],
                          ids=lambda lay: lay.name)
-def test_train_step_matches_inprocess(proc, ref, layout):
+@pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])
+def test_train_step_matches_inprocess(proc, ref, layout, optimizer):
+    make_opt = {"SGD": lambda ps: dtorch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                "AdamW": lambda ps: dtorch.optim.AdamW(ps, lr=1e-2)}[optimizer]
     runs = []
     for g in (ref, proc):
         with using(g):
-            runs.append(_step(layout))
+            runs.append(_step(layout, make_opt))
     (loss, grads, weights, counts), (p_loss, p_grads, p_weights, p_counts) = runs
     assert p_counts == counts
     assert abs(p_loss - loss) < 1e-5
+    # Adam's first step is lr * g / (|g| + eps): gradients that differ in their last bits (kernels of the
+    # two backends) move tiny-gradient weights by up to lr * 1e-2
+    tol = 1e-5 if optimizer == "SGD" else 1e-3
     for name in grads:
         torch.testing.assert_close(p_grads[name], grads[name], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(p_weights[name], weights[name], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(p_weights[name], weights[name], rtol=tol, atol=tol)

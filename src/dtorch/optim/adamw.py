@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.pointwise import addcmul, maximum
+from ..runtime.kernels import kernel
 from .optimizer import Optimizer, scalar_dtype, zeros_state
 
 
@@ -50,6 +51,10 @@ class AdamW(Optimizer):
                         state["max_exp_avg_sq"] = zeros_state(p)
                 exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
                 state["step"] += 1
+                if not amsgrad and _same_layout(p, grad, exp_avg, exp_avg_sq):
+                    _fused_update(p, grad, exp_avg, exp_avg_sq, state["step"].item(), lr, beta1, beta2, eps,
+                                  weight_decay)
+                    continue
                 if weight_decay != 0:
                     p.mul_(1 - lr * weight_decay)
                 exp_avg.lerp_(grad, 1 - beta1)
@@ -69,3 +74,45 @@ class AdamW(Optimizer):
                 # torch's p.addcdiv_(exp_avg, denom, value=-step_size): p + (value * exp_avg) / denom
                 p.add_(exp_avg.mul(-step_size).div(denom))
         return loss
+
+
+# -- the update as three in-place kernels on each device's blocks: torch's own lines, one pass each ----------
+
+@kernel("optim.adamw_avg")
+def _avg_kernel(exp_avg, grad, *, beta1):
+    exp_avg.lerp_(grad, 1 - beta1)
+
+
+@kernel("optim.adamw_sq")
+def _sq_kernel(exp_avg_sq, grad, *, beta2):
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad.conj(), value=1 - beta2)
+
+
+@kernel("optim.adamw_param")
+def _param_kernel(p, exp_avg, exp_avg_sq, *, decay, step_size, bias_correction2_sqrt, eps):
+    if decay != 1:
+        p.mul_(decay)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    p.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def _same_layout(*ts) -> bool:
+    first = ts[0]._spec
+    return all(t._spec.placements == first.placements and t._spec.mesh == first.mesh and t._graph is ts[0]._graph
+               for t in ts[1:]) and not any(p.is_partial() for p in first.placements)
+
+
+def _write(kern, target, inputs, **kw) -> None:
+    rt = target._graph.runtime
+    target._written(rt.write(kern, target._h, target._spec, [t._h for t in inputs], [t._spec for t in inputs], kw))
+
+
+def _fused_update(p, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay) -> None:
+    """torch's ``_single_tensor_adam`` (decoupled weight decay) on every device's blocks of ``p`` and its
+    states, which share ``p``'s layout: no communication, three in-place passes."""
+    _write(_avg_kernel, exp_avg, [grad], beta1=beta1)
+    _write(_sq_kernel, exp_avg_sq, [grad], beta2=beta2)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2 = 1 - beta2 ** step
+    _write(_param_kernel, p, [exp_avg, exp_avg_sq], decay=1 - lr * weight_decay, step_size=lr / bias_correction1,
+           bias_correction2_sqrt=bias_correction2 ** 0.5, eps=eps)
