@@ -259,6 +259,32 @@ def causal_ring_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tens
     return Tensor._make(spec_like(o_spec, dtype=q.dtype), state[0], graph)
 
 
+@kernel("kv_cache.rotary")
+def _rotary_kernel(q, k, cos, sin, *, lead=0):
+    """Hugging Face's ``apply_rotary_pos_emb`` on q/k [B, H, S, d] with each row's cos/sin [B, S, d], the
+    same float operations in the same order, as one kernel (instead of a dozen element-wise ops)."""
+    cos, sin = cos.unsqueeze(lead + 1), sin.unsqueeze(lead + 1)  # [.., B, 1, S, d]
+
+    def rotate_half(x):
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def _rotary_rule(specs):
+    q, k, cos, sin = specs
+    qp, cp = [], []
+    for p in q.placements:  # batch, heads and sequence shards stay; the head dim must be whole
+        keep = isinstance(p, Shard) and p.dim in (0, 1, 2)
+        qp.append(p if keep else Replicate())
+        cp.append(Shard(0) if keep and p.dim == 0 else Shard(1) if keep and p.dim == 2 else Replicate())
+    in_specs = (q.with_placements(qp), k.with_placements(qp), cos.with_placements(cp), sin.with_placements(cp))
+    dtype = torch.promote_types(q.dtype, cos.dtype)
+    return OpPlan(in_specs, (spec_like(in_specs[0], dtype=dtype), spec_like(in_specs[1], dtype=dtype)),
+                  _rotary_kernel, {}, multi_output=True)
+
+
 # ------------------------------------------------------------------------------------------------
 # rules
 
@@ -558,6 +584,10 @@ class CachedForward:
             return rotary(pos, dtype, seq_len=self.seq_len)
 
         return self._on(mesh, ("rope", dtype), make)
+
+    def rotate(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor):
+        """q, k rotated by each row's positions (cos/sin [B, S, d] from ``rope``): one op."""
+        return dispatch("kv_cache.rotary", _rotary_rule, (q, k, cos, sin))
 
     def _mask(self, mesh: DeviceMesh) -> Tensor:
         def make():

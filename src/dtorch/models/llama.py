@@ -254,7 +254,8 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.kv_heads_held, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.kv_heads_held, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        # (each row's own positions: one fused op, kv_cache.CachedForward.rotate)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin) if step is None else step.rotate(q, k, cos, sin)
         # GQA: query head i uses held kv head i // (num_heads / kv_heads_held), a copy of kv head
         # i // (num_heads / num_kv_heads), Hugging Face's
         if step is not None:  # padding mask and/or KV cache (kv_cache.CachedForward)
