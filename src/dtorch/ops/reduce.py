@@ -31,7 +31,7 @@ import torch
 from ..errors import OpError
 from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel
-from ..spec import DTensorSpec
+from ..spec import DTensorSpec, block_offsets
 from ..tensor import Tensor
 from .pointwise import pointwise
 from .registry import OpPlan, dispatch, meta_call, register, spec_like
@@ -263,7 +263,11 @@ def _extremum(name, largest):
             return pointwise("maximum" if largest else "minimum", "torch.maximum" if largest else "torch.minimum", x, dim)
         if dim is None:
             return _reduce(name, "amax" if largest else "amin", x, _dims(name, None, x.ndim))
-        values, indices = _reduce(name, f"{name}_dim", x, _dims(name, dim, x.ndim, single=True), keepdim)
+        dims = _dims(name, dim, x.ndim, single=True)
+        if _splits(x.spec, dims):
+            values, indices = _with_index(name, _unpartial(x), name, dims[0], keepdim)
+        else:
+            values, indices = _reduce(name, f"{name}_dim", x, dims, keepdim)
         return (torch.return_types.max if largest else torch.return_types.min)((values, indices))
 
     return fn
@@ -272,7 +276,15 @@ def _extremum(name, largest):
 def _arg(name):
     def fn(input, dim=None, keepdim=False):
         x = _input(name, input)
-        return _reduce(name, name, x, _dims(name, dim, x.ndim, single=dim is not None), keepdim)
+        dims = _dims(name, dim, x.ndim, single=dim is not None)
+        if x.ndim and _splits(x.spec, dims):
+            if dim is None:  # the flattened tensor's index (keepdim: every dim of size 1, like torch)
+                from . import view as _view
+
+                i = fn(_view.flatten(x), 0)
+                return _view.reshape(i, (1,) * x.ndim) if keepdim else i
+            return _with_index(name, _unpartial(x), "max" if name == "argmax" else "min", dims[0], keepdim)[1]
+        return _reduce(name, name, x, dims, keepdim)
 
     return fn
 
@@ -280,7 +292,8 @@ def _arg(name):
 def prod(input, dim=None, keepdim=False, *, dtype=None):
     x = _input("prod", input)
     kw = {"dtype": dtype} if dtype else {}
-    return _reduce("prod", "prod", x, _dims("prod", dim, x.ndim, single=dim is not None), keepdim, **kw)
+    dims = _dims("prod", dim, x.ndim, single=dim is not None)
+    return _reduce("prod", "prod", _combined("prod", "prod", x, dims, dtype), dims, keepdim)
 
 
 def _bool_reduce(name):
@@ -293,7 +306,22 @@ def _bool_reduce(name):
 
 def logsumexp(input, dim, keepdim=False):
     x = _input("logsumexp", input)
-    return _reduce("logsumexp", "logsumexp", x, _dims("logsumexp", dim, x.ndim), keepdim)
+    dims = _dims("logsumexp", dim, x.ndim)
+    return _reduce("logsumexp", "logsumexp", _combined("logsumexp", "logsumexp", x, dims), dims, keepdim)
+
+
+def _combined(name, op, x, dims, dtype=None):
+    """``x`` with each sharded dim of ``dims`` already reduced to size 1 (keepdim) by its per-device
+    candidates (a logsumexp / product per block, only those gathered): the final local reduction over
+    ``dims`` then sees whole dims (a size-1 dim reduces to itself)."""
+    if not x.ndim:
+        return x
+    for d in dims:
+        if _splits(x.spec, (d,)):
+            (c,) = _candidates(name, _unpartial(x), op, d, dtype=dtype)
+            x = _reduce(name, op, _unshard_dim(c, d), (d,), True, **({"dtype": dtype} if dtype else {}))
+            dtype = None  # (cast once)
+    return x
 
 
 def norm(input, p="fro", dim=None, keepdim=False, out=None, dtype=None):
@@ -433,3 +461,303 @@ _named("cumsum", cumsum, torch_fns=(torch.cumsum,), **_SCAN)
 _named("softmax", softmax, torch_fns=(torch.softmax, torch.nn.functional.softmax), functional=True, **_SCAN)
 _named("log_softmax", log_softmax, torch_fns=(torch.log_softmax, torch.nn.functional.log_softmax), functional=True,
        **_SCAN)
+
+
+# -- reductions with indices over a sharded dim: per-shard candidates, then a combine --------------------
+#
+# argmax/argmin, max/min with indices, topk, logsumexp and prod over a dim that some mesh dims shard do
+# not gather the input. Each device reduces its own block to candidates (its extreme and its global index
+# = local index + the block's offset; its top k; its logsumexp; its product) laid out as a new size-M*k
+# dim sharded over those mesh dims (one candidate block per device); only the candidates are gathered
+# (M*k elements per output row instead of the dim) and reduced again. An empty block of an uneven split
+# offers the reduction's identity (-inf for max: it never wins over a value, and ties go to the earlier
+# device, which holds the lower global index, as torch returns the first extreme).
+
+def _pad_to(x, dim, k, fill):
+    n = x.shape[dim]
+    if n >= k:
+        return x
+    shape = list(x.shape)
+    shape[dim] = k - n
+    return torch.cat([x, torch.full(shape, fill, dtype=x.dtype, device=x.device)], dim)
+
+
+@kernel("reduce.candidates")
+def _cand_kernel(x, *, op, dim, k=1, largest=True, dtype=None, d_off=0, lead=0):
+    off = d_off if not isinstance(d_off, torch.Tensor) else d_off.reshape(tuple(d_off.shape) + (1,) * (x.ndim - d_off.ndim)).to(x.device)
+    if op in ("max", "min", "topk"):
+        big = op == "max" or (op == "topk" and largest)
+        x = _pad_to(x, dim, k, _identity(x.dtype, big) if x.dtype != torch.bool else not big)
+        if op == "topk":
+            v, i = torch.topk(x, k, dim, largest=largest, sorted=True)
+        else:
+            v, i = (torch.max if big else torch.min)(x, dim, keepdim=True)
+        return v, i + off
+    if op == "logsumexp":
+        return torch.logsumexp(x, dim, keepdim=True)
+    if op == "prod":
+        return torch.prod(x, dim, keepdim=True, dtype=dtype)
+    raise AssertionError(op)
+
+
+def _cand_rule(specs, op, dim, k, largest, dtype):
+    (s,) = specs
+    levels = s.shard_mesh_dims(dim)
+    in_pl = [Replicate() if isinstance(p, Partial) else p for p in s.placements]
+    ins = spec_like(s, placements=in_pl)
+    m = math.prod(s.mesh.shape[i] for i in levels)
+    shape = list(s.shape)
+    shape[dim] = m * k
+    out_pl = tuple(Shard(dim) if i in levels else p for i, p in enumerate(in_pl))
+    if op == "prod":
+        vdtype = torch.prod(torch.ones(1, dtype=s.dtype), dtype=dtype).dtype
+    else:
+        vdtype = s.dtype
+    outs = (DTensorSpec(s.mesh, out_pl, tuple(shape), vdtype),)
+    if op in ("max", "min", "topk"):
+        outs += (DTensorSpec(s.mesh, out_pl, tuple(shape), torch.int64),)
+    return OpPlan((ins,), outs, _cand_kernel, {"op": op, "dim": dim - s.ndim, "k": k, "largest": largest,
+                                                "dtype": dtype},
+                  device_args={"d_off": block_offsets(ins, dim)}, multi_output=len(outs) > 1)
+
+
+@kernel("reduce.combine")
+def _combine_kernel(vals, idxs, *, op, dim, keepdim, k=1, largest=True, sorted=True, lead=0):
+    if lead:
+        grid = tuple(max(a, b) for a, b in zip(vals.shape[:lead], idxs.shape[:lead]))
+        vals = vals.expand(grid + tuple(vals.shape[lead:]))
+        idxs = idxs.expand(grid + tuple(idxs.shape[lead:]))
+    if op == "topk":
+        v, j = torch.topk(vals, k, dim, largest=largest, sorted=sorted)
+        return v, idxs.gather(dim, j)
+    v, j = (torch.max if op == "max" else torch.min)(vals, dim, keepdim=True)
+    i = idxs.gather(dim, j)
+    if not keepdim:
+        v, i = v.squeeze(dim), i.squeeze(dim)
+    return v, i
+
+
+def _combine_rule(specs, op, dim, keepdim, k, largest, sorted_):
+    v, i = specs
+    out_shape = list(v.shape)
+    if op == "topk":
+        out_shape[dim] = k
+    elif keepdim:
+        out_shape[dim] = 1
+    else:
+        del out_shape[dim]
+    pl = []
+    for p in v.placements:
+        if isinstance(p, Shard) and p.dim == dim:
+            p = Replicate()
+        pl.append(p)
+    out_pl = [Shard(p.dim - 1) if isinstance(p, Shard) and p.dim > dim and op != "topk" and not keepdim else p
+              for p in pl]
+    ins = (spec_like(v, placements=pl), spec_like(i, placements=pl))
+    outs = (DTensorSpec(v.mesh, tuple(out_pl), tuple(out_shape), v.dtype),
+            DTensorSpec(v.mesh, tuple(out_pl), tuple(out_shape), torch.int64))
+    return OpPlan(ins, outs, _combine_kernel, {"op": op, "dim": dim - v.ndim, "keepdim": keepdim, "k": k,
+                                               "largest": largest, "sorted": sorted_}, multi_output=True)
+
+
+def _candidates(name, x, op, dim, k=1, largest=True, dtype=None):
+    out = dispatch(name, _cand_rule, [x], (op, dim, k, largest, dtype))
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _with_index(name, x, op, dim, keepdim, k=1, largest=True, sorted_=True):
+    """(values, global indices) of max/min/topk over sharded ``dim``: candidates, then the combine."""
+    v, i = _candidates(name, x, "topk" if op == "topk" else op, dim, k, largest)
+    return dispatch(name, _combine_rule, [v, i], ("topk" if op == "topk" else op, dim, bool(keepdim), k, largest,
+                                                  sorted_))
+
+
+def _unshard_dim(t, dim):
+    pl = [Replicate() if isinstance(p, Shard) and p.dim == dim else p for p in t.placements]
+    return t.redistribute(t.device_mesh, pl) if pl != t.placements else t
+
+
+# -- ops that need whole dims: sort, topk of a whole dim, median, cummax/cummin, and the data movers ------
+#
+# The dims an op reads as a whole are gathered on the mesh dims sharding them (sort: a sharded dim is
+# gathered, said here and in the docs); other shards pass through (shifted past a dropped dim). Ops that
+# only move elements (flip, roll, unfold) keep Partial inputs partial; the others reduce them first.
+
+def _median_dim(x, d, keepdim):
+    return tuple(torch.median(x, d, keepdim=keepdim))
+
+
+_WHOLE = {
+    "sort": lambda x, d, descending, stable: tuple(torch.sort(x, dim=d, descending=descending, stable=stable)),
+    "argsort": lambda x, d, descending, stable: torch.argsort(x, dim=d, descending=descending, stable=stable),
+    "topk": lambda x, d, k, largest, sorted: tuple(torch.topk(x, k, d, largest=largest, sorted=sorted)),
+    "median_dim": lambda x, d, keepdim: _median_dim(x, d, keepdim),
+    "median_all": lambda x, d: torch.median(x.flatten(d)),
+    "cummax": lambda x, d: tuple(torch.cummax(x, d)),
+    "cummin": lambda x, d: tuple(torch.cummin(x, d)),
+    "flip": lambda x, d: torch.flip(x, d),
+    "roll": lambda x, d, shifts: torch.roll(x, shifts, d),
+    "unfold": lambda x, d, size, step: x.unfold(d[0], size, step),
+}
+_MOVERS = ("flip", "roll", "unfold")
+
+
+@kernel("reduce.whole")
+def _whole_kernel(x, *, op, dims, kw, lead=0):
+    d = dims if op in ("flip", "roll", "unfold", "median_all") else dims[0]
+    if op == "median_all":
+        return torch.median(x.reshape(tuple(x.shape[:lead]) + (-1,)), -1).values if lead else torch.median(x)
+    return _WHOLE[op](x, d, **dict(kw))
+
+
+def _whole_rule(specs, op, dims, drop, kw):
+    (s,) = specs
+    nd = s.ndim
+    neg = tuple(d - nd for d in dims) if nd else (-1,) * len(dims)
+    x0 = lambda t: _WHOLE[op](t, neg if op in ("flip", "roll", "unfold") else neg[0], **dict(kw))  # noqa: E731
+    if op == "median_all":
+        meta = meta_call(lambda t: torch.median(t), specs)
+    else:
+        meta = meta_call(x0, specs)
+    metas = meta if isinstance(meta, tuple) else (meta,)
+    pl = []
+    for p in s.placements:
+        if (isinstance(p, Shard) and (p.dim in dims or op == "median_all")) or \
+                (isinstance(p, Partial) and op not in _MOVERS):
+            p = Replicate()
+        pl.append(p)
+    out_pl = tuple(Shard(p.dim - 1) if isinstance(p, Shard) and drop is not None and p.dim > drop else p for p in pl)
+    outs = tuple(DTensorSpec(s.mesh, out_pl, tuple(m.shape), m.dtype) for m in metas)
+    return OpPlan((spec_like(s, placements=pl),), outs, _whole_kernel, {"op": op, "dims": neg, "kw": kw},
+                  multi_output=len(outs) > 1)
+
+
+def _whole(name, op, x, dims, drop=None, **kw):
+    return dispatch(name, _whole_rule, [x], (op, tuple(dims), drop, tuple(sorted(kw.items()))))
+
+
+def _one(name, x, dim):
+    (d,) = _dims(name, dim, x.ndim, single=True) or (0,)
+    return d
+
+
+def topk(input, k, dim=-1, largest=True, sorted=True):
+    """``torch.topk``; over a sharded dim each device offers its top k (global indices), and only those
+    candidates are gathered for the final top k."""
+    x = _input("topk", input)
+    d = _one("topk", x, dim)
+    k = int(k)
+    if x.ndim and not 0 <= k <= x.shape[d]:
+        raise OpError(f"dtorch.topk: k ({k}) is out of range for dim {dim} of size {x.shape[d]}")
+    if _splits(x.spec, (d,)) and k > 0:
+        v, i = _with_index("topk", _unpartial(x), "topk", d, True, k, bool(largest), bool(sorted))
+    else:
+        v, i = _whole("topk", "topk", x, (d,), k=k, largest=bool(largest), sorted=bool(sorted))
+    return torch.return_types.topk((v, i))
+
+
+def sort(input, dim=-1, descending=False, stable=False):
+    """``torch.sort``: a sharded sort dim is gathered (every output element may depend on every input)."""
+    x = _input("sort", input)
+    if isinstance(dim, bool):  # torch.sort(x, True): descending
+        dim, descending = -1, dim
+    d = _one("sort", x, dim)
+    v, i = _whole("sort", "sort", x, (d,), descending=bool(descending), stable=bool(stable))
+    return torch.return_types.sort((v, i))
+
+
+def argsort(input, dim=-1, descending=False, stable=False):
+    x = _input("argsort", input)
+    return _whole("argsort", "argsort", x, (_one("argsort", x, dim),), descending=bool(descending),
+                  stable=bool(stable))
+
+
+def median(input, dim=None, keepdim=False):
+    """``torch.median``: the lower median; the dim (all dims without ``dim``) is gathered."""
+    x = _input("median", input)
+    if dim is None:
+        return _whole("median", "median_all", x, tuple(range(x.ndim)) or (0,))
+    d = _one("median", x, dim)
+    v, i = _whole("median", "median_dim", x, (d,), drop=None if keepdim or not x.ndim else d, keepdim=bool(keepdim))
+    return torch.return_types.median((v, i))
+
+
+def _cum_ext(name):
+    def fn(input, dim):
+        x = _input(name, input)
+        v, i = _whole(name, name, x, (_one(name, x, dim),))
+        return getattr(torch.return_types, name)((v, i))
+    return fn
+
+
+def flip(input, dims):
+    """``torch.flip``: flipped dims that are sharded are gathered (block k's output is block m-1-k's input)."""
+    x = _input("flip", input)
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    ds = tuple(_dims("flip", d, x.ndim, single=True)[0] if x.ndim else 0 for d in dims)
+    if len(set(ds)) != len(ds):
+        raise OpError(f"dtorch.flip: dim {dims} appears multiple times in the list of dims")
+    if not ds or not x.ndim:
+        return x.clone()
+    return _whole("flip", "flip", x, ds)
+
+
+def roll(input, shifts, dims=None):
+    """``torch.roll``: rolled dims are gathered where sharded; without ``dims`` the flattened tensor rolls."""
+    from . import view as _view
+
+    x = _input("roll", input)
+    if dims is None:
+        flat = _view.flatten(x)
+        return _view.reshape(_whole("roll", "roll", flat, (0,), shifts=(int(shifts[0]) if isinstance(shifts, (tuple, list)) else int(shifts),)), tuple(x.shape))
+    shifts = (shifts,) if isinstance(shifts, int) else tuple(int(s) for s in shifts)
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    if len(shifts) != len(dims):
+        raise OpError(f"dtorch.roll: shifts and dimensions must align. shifts: {len(shifts)}, dims:{len(dims)}")
+    ds = tuple(_dims("roll", d, x.ndim, single=True)[0] for d in dims)
+    return _whole("roll", "roll", x, ds, shifts=shifts)
+
+
+def unfold(self, dimension, size, step):
+    """``Tensor.unfold``: the unfolded dim is gathered where sharded; windows become a new last dim."""
+    x = _input("unfold", self)
+    d = _one("unfold", x, dimension)
+    return _whole("unfold", "unfold", x, (d,), size=int(size), step=int(step))
+
+
+def nansum(input, dim=None, keepdim=False, *, dtype=None):
+    """``torch.nansum``; over a sharded dim the result is ``Partial(sum)`` of the local nansums."""
+    x = _input("nansum", input)
+    return _reduce("nansum", "nansum", x, _dims("nansum", dim, x.ndim), keepdim, **({"dtype": dtype} if dtype else {}))
+
+
+def count_nonzero(input, dim=None):
+    """``torch.count_nonzero``; over a sharded dim the result is ``Partial(sum)`` of the local counts."""
+    x = _input("count_nonzero", input)
+    return _reduce("count_nonzero", "count_nonzero", x, _dims("count_nonzero", dim, x.ndim), False)
+
+
+def cumprod(input, dim, *, dtype=None):
+    """``torch.cumprod``; the scanned dim is gathered where it is sharded."""
+    return _scan("cumprod", input, dim, dtype)
+
+
+_IMPL["nansum"] = lambda x, dims, keepdim, dtype=None: torch.nansum(x, dims, keepdim=keepdim, dtype=dtype)
+_IMPL["count_nonzero"] = lambda x, dims, keepdim: torch.count_nonzero(x, dims)
+_PARTIAL["nansum"] = ("sum", ())
+_PARTIAL["count_nonzero"] = ("sum", ())
+_SCANS["cumprod"] = lambda x, d, dtype: torch.cumprod(x, d, dtype=dtype)
+
+_WHOLE_K = {"rule": _whole_rule, "kernel": _whole_kernel}
+_named("topk", topk, torch_fns=(torch.topk,), **_WHOLE_K)
+_named("sort", sort, torch_fns=(torch.sort,), **_WHOLE_K)
+_named("argsort", argsort, torch_fns=(torch.argsort,), **_WHOLE_K)
+_named("median", median, torch_fns=(torch.median,), **_WHOLE_K)
+_named("cummax", _cum_ext("cummax"), torch_fns=(torch.cummax,), **_WHOLE_K)
+_named("cummin", _cum_ext("cummin"), torch_fns=(torch.cummin,), **_WHOLE_K)
+_named("flip", flip, torch_fns=(torch.flip,), **_WHOLE_K)
+_named("roll", roll, torch_fns=(torch.roll,), **_WHOLE_K)
+_named("unfold", unfold, torch_fns=(torch.Tensor.unfold,), **_WHOLE_K)
+_named("nansum", nansum, torch_fns=(torch.nansum,))
+_named("count_nonzero", count_nonzero, torch_fns=(torch.count_nonzero,))
+_named("cumprod", cumprod, torch_fns=(torch.cumprod,), **_SCAN)
