@@ -1,6 +1,8 @@
 """dtorch.nn: modules whose parameters are dtorch tensors."""
 from . import functional, utils  # noqa: F401
 from .containers import ModuleDict, ModuleList, Sequential
+from .conv import *  # noqa: F401,F403  (Conv1d, Conv2d, BatchNorm2d, ... pooling, activations: conv.__all__)
+from . import conv as _conv
 from .layers import (GELU, Dropout, Embedding, EmbeddingWithReplicateOutput, Identity, LayerNorm, ReLU, RMSNorm,
                      SiLU)
 from .linear import (ColumnParallelLinear, ColumnParallelLinearWithReplicateInputOutput,
@@ -14,4 +16,4 @@ __all__ = [
     "ColumnParallelLinearWithReplicateInputOutput", "RowParallelLinear", "RowParallelLinearWithReplicateOutput",
     "ReplicateParallelLinear", "Embedding", "EmbeddingWithReplicateOutput", "RMSNorm", "LayerNorm", "Dropout",
     "SiLU", "GELU", "ReLU", "Identity", "Sequential", "ModuleList", "ModuleDict", "functional", "skip_init",
-]
+] + _conv.__all__
