@@ -529,6 +529,13 @@ def _dim(dim, ndim, name, extra=0) -> int:
     return d % n
 
 
+def _kw(name, kw, key):
+    """The keyword spelling torch's methods accept (``x.repeat(repeats=(2, 1))``, ``x.view(size=...)``)."""
+    if set(kw) != {key}:
+        raise OpError(f"dtorch.{name}() takes its sizes positionally or as {key}=..., got keywords {sorted(kw)}")
+    return kw[key]
+
+
 def _reshape(name, x, shape):
     return dispatch(name, _reshape_rule, [x], (shape,))
 
@@ -559,7 +566,8 @@ def _reshape_as(self, other):
 
 
 @register(public=False, rule=_reshape_rule, kernel=_reshape_kernel, methods=("view", ("view_as", _view_as)))
-def view(input, *shape):
+def view(input, *shape, **kw):
+    shape = shape or (_kw("view", kw, "size"),)
     if len(shape) == 1 and isinstance(shape[0], torch.dtype):
         raise OpError("Tensor.view(dtype) (reinterpreting bits) is not supported by dtorch; "
                       "use .to(dtype) to convert values")
@@ -659,7 +667,8 @@ def t(input):
 
 @register(rule=_permute_rule, kernel=_permute_kernel, methods=("permute", ("T", property(_T))),
           torch_fns=(torch.permute,))
-def permute(input, *dims):
+def permute(input, *dims, **kw):
+    dims = dims or (_kw("permute", kw, "dims"),)
     x = _tensor("permute", input)
     perm = tuple(_dim(d, x.ndim, "permute") for d in _sizes(dims, "permute"))
     if sorted(perm) != list(range(x.ndim)):
@@ -687,7 +696,8 @@ def _expand_as(self, other):
 
 
 @register(public=False, rule=_expand_rule, kernel=_expand_kernel, methods=("expand", ("expand_as", _expand_as)))
-def expand(input, *sizes):
+def expand(input, *sizes, **kw):
+    sizes = sizes or (_kw("expand", kw, "size"),)
     return dispatch("expand", _expand_rule, [input], (_sizes(sizes, "expand"),))
 
 
@@ -697,7 +707,8 @@ def broadcast_to(input, size):
 
 
 @register(public=False, rule=_repeat_rule, kernel=_repeat_kernel, methods=("repeat",))
-def repeat(input, *sizes):
+def repeat(input, *sizes, **kw):
+    sizes = sizes or (_kw("repeat", kw, "repeats"),)
     return dispatch("repeat", _repeat_rule, [input], (_sizes(sizes, "repeat"),))
 
 
