@@ -39,6 +39,7 @@ from ..runtime.kernels import Kernel, kernel
 from ..spec import DTensorSpec, block_offsets, chunk_size
 from ..tensor import Tensor
 from .registry import OpPlan, _broadcast_shape, describe, dispatch, register, spec_like, to_dtensors
+from .matrix import whole
 
 _NAME = "scaled_dot_product_attention"
 _ULYSSES = ("ulysess_cp", "ulysses_cp")
@@ -166,8 +167,39 @@ def _merge(o1, lse1, o2, lse2):
 # kernels
 
 
+def _math_sdpa(q, k, v, mask, noise, causal, scale, group):
+    """torch's math SDPA (``_scaled_dot_product_attention_math``, the path it takes with dropout on the CPU)
+    with the dropout mask given: the same operations in the same order, so the same bits (float32/64)."""
+    sf = math.sqrt(scale)
+    q = q * sf
+    if causal:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(mask.logical_not(), float("-inf"))
+    if group > 1:
+        k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
+    attn = torch.matmul(q, k.transpose(-2, -1) * sf)
+    if mask is not None:
+        attn = attn + mask
+    attn = torch._safe_softmax(attn, -1) * noise
+    return torch.matmul(attn, v)
+
+
 @kernel("sdpa")
 def _sdpa_kernel(q, k, v, *extra, lead, scale, causal, mask_rank, has_noise, heads, q_off=0, q_head_off=0):
+    if (not has_noise or q.dtype in (torch.float32, torch.float64)) and heads[0] == "local" \
+            and not isinstance(q_off, torch.Tensor) and q_off == 0 and not (causal and mask_rank is not None):
+        xs = whole((q, k, v) + extra, lead)
+        if xs is not None:
+            # whole heads and keys on every device, queries from the first: torch's own SDPA on the blocks
+            # (its fused kernel, float16 included), so one device or replicated inputs give torch's bits
+            m = xs[3] if mask_rank is not None else None
+            if has_noise:
+                out = _math_sdpa(xs[0], xs[1], xs[2], m, xs[-1], causal, scale, heads[1])
+            else:
+                out = F.scaled_dot_product_attention(xs[0], xs[1], xs[2], m, is_causal=causal, scale=scale,
+                                                     enable_gqa=heads[1] > 1)
+            return out.reshape((1,) * lead + tuple(out.shape)) if lead else out
     mask = _rank4(extra[0], lead, mask_rank) if mask_rank is not None else None
     noise = extra[-1] if has_noise else None
     k, v = _match_heads(q, k, v, lead, heads, q_head_off)

@@ -87,13 +87,32 @@ def _folded_matmul(a, b):
     return c.reshape([a.shape[d] if b.shape[d] == 1 else b.shape[d] for d in range(nbatch)] + [m, n])
 
 
+def whole(xs, lead):
+    """``xs`` without their ``lead`` grid dims when every grid dim is 1 (one device, or every operand
+    replicated), else None. Then the kernel makes torch's own call on the whole tensors, so the result
+    is torch's bit for bit (a folded or batched GEMM may sum in another order)."""
+    if not lead:
+        return xs
+    if any(d != 1 for x in xs for d in x.shape[:lead]):
+        return None
+    return [x.reshape(x.shape[lead:]) for x in xs]
+
+
 @kernel("matmul")
 def _matmul_kernel(a, b, *, na, nb, lead=0):
+    ab = whole((a, b), lead)
+    if ab is not None:
+        out = torch.matmul(*ab)
+        return out.reshape((1,) * lead + tuple(out.shape)) if lead else out
     return _matmul_local(a, b, na, nb, lead)
 
 
 @kernel("linear")
 def _linear_kernel(x, w, *bias, nx, lead=0):
+    xs = whole((x, w) + bias, lead)
+    if xs is not None:  # (F.linear adds the bias inside the GEMM: addmm)
+        out = torch.nn.functional.linear(*xs)
+        return out.reshape((1,) * lead + tuple(out.shape)) if lead else out
     out = _matmul_local(x, w.transpose(-1, -2), nx, 2, lead)  # [..., k] @ [k, n] -> [..., n]
     if bias:
         (b,) = bias

@@ -17,6 +17,7 @@ values of ``c`` is one plan.
 from __future__ import annotations
 
 import functools
+import itertools
 import numbers
 import operator
 
@@ -86,6 +87,26 @@ def _pointwise_kernel(*xs, fn: str, template, kwargs: tuple = (), scalars: tuple
     if template == "ts":  # x * c: the common scalar call, without building argument lists
         return (_resolved_fast_get(fn) or resolve_torch(fn))(xs[0], scalars[0])
     return _call(fn, template, kwargs, xs, scalars)
+
+
+@kernel("pointwise_0d", align=True)
+def _pointwise_0d_kernel(*xs, fn: str, template, zero_d: tuple, lead=0, kwargs: tuple = (), scalars: tuple = ()):
+    """The element-wise call when some operands are 0-d and others are not (their indices: ``zero_d``).
+
+    torch promotes a 0-d tensor like a scalar (``fp16 x + 0-d fp32`` is float16, computed with the
+    scalar's own value), but the blocks it arrives as here have rank: grid dims and the alignment
+    padding. Each such operand goes back to 0-d before the torch call, so the call is torch's own.
+    Where one differs per device (a Partial operand stacked over a grid), the call runs per device."""
+    if all(xs[j].numel() == 1 for j in zero_d):
+        xs = tuple(x.reshape(()) if j in zero_d else x for j, x in enumerate(xs))
+        return _call(fn, template, kwargs, xs, scalars)
+    grid = torch.broadcast_shapes(*(x.shape[:lead] for x in xs))
+    outs = []
+    for idx in itertools.product(*(range(n) for n in grid)):
+        ys = [x[tuple(i if x.shape[d] != 1 else 0 for d, i in enumerate(idx))] for x in xs]
+        outs.append(_call(fn, template, kwargs, [y.reshape(()) if j in zero_d else y for j, y in enumerate(ys)],
+                          scalars))
+    return torch.stack(outs).reshape(tuple(grid) + tuple(outs[0].shape))
 
 
 def _full_template(template, n_tensors: int) -> tuple:
@@ -201,7 +222,12 @@ def _pointwise_rule(specs, name, fn, template, kwargs, scalar_types) -> OpPlan:
             out_pl.append(keep)
     in_specs = tuple(DTensorSpec(mesh, tuple(p), s.shape, s.dtype) for p, s in zip(in_pl, specs))
     out = DTensorSpec(mesh, tuple(out_pl), out_shape, out_meta.dtype)
-    return OpPlan(in_specs, (out,), _pointwise_kernel, {"fn": fn, "template": template, "kwargs": kwargs})
+    kw = {"fn": fn, "template": template, "kwargs": kwargs}
+    # 0-d operands next to n-d ones promote like scalars in torch: they must reach torch as 0-d tensors
+    zero_d = tuple(j for j, s in enumerate(specs) if s.ndim == 0) if nout else ()
+    if zero_d:
+        return OpPlan(in_specs, (out,), _pointwise_0d_kernel, dict(kw, zero_d=zero_d))
+    return OpPlan(in_specs, (out,), _pointwise_kernel, kw)
 
 
 def _numel(shape) -> int:
