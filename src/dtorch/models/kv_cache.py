@@ -437,6 +437,17 @@ class KVCache:
             out[c] = spec.local_box(c)[2][0] // self.block
         return out
 
+    def _take_one_block(self, n: int, valid: torch.Tensor) -> tuple:
+        """``_take`` without cp: the tokens go to the next slots, the same on every device."""
+        slots = torch.arange(self.fill[0], self.fill[0] + n)
+        order = torch.arange(self._next, self._next + n)
+        self.order[slots] = order
+        self.valid[:, slots] = valid
+        args = {"src": 0, "dst": self.fill[0], "count": n}
+        self.fill[0] += n
+        self._next += n
+        return (args, None), order
+
     def _grow(self, block: int) -> None:
         """More slots per cp block (a new shape: plans are made again once); tokens keep their blocks."""
         old = self.block
@@ -456,6 +467,8 @@ class KVCache:
         """Slots for ``n`` new tokens (``valid`` [B, n]: real or padding): returns (write arguments, their
         order indices). ``sharded``: the tokens arrive split over cp like the prompt (each device's chunk goes
         to its own block), else replicated (each goes to the block with the most free slots)."""
+        if self.cp == 1 and self.fill[0] + n <= self.block:
+            return self._take_one_block(n, valid)
         mesh = self.layer_meshes[0]
         blocks = self._device_blocks(mesh)
         if sharded:
