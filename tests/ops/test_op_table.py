@@ -236,6 +236,80 @@ SAMPLES["cross_entropy"] = [Case(lambda: ((f(5, 6), ints(5, lo=0, hi=6)), {})),
                                                                            "ignore_index": 2}))]
 SAMPLES["mse_loss"] = [Case(lambda: ((f(5, 6), g(5, 6)), {})), Case(lambda: ((f(5, 6), g(5, 6)), {"reduction": "sum"}))]
 
+# -- advanced indexing, item assignment, gather/scatter (ops/index.py) ------------------------------------
+def _setitem_ref(x, index, value):
+    x[index] = value
+    return x
+
+
+def _unique_rows(rows, cols, n, seed=0):  # scatter's positions, unique per column (torch leaves duplicates open)
+    return torch.argsort(torch.rand(n, cols, generator=torch.Generator().manual_seed(seed)), 0)[:rows]
+
+
+SAMPLES["getitem"] += [Case(one(X, (torch.tensor([4, 0, 2]),)), ref=operator.getitem),
+                       Case(one(X, (slice(None), [5, 1])), ref=operator.getitem),
+                       Case(lambda: ((f(5, 6), bools(5, 6)), {}), ref=operator.getitem),
+                       Case(one(X, (Ellipsis, 1, Ellipsis)), ref=operator.getitem),
+                       Case(one(X, (slice(1, 5, 2), torch.tensor([[0], [5]]))), ref=operator.getitem)]
+SAMPLES["setitem"] = [Case(one(X, (slice(1, 4), 2), 1.5), ref=_setitem_ref, inplace=True),
+                      Case(lambda: ((f(5, 6), (slice(None), slice(0, 6, 2)), g(5, 3)), {}), ref=_setitem_ref, inplace=True),
+                      Case(lambda: ((f(5, 6), (slice(None), slice(1, 3)), g(5, 2)), {}), ref=_setitem_ref, inplace=True),
+                      Case(lambda: ((f(5, 6), (torch.tensor([4, 0]),), g(2, 6)), {}), ref=_setitem_ref, inplace=True),
+                      Case(lambda: ((f(5, 6), bools(5, 6), 0.5), {}), ref=_setitem_ref, inplace=True),
+                      Case(lambda: ((f(5, 6), (None, Ellipsis, 3), g(5)), {}), ref=_setitem_ref, inplace=True)]
+SAMPLES["index_put"] = [Case(lambda: ((f(5, 6), (torch.tensor([4, 0, 4]),), g(3, 6)), {"accumulate": True})),
+                        Case(lambda: ((f(5, 6), (torch.tensor([1, 3]), torch.tensor([0, 5])), g(2)), {}))]
+SAMPLES["index_copy"] = [Case(lambda: ((f(5, 6), 1, torch.tensor([5, 0]), g(5, 2)), {})),
+                         Case(lambda: ((f(5, 6), 0, torch.tensor([3]), g(1, 6)), {}))]
+SAMPLES["gather"] = [Case(lambda: ((f(5, 6), 0, ints(3, 6, lo=0, hi=5)), {})),
+                     Case(lambda: ((f(5, 6), 1, ints(5, 4, lo=0, hi=6)), {}))]
+SAMPLES["scatter"] = [Case(lambda: ((f(5, 6), 0, _unique_rows(3, 6, 5), g(3, 6)), {})),
+                      Case(lambda: ((f(5, 6), 1, _unique_rows(2, 5, 6).T.contiguous(), 2.5), {}))]
+SAMPLES["scatter_add"] = [Case(lambda: ((f(5, 6), 0, ints(4, 6, lo=0, hi=5), g(4, 6)), {}))]
+SAMPLES["scatter_reduce"] = [Case(lambda: ((f(5, 6), 0, ints(4, 6, lo=0, hi=5), g(4, 6), "amax"), {})),
+                             Case(lambda: ((f(5, 6), 1, ints(5, 4, lo=0, hi=6), g(5, 4), "sum"), {"include_self": False})),
+                             Case(lambda: ((f(5, 6), 0, ints(4, 6, lo=0, hi=5), g(4, 6), "mean"), {}))]
+SAMPLES["index_select"] = [Case(lambda: ((f(5, 6), 0, torch.tensor([4, 0, 4])), {})),
+                           Case(lambda: ((f(5, 6), 1, torch.tensor([5, 1])), {}))]
+SAMPLES["take_along_dim"] = [Case(lambda: ((f(5, 6), ints(5, 2, lo=0, hi=6), 1), {})),
+                             Case(lambda: ((f(5, 6), ints(3, lo=0, hi=30)), {}))]
+SAMPLES["masked_select"] = [Case(lambda: ((f(5, 6), bools(5, 6)), {})), Case(lambda: ((f(5, 6), bools(6)), {}))]
+SAMPLES["masked_scatter"] = [Case(lambda: ((f(5, 6), bools(5, 6), g(5, 6)), {})),
+                             Case(lambda: ((f(5, 6), bools(6), g(40)), {}))]
+SAMPLES["nonzero"] = [Case(one(lambda: bools(5, 6))), Case(one(lambda: ints(5, 6), as_tuple=True))]
+SAMPLES["argwhere"] = [Case(one(lambda: ints(5, 6)))]
+
+# -- sorting, reductions with indices, scans, data movers (ops/reduce.py) ---------------------------------
+SAMPLES["topk"] = [Case(one(X, 2)), Case(one(X, 3, 0, False))]
+SAMPLES["sort"] = [Case(one(X, 0)), Case(one(X, 1, True))]
+SAMPLES["argsort"] = [Case(one(X, 0)), Case(one(X, descending=True))]
+SAMPLES["median"] = [Case(one(X)), Case(one(X, 0)), Case(one(X, 1, True))]
+for _n in ("cummax", "cummin"):
+    SAMPLES[_n] = [Case(one(X, 0)), Case(one(X, 1))]
+SAMPLES["cumprod"] = [Case(one(X, 1)), Case(one(X, 0))]
+SAMPLES["flip"] = [Case(one(X, (0,))), Case(one(X, (0, 1)))]
+SAMPLES["roll"] = [Case(one(X, 2, 0)), Case(one(X, 3)), Case(one(X, (1, -2), (0, 1)))]
+SAMPLES["unfold"] = [Case(one(X, 0, 2, 1), ref=torch.Tensor.unfold), Case(one(X, 1, 3, 2), ref=torch.Tensor.unfold)]
+
+
+def _with_nans(*shape):
+    x = f(*shape)
+    x[0, 0], x[3, 2] = float("nan"), float("nan")
+    return x
+
+
+SAMPLES["nansum"] = [Case(one(lambda: _with_nans(5, 6), 1), partial=False), Case(one(lambda: _with_nans(5, 6)), partial=False),
+                     Case(one(X, 0))]
+SAMPLES["count_nonzero"] = [Case(one(lambda: ints(5, 6))), Case(one(lambda: ints(5, 6), 1)), Case(one(X, 0))]
+
+# -- misc (ops/misc.py) -----------------------------------------------------------------------------------
+SAMPLES["one_hot"] = [Case(lambda: ((ints(5, 3, lo=0, hi=4),), {})), Case(lambda: ((ints(5, lo=0, hi=4), 6), {}))]
+SAMPLES["normalize"] = [Case(one(X)), Case(one(X, 1.0, 0))]
+SAMPLES["cosine_similarity"] = [Case(lambda: ((f(5, 6), g(5, 6)), {})), Case(lambda: ((f(5, 6), g(6), 0), {}))]
+SAMPLES["glu"] = [Case(one(X)), Case(one(lambda: f(4, 6), 0))]
+SAMPLES["equal"] = [Case(lambda: ((f(5, 6), f(5, 6)), {})), Case(lambda: ((f(5, 6), g(5, 6)), {}))]
+
+
 # -- in place: the out-of-place op's cases whose first operand can take the result (torch decides) -----------
 def _inplace_ref(method: str):
     def ref(x, *args, **kwargs):
@@ -266,6 +340,8 @@ SAMPLES["fill_"] = [Case(one(X, 2.5), ref=_inplace_ref("fill_"), inplace=True),
 SAMPLES["zero_"] = [Case(one(X), ref=_inplace_ref("zero_"), inplace=True)]
 SAMPLES["masked_fill_"] = [Case(lambda: ((f(5, 6), bools(5, 6), 1.5), {}), ref=_inplace_ref("masked_fill_"),
                                 inplace=True)]
+SAMPLES["index_fill_"] = [Case(lambda: ((f(5, 6), 0, torch.tensor([4, 1]), 2.5), {}), ref=_inplace_ref("index_fill_"),
+                               inplace=True)]
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -505,6 +505,7 @@ def _setitem(self, index, value):
     _refuse_view_write(self, "x[index] = value")
     items, tensors = parse_index(self, index)
     _index_put(self, items, tensors, value, False, "setitem")
+    return self  # (Python drops it for x[i] = v; dtorch.setitem(x, i, v) returns the tensor, as in-place ops do)
 
 
 register("setitem", rule=_put_rule, kernel=_put_kernel, public=False, methods=(("__setitem__", _setitem),))(_setitem)
