@@ -212,17 +212,20 @@ def _torch_index(items, tensors) -> tuple:
 # ------------------------------------------------------------------------------------------------
 # views are values: an assignment into a live basic view refuses (see the module doc)
 
-_VIEW_BASE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# id(view) -> (weakref to the view, weakref to its base); by id: a WeakKeyDictionary would compare tensors
+# with ==, which is element-wise on tensors
+_VIEW_BASE: dict = {}
 
 
 def note_view(out, base) -> None:
     if isinstance(out, Tensor) and out is not base:
-        _VIEW_BASE[out] = weakref.ref(base)
+        key = id(out)
+        _VIEW_BASE[key] = (weakref.ref(out, lambda _, k=key: _VIEW_BASE.pop(k, None)), weakref.ref(base))
 
 
 def _refuse_view_write(x: Tensor, what: str) -> None:
-    ref = _VIEW_BASE.get(x)
-    if ref is not None and ref() is not None:
+    entry = _VIEW_BASE.get(id(x))
+    if entry is not None and entry[0]() is x and entry[1]() is not None:
         raise ViewWriteError(
             f"{what}: this tensor was made by indexing another live tensor (a view in torch, which would write "
             "through into the base). dtorch views are values, so the write would not reach the base: write into "
