@@ -464,3 +464,24 @@ def test_generate_cli_random_model_and_bad_flags(capsys):
         assert msg in err
     rc = main(["generate", "--model", "/nonexistent/dir"])
     assert rc == 2 and "tokenizer.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
+                                  {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 16}],
+                         ids=lambda r: r["rope_type"])
+def test_rope_types_past_max_position_embeddings(rope):
+    """max_position_embeddings 32, 24 prompt tokens + 16 new: "dynamic" grows its frequencies past 32 in the
+    decode steps, as Hugging Face's does."""
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(make_config("mha", max_position_embeddings=32, rope_scaling=dict(rope))).eval()
+    model = LlamaForCausalLM(hf.config, mesh_of((("ring_cp", 2),)))
+    model.load_state_dict(hf.state_dict())
+    ids, _ = prompts((24, 24), 160)
+    with torch.no_grad():
+        want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                           output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    got = model.generate(ids, max_new_tokens=16, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)

@@ -562,6 +562,7 @@ class CachedForward:
         self.ids, self.valid, self.positions = ids, valid, positions
         self.seq_len = int(positions.max()) + 1 if positions.numel() else 1  # for the length-dependent rope types
         self._per_mesh: dict = {}
+        self._table = None
         self.write_args = None
         if cache is not None:
             if cache.batch_size != b:
@@ -591,12 +592,30 @@ class CachedForward:
         return self._per_mesh[key]
 
     def rope(self, rotary, mesh: DeviceMesh, dtype: torch.dtype):
-        """cos, sin [B, S, d] at each token's own position, on ``mesh``."""
+        """cos, sin [B, S, d] at each token's own position, on ``mesh``.
+
+        Computed here on the controller (a few KB for a decode step) with the rotary module's float32
+        frequencies and the float operations of its forward, and sent: no device runs a dozen tiny ops
+        per stage and step for a table every device of a row needs whole."""
         def make():
-            pos = Tensor(self.positions, device_mesh=mesh, placements=self.placements(mesh))
-            return rotary(pos, dtype, seq_len=self.seq_len)
+            cos, sin = self._rope_table(rotary)
+            pl = self.placements(mesh)
+            return (Tensor(cos.to(dtype), device_mesh=mesh, placements=pl),
+                    Tensor(sin.to(dtype), device_mesh=mesh, placements=pl))
 
         return self._on(mesh, ("rope", dtype), make)
+
+    def _rope_table(self, rotary):
+        if self._table is None:
+            if "dynamic" in rotary.rope_type or rotary.rope_type == "longrope":
+                rotary._update(self.seq_len)  # (Hugging Face's dynamic_rope_update for these positions)
+            freqs = self.positions.float().unsqueeze(-1) * rotary._in_use  # the torch copy of inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+            if rotary.attention_scaling != 1.0:
+                cos, sin = cos * rotary.attention_scaling, sin * rotary.attention_scaling
+            self._table = (cos, sin)
+        return self._table
 
     def rotate(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor):
         """q, k rotated by each row's positions (cos/sin [B, S, d] from ``rope``): one op."""
