@@ -236,6 +236,34 @@ SAMPLES["cross_entropy"] = [Case(lambda: ((f(5, 6), ints(5, lo=0, hi=6)), {})),
                                                                            "ignore_index": 2}))]
 SAMPLES["mse_loss"] = [Case(lambda: ((f(5, 6), g(5, 6)), {})), Case(lambda: ((f(5, 6), g(5, 6)), {"reduction": "sum"}))]
 
+# -- CNN ops (ops/conv.py, pool.py, norm2d.py; deeper sweeps: tests/ops/test_conv.py, test_pool_norm.py) ----
+_CNN_TOL = {"rtol": 1e-4, "atol": 1e-4}
+SAMPLES["conv1d"] = [Case(lambda: ((f(3, 4, 7), g(5, 4, 3), g(5)), {"padding": 1}), tol=_CNN_TOL)]
+SAMPLES["conv2d"] = [Case(lambda: ((f(3, 4, 7, 6), g(5, 4, 3, 3), g(5)), {"padding": 1}), tol=_CNN_TOL),
+                     Case(lambda: ((f(3, 4, 7, 6), g(6, 2, 3, 3)), {"stride": 2, "groups": 2, "dilation": (1, 2)}),
+                          tol=_CNN_TOL)]
+SAMPLES["conv3d"] = [Case(lambda: ((f(2, 3, 5, 4, 6), g(4, 3, 3, 3, 3)), {"padding": "same"}), tol=_CNN_TOL)]
+SAMPLES["conv_transpose1d"] = [Case(lambda: ((f(3, 4, 7), g(4, 5, 3), g(5)), {"stride": 2}), tol=_CNN_TOL)]
+SAMPLES["conv_transpose2d"] = [Case(lambda: ((f(3, 4, 5, 6), g(4, 2, 3, 3), g(2)),
+                                             {"stride": 2, "padding": 1, "output_padding": 1}), tol=_CNN_TOL)]
+SAMPLES["max_pool1d"] = [Case(lambda: ((f(3, 4, 7), 3), {"stride": 2, "padding": 1}))]
+SAMPLES["max_pool2d"] = [Case(lambda: ((f(3, 4, 7, 6), 3), {"stride": 2, "padding": 1})),
+                         Case(lambda: ((f(3, 4, 7, 6), 2), {"ceil_mode": True}))]
+SAMPLES["avg_pool1d"] = [Case(lambda: ((f(3, 4, 7), 3), {"stride": 2, "padding": 1}))]
+SAMPLES["avg_pool2d"] = [Case(lambda: ((f(3, 4, 7, 6), 3), {"stride": 2, "padding": 1})),
+                         Case(lambda: ((f(3, 4, 7, 6), 2), {"count_include_pad": False, "padding": 1}))]
+SAMPLES["adaptive_avg_pool1d"] = [Case(lambda: ((f(3, 4, 7), 1), {})), Case(lambda: ((f(3, 4, 7), 3), {}))]
+SAMPLES["adaptive_avg_pool2d"] = [Case(lambda: ((f(3, 4, 7, 6), 1), {})), Case(lambda: ((f(3, 4, 7, 6), (2, 3)), {}))]
+SAMPLES["interpolate"] = [Case(lambda: ((f(3, 4, 5, 6),), {"scale_factor": 2, "mode": "bilinear", "align_corners": True})),
+                          Case(lambda: ((f(3, 4, 5, 6),), {"size": (7, 4), "mode": "nearest"}))]
+SAMPLES["pad"] = [Case(lambda: ((f(3, 4, 5, 6), (1, 2, 0, 1)), {"mode": mode}))
+                  for mode in ("constant", "reflect", "replicate", "circular")] + [
+                  Case(lambda: ((f(3, 4, 5, 6), (1, 1)), {"value": 2.5}))]
+SAMPLES["batch_norm"] = [Case(lambda: ((f(5, 4, 3, 6), g(4), pos(4), g(4), pos(4)), {"training": False}), tol=_CNN_TOL),
+                         Case(lambda: ((f(5, 4, 3, 6), None, None, g(4), pos(4)), {"training": True}), tol=_CNN_TOL)]
+SAMPLES["group_norm"] = [Case(lambda: ((f(3, 4, 5, 6), 2, g(4), pos(4)), {}), tol=_CNN_TOL)]
+SAMPLES["instance_norm"] = [Case(lambda: ((f(3, 4, 5, 6),), {"weight": g(4), "bias": pos(4)}), tol=_CNN_TOL)]
+
 # -- advanced indexing, item assignment, gather/scatter (ops/index.py) ------------------------------------
 def _setitem_ref(x, index, value):
     x[index] = value

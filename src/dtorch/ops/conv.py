@@ -333,6 +333,11 @@ def _conv_kernel(x, w, *b, lead=0, nd: int, transposed: bool, stride, padding, d
             xi = torch.cat([xi, xi.new_zeros((xi.shape[0], 1) + tuple(xi.shape[2:]))], 1)
             wd = 0 if transposed else 1
             wi = torch.cat([wi, wi.new_zeros(tuple(wi.shape[:wd]) + (1,) + tuple(wi.shape[wd + 1:]))], wd)
+        od = 1 if transposed else 0
+        if wi.shape[od] == 0:  # an empty output-channel shard: one zero channel computed, then cut away
+            wi = torch.cat([wi, wi.new_zeros(tuple(wi.shape[:od]) + (1,) + tuple(wi.shape[od + 1:]))], od)
+            bias = None if bias is None else torch.cat([bias, bias.new_zeros(1)])
+            return one(xi, wi, *(() if bias is None else (bias,))).narrow(1, 0, 0)
         if transposed:
             return _CONV_T[nd](xi, wi, bias, stride, padding, output_padding, groups, dilation)
         g = xi.shape[1] // wi.shape[1] if wi.shape[1] else groups
