@@ -55,13 +55,64 @@ class _Exit(Exception):
     pass
 
 
+class _Incoming:
+    """A move's receives, posted but not waited on: the block exists once they complete. A worker runs its
+    queue on while its peers catch up (a pipeline stage works on the next micro-batch while the previous
+    stage still computes the gradient it will receive), and waits only where the block is first read."""
+
+    __slots__ = ("works", "recvs", "out", "dtype")
+
+    def __init__(self, works, recvs, out, dtype):
+        self.works, self.recvs, self.out, self.dtype = works, recvs, out, dtype
+
+    def finish(self) -> torch.Tensor:
+        for w in self.works:
+            w.wait()
+        out = self.out
+        for buf, d_sl, shape in self.recvs:
+            got = pp.from_bytes(buf, self.dtype, shape)
+            if d_sl is None:
+                out = got
+            else:
+                out[d_sl] = got
+        return out
+
+
+class _Blocks(dict):
+    """Handle id -> local block. A block still arriving from another worker waits in ``pending`` (an
+    ``_Incoming``) and is completed by its first read, so every reader (kernels, steps, uploads, aliases)
+    sees an ordinary block without knowing. Only misses pay: present blocks are plain dict hits."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self):
+        super().__init__()
+        self.pending: dict = {}
+
+    def __missing__(self, hid):
+        inc = self.pending.pop(hid, None)
+        if inc is None:
+            raise KeyError(hid)
+        x = self[hid] = inc.finish()
+        return x
+
+    def get(self, hid, default=None):
+        if hid in self or hid in self.pending:
+            return self[hid]
+        return default
+
+
 class Worker:
     def __init__(self, store: dist.TCPStore, rank: int, device_index: int, parent_pid: int | None):
         self.store = store
         self.rank = rank
         self.device_index = device_index
         self.parent_pid = parent_pid
-        self.t: dict = {}  # handle id -> local block
+        self.t = _Blocks()  # handle id -> local block (or a block still arriving: t.pending)
+        # sends posted and not yet known complete: a sender runs on without waiting for its receiver, so
+        # a stage is not held up until the next stage reaches the matching receive. The posted views keep
+        # their blocks' storage shared, so an in-place write meanwhile copies first (cow.writable)
+        self.sends: list = []
         self.defs: dict = {}  # plan id -> what this rank does for it (until a forget record drops it)
         self.groups: dict = {}  # sorted ranks -> process group
         self.calls: Counter = Counter()  # torch.distributed calls by kind (worker_stats(collectives=True))
@@ -134,6 +185,8 @@ class Worker:
         # at interpreter exit; os._exit skips the teardown that aborts.
         self.leaving = True
         try:
+            if not self.stopping:  # (skipped work posted nothing its peers wait for)
+                self.settle()
             dist.barrier()
         except Exception:  # noqa: BLE001
             pass
@@ -146,7 +199,16 @@ class Worker:
     def op_exit(self):
         raise _Exit
 
+    def settle(self) -> None:
+        """Complete every posted send and receive (before a sync answers, statistics, a re-form)."""
+        for hid in list(self.t.pending):
+            self.t[hid]
+        for w in self.sends:
+            w.wait()
+        self.sends.clear()
+
     def op_reform(self):
+        self.settle()
         self.join()
 
     def op_groups(self, groups):
@@ -158,7 +220,8 @@ class Worker:
 
     def op_free(self, ids):
         for i in ids:
-            self.t.pop(i, None)
+            if self.t.pop(i, None) is None and i in self.t.pending:
+                self.sends += self.t.pending.pop(i).works  # never read: still completed before a sync answers
 
     def op_forget(self, pids):
         """The controller's plan table dropped these ids; no later record uses them (new ids replace them)."""
@@ -170,6 +233,7 @@ class Worker:
             torch.cuda.empty_cache()
 
     def op_stats(self, req, collectives=False):
+        self.settle()
         stats = {"blocks": len(self.t), "bytes": sum(x.numel() * x.element_size() for x in self.t.values()),
                  "defs": len(self.defs)}
         if collectives:
@@ -178,6 +242,7 @@ class Worker:
         self.store.add(f"st/{req}", 1)
 
     def op_sync(self, tok):
+        self.settle()
         self.store.add(f"s/{tok}", 1)
 
     def op_put(self, seq, hid, dtype, shape, device_type, data):
@@ -247,7 +312,9 @@ class Worker:
     def op_s(self, seq, pid, in_id, out_id, tag):
         fn, before, after, arg = self.defs[pid]
         out = fn(self.t.get(in_id), before, after, arg, tag)
-        if out is not None:  # a move leaves nothing on a rank outside the target mesh
+        if isinstance(out, _Incoming):
+            self.t.pending[out_id] = out
+        elif out is not None:  # a move leaves nothing on a rank outside the target mesh
             self.t[out_id] = out
 
     def along(self, mesh, i):
@@ -406,7 +473,8 @@ class Worker:
         self.t[out_id] = pp.from_bytes(buf, x.dtype, shape)
 
     def move(self, transfers, after, x, tag):
-        """Run this rank's part of a move; returns its destination block (None if it has none)."""
+        """Post this rank's part of a move; returns its destination block (None if it has none), or an
+        ``_Incoming`` when parts of it are still to arrive. Sends are not waited on here (``self.sends``)."""
         me = self.rank
         coords = pp.rank_coords(after.mesh)
         device = self.device(after.mesh.device_type)
@@ -431,14 +499,17 @@ class Worker:
                 piece = x if s_sl is None else x[s_sl]
                 if piece.numel():
                     ops.append(dist.P2POp(dist.isend, pp.as_bytes(piece), dst, tag=tag + n))
-        _run_p2p(ops)
-        for buf, d_sl, shape in recvs:
-            got = pp.from_bytes(buf, after.dtype, shape)
-            if d_sl is None:
-                out = got
-            else:
-                out[d_sl] = got
-        return out
+        waits = []
+        if ops:
+            self.sends = [w for w in self.sends if not w.is_completed()]
+            works = dist.batch_isend_irecv(ops)
+            if len(works) == len(ops):  # one per op (gloo)
+                for op, w in zip(ops, works):
+                    (self.sends if op.op is dist.isend else waits).append(w)
+            else:  # coalesced (NCCL): the block waits for the whole batch
+                (waits if any(op.op is dist.irecv for op in ops) else self.sends).extend(works)
+        incoming = _Incoming(waits, recvs, out, after.dtype)
+        return incoming if waits else incoming.finish()
 
 
 def _run_p2p(ops) -> None:
