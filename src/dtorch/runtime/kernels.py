@@ -50,6 +50,37 @@ def kernel(name: str, *, align: bool = False, bind: Callable | None = None):
     return deco
 
 
+def _varying(v: torch.Tensor) -> torch.Tensor:
+    """A per-device value (one entry per grid position) with the dims it is constant on cut to size 1."""
+    for d in range(v.ndim):
+        first = v.narrow(d, 0, 1)
+        if v.shape[d] > 1 and bool((v == first).all()):
+            v = first
+    return v
+
+
+def _broadcast(y: torch.Tensor, c: torch.Tensor):
+    """An output and its cotangent at one shape (either may hold a grid dim once that the other varies on)."""
+    if y.shape == c.shape:
+        return y, c
+    shape = torch.broadcast_shapes(y.shape, c.shape)
+    return y.expand(shape), c.expand(shape)
+
+
+def _as_terms(g: torch.Tensor, grid: tuple, lead: int) -> torch.Tensor:
+    """``g`` (a gradient summed over the grid dims where it has size 1 and ``grid`` does not) as per-device
+    Partial terms: the sum on index 0 of each such dim, zeros elsewhere."""
+    summed = [d for d in range(lead) if g.shape[d] == 1 and grid[d] > 1]
+    if not summed:
+        return g
+    shape = list(g.shape)
+    for d in summed:
+        shape[d] = grid[d]
+    out = g.new_zeros(shape)
+    out[tuple(slice(0, 1) if d in summed else slice(None) for d in range(lead))] = g
+    return out
+
+
 def get_kernel(name: str) -> Kernel:
     k = _REGISTRY.get(name)
     if k is None and name.startswith(VJP_PREFIX):
@@ -82,10 +113,14 @@ def vjp_kernel(forward: Kernel) -> Kernel:
         diff, has_ct = vjp
         n_in = len(diff)
         xs, cts = args[:n_in], args[n_in:]
-        # stacked grids store a replicated block once (grid dim 1): expand every input to the full grid so
-        # that each device's gradient stays its own (a broadcast would sum them over devices). Per-device
-        # values (a shard's offset, grid-shaped) count too: they make the outputs differ over a mesh dim on
-        # which every tensor input is replicated
+        # Stacked grids store a replicated block once (grid dim 1). Where the computation differs over a grid
+        # dim the block is broadcast on (another input or a cotangent varies there, or a per-device value
+        # such as a shard's offset does), torch's autograd sums the devices' gradients over it: the global
+        # gradient, which the devices' Partial terms add up to. It is returned as such terms: the sum on the
+        # first device of the dim, zeros on the others. (No input is expanded: a weight broadcast over the
+        # batch grid stays one matrix, so its gradient is one GEMM over all devices' rows.)
+        if lead:  # per-device values come over the whole mesh: keep only the grid dims they vary on
+            kw = {k: _varying(v) if isinstance(v, torch.Tensor) and v.ndim == lead else v for k, v in kw.items()}
         grid = torch.broadcast_shapes(*(t.shape[:lead] for t in args),
                                       *(v.shape for v in kw.values() if isinstance(v, torch.Tensor)
                                         and v.ndim == lead)) if lead else ()
@@ -94,18 +129,17 @@ def vjp_kernel(forward: Kernel) -> Kernel:
             leaves, call = [], []
             for x, d in zip(xs, diff):
                 if d:
-                    x = x.detach().expand(grid + x.shape[lead:]).requires_grad_()
+                    x = x.detach().requires_grad_()
                     leaves.append(x)
                 if align and x.ndim - lead < rank:  # what the executable does for aligned kernels
                     x = x.reshape(x.shape[:lead] + (1,) * (rank - x.ndim + lead) + x.shape[lead:])
                 call.append(x)
             out = fwd(*call, lead=lead, **kw) if wants_lead else fwd(*call, **kw)
             outs = out if isinstance(out, tuple) else (out,)
-            pairs = [(y, c.expand(y.shape)) for y, c in zip([y for y, h in zip(outs, has_ct) if h], cts)
-                     if y.requires_grad]
+            pairs = [_broadcast(y, c) for y, c in zip([y for y, h in zip(outs, has_ct) if h], cts) if y.requires_grad]
             grads = (torch.autograd.grad([y for y, _ in pairs], leaves, [c for _, c in pairs], allow_unused=True)
                      if pairs else [None] * len(leaves))
-        return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads))
+        return tuple(_as_terms(torch.zeros_like(x) if g is None else g, grid, lead) for x, g in zip(leaves, grads))
 
     k = _REGISTRY[name] = Kernel(name, fn)
     return k
