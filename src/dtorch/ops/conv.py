@@ -178,10 +178,19 @@ def _halo_edges_kernel(x, *, dim: int, lh: int, rh: int):
     return tuple(outs) if len(outs) > 1 else outs[0]
 
 
+def on_grid(v, x, lead: int):
+    """A per-device value (a tensor of the mesh's shape) cut to ``x``'s grid: it only varies on mesh dims where x
+    is sharded, and broadcasting x over a replicated dim would make the backward add the replicas' gradients."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    return v[tuple(slice(0, 1) if x.shape[i] == 1 else slice(None) for i in range(lead))]
+
+
 def _fill_where(a, flag, fill: float, lead: int):
     """``a``, or ``fill`` everywhere on the devices whose ``flag`` is set (the slice that wrapped around)."""
     if not isinstance(flag, torch.Tensor):
         return torch.full_like(a, fill) if flag else a
+    flag = on_grid(flag, a, lead)
     return torch.where(per_device(flag, a, lead) != 0, torch.full((), fill, dtype=a.dtype, device=a.device), a)
 
 
@@ -235,7 +244,9 @@ class RingShiftNode(Node):
 
     def __init__(self, x: Tensor, mesh_dim: int, shift: int):
         super().__init__([x], 1)
-        self.spec, self.mesh_dim, self.shift, self.graph = x._spec, mesh_dim, shift, x._graph
+        # the cotangent's layout: x's, a Partial term's cotangent being the whole (replicated) cotangent
+        spec = x._spec.with_placements([_R if isinstance(p, Partial) else p for p in x._spec.placements])
+        self.spec, self.mesh_dim, self.shift, self.graph = spec, mesh_dim, shift, x._graph
 
     def apply(self, grads):
         g = grads[0]
@@ -277,6 +288,7 @@ def window(x, dim: int, off, length, lead: int):
     if not isinstance(off, torch.Tensor):
         return x.narrow(dim, int(off), int(length))
     length = int(length)
+    off = on_grid(off, x, lead)
     d = dim % x.ndim
     shape = [1] * x.ndim
     shape[d] = length

@@ -46,10 +46,10 @@ def _bn_eval_kernel(x, rm, rv, *wb, lead=0, eps: float, has_weight: bool, has_bi
     c = x.shape[lead + 1]
     # every device's blocks at once: the channel statistics broadcast against [*grid, N, C, *spatial]
     shape = tuple(rm.shape[:lead]) + (1, c) + (1,) * (x.ndim - lead - 2)
-    if not lead:
+    if not lead and x.numel():
         w = wb[0] if has_weight else None
         b = wb[-1] if has_bias else None
-        return F.batch_norm(x, rm, rv, w, b, False, 0.0, eps)
+        return F.batch_norm(x, rm.detach(), rv.detach(), w, b, False, 0.0, eps)  # (torch: no gradient to them)
     y = (x - rm.reshape(shape)) * torch.rsqrt(rv.reshape(shape) + eps)
     if has_weight:
         y = y * wb[0].reshape(tuple(wb[0].shape[:lead]) + shape[lead:])
@@ -133,7 +133,7 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
             raise OpError("dtorch.batch_norm: running_mean is a torch tensor; dtorch cannot update it in place. Pass "
                           "dtorch tensors (or None) as running statistics")
         return _bn_train(x, rm if training else None, rv if training else None, w, b, float(momentum), float(eps))
-    tensors = [x, rm, rv] + [t for t in (w, b) if t is not None]
+    tensors = [x, rm.detach(), rv.detach()] + [t for t in (w, b) if t is not None]  # (torch: no gradient to them)
     return dispatch("batch_norm", _bn_eval_rule, tensors, (float(eps), w is not None, b is not None))
 
 
@@ -145,6 +145,8 @@ def _group_norm_kernel(x, *wb, lead=0, groups_per_channel: int, eps: float, has_
     def one(xi, *p):
         w = p[0] if has_weight else None
         b = p[-1] if has_bias else None
+        if xi.numel() == 0:  # an empty shard (uneven split): torch refuses it; nothing to normalise
+            return xi + sum(t.sum() * 0 for t in p) if p else xi.clone()
         if instance:
             return F.instance_norm(xi, None, None, w, b, True, 0.0, eps)
         return F.group_norm(xi, xi.shape[1] // groups_per_channel, w, b, eps)

@@ -42,6 +42,13 @@ _ADAPTIVE = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_a
 
 def _fold(fn, x, lead: int):
     """``fn`` on the blocks of every device at once: the grid dims folded into the first dim."""
+    empty = [d for d in range(lead, x.ndim - 2) if x.shape[d] == 0]
+    if empty:  # an empty batch/channel shard: torch refuses empty planes; one zero plane computed, then cut
+        d = empty[0]
+        shape = list(x.shape)
+        shape[d] = 1
+        out = _fold(fn, torch.cat([x, x.new_zeros(shape)], d), lead)
+        return tuple(o.narrow(d, 0, 0) for o in out) if isinstance(out, tuple) else out.narrow(d, 0, 0)
     if not lead:
         return fn(x)
     g = tuple(x.shape[:lead])
