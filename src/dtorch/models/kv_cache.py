@@ -85,11 +85,28 @@ def _cp_dims(mesh: DeviceMesh) -> list[int]:
 # kernels (leading grid dims allowed: ``lead``)
 
 
+def _heads_first(x, heads: int):
+    """A projection's output [.., B, L, heads * d] as [.., B, heads, L, d] (a view)."""
+    return x.view(x.shape[:-1] + (heads, x.shape[-1] // heads)).transpose(-3, -2)
+
+
+def _rotate(x, cos, sin):
+    """Hugging Face's apply_rotary_pos_emb on [.., B, H, L, d] with cos/sin [.., B, L, d]."""
+    cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
 @kernel("kv_cache.write")
-def _write_kernel(cache, new, *, lead=0, src=0, dst=0, count=0):
+def _write_kernel(cache, new, *rope, lead=0, src=0, dst=0, count=0, projected: bool = False):
     """``new[..., src:src + count, :]`` into ``cache[..., dst:dst + count, :]`` on each device (count 0:
     nothing). Per-device values come as python ints (one device, or the same on every device) or as
-    tensors of the mesh's shape (stacked devices)."""
+    tensors of the mesh's shape (stacked devices). ``projected``: ``new`` is the projection's output
+    [.., B, L, heads * d] (a decode step), rotated by ``rope`` (cos, sin) when given."""
+    if projected:
+        new = _heads_first(new, cache.shape[-3])
+        if rope:
+            new = _rotate(new, *rope)
     if not isinstance(count, torch.Tensor):
         if count:
             cache[..., dst:dst + count, :] = new[..., src:src + count, :]
@@ -114,11 +131,14 @@ def _grow_kernel(x, *, slots: int):
 
 
 @kernel("kv_cache.attend")
-def _attend_kernel(q, k, v, mask, *, lead=0, scale: float, parts: bool, out_dtype: torch.dtype):
-    """Queries ``[B, nh, L, d]`` against this device's keys/values ``[B, hk, M, d]`` where ``mask``
-    ``[B, 1, L, M]`` allows. ``parts``: return the output normalised over these keys and its log-sum-exp
-    (to be merged over the cp devices), each with a leading dim of 1 (this device's part); else the output.
-    Query head ``i`` uses kv head ``i // (nh / hk)`` (grouped-query attention without copying the cache)."""
+def _attend_kernel(q, k, v, mask, cos, sin, *, lead=0, scale: float, parts: bool, out_dtype: torch.dtype):
+    """The new tokens' queries (the projection's output ``[B, L, nh * d]``, rotated here by cos/sin
+    ``[B, L, d]``) against this device's keys/values ``[B, hk, M, d]`` where ``mask`` ``[B, 1, L, M]``
+    allows. Returns the output ``[B, L, nh * d]`` (ready for o_proj) or, with ``parts``, the output
+    ``[1, B, nh, L, d]`` normalised over these keys and its log-sum-exp ``[1, B, nh, L]`` (this device's
+    part, merged over the cp devices by ``kv_cache.combine``). Query head ``i`` uses kv head
+    ``i // (nh / hk)`` (grouped-query attention without copying the cache)."""
+    q = _rotate(_heads_first(q, q.shape[-1] // k.shape[-1]), cos, sin)  # (this device's heads) [.., B, nh, L, d]
     acc = torch.promote_types(q.dtype, torch.float32)
     hk, length = k.shape[-3], q.shape[-2]
     g = q.shape[-3] // hk
@@ -136,18 +156,20 @@ def _attend_kernel(q, k, v, mask, *, lead=0, scale: float, parts: bool, out_dtyp
     # (the grid dims are the broadcast of q's and the cache's: a cp dim is 1 in q's, the cache's size in k's)
     out = out.reshape(out.shape[:-2] + (g, length, out.shape[-1])).flatten(-4, -3)  # [.., B, nh, L, d]
     if not parts:
-        return out.to(out_dtype)
+        return out.transpose(-3, -2).flatten(-2).to(out_dtype)
     lse = (m + torch.log(denom)).squeeze(-1).flatten(-3, -2)  # [.., B, nh, L]; -inf: no key here
     return out.unsqueeze(-5), lse.unsqueeze(-4)
 
 
 @kernel("kv_cache.combine")
 def _combine_kernel(out, lse, *, out_dtype: torch.dtype):
-    """Merge the cp devices' partial outputs ``[C, B, nh, L, d]`` by their log-sum-exps ``[C, B, nh, L]``."""
+    """Merge the cp devices' partial outputs ``[C, B, nh, L, d]`` by their log-sum-exps ``[C, B, nh, L]``
+    into ``[B, L, nh * d]``."""
     total = torch.logsumexp(lse, dim=-4, keepdim=True)
     total = torch.where(torch.isfinite(total), total, torch.zeros((), dtype=total.dtype, device=total.device))
     w = torch.exp(lse - total).unsqueeze(-1)  # a part with no visible key weighs 0
-    return (out * w).sum(-5).to(out_dtype)
+    merged = (out * w).sum(-5)
+    return merged.transpose(-3, -2).flatten(-2).to(out_dtype)
 
 
 @kernel("kv_cache.last_row")
@@ -289,32 +311,27 @@ def _rotary_rule(specs):
 # rules
 
 
-def _attend_rule(specs, scale: float, parts: bool):
-    q, k, v, mask = specs
+def _attend_rule(specs, scale: float, parts: bool, heads: int):
+    """q [B, L, nh * d] (a projection's output: heads over tp in its last dim), cos/sin [B, L, d]."""
+    q, k, v, mask, cos, sin = specs
     mesh = q.mesh
-    qp, kp, mp, op, pp = [], [], [], [], []
-    for name in mesh.dim_names or [None] * mesh.ndim:
-        if name in BATCH_DIMS:
-            row = (Shard(0), Shard(0), Shard(0), Shard(0), Shard(1))
-        elif name == "tp":
-            row = (Shard(1), Shard(1), Replicate(), Shard(1), Shard(2))
-        elif name in CP_DIMS:
-            row = (Replicate(), Shard(2), Shard(3), Replicate(), Shard(0))
-        else:
-            row = (Replicate(),) * 5
-        for lst, p in zip((qp, kp, mp, op, pp), row):
-            lst.append(p)
-    in_specs = (spec_like(q, placements=qp), spec_like(k, placements=kp), spec_like(v, placements=kp),
-                spec_like(mask, placements=mp))
-    n, nh, length, _ = q.shape
+    names = mesh.dim_names or [None] * mesh.ndim
+    qp = [Shard(0) if n in BATCH_DIMS else Shard(2) if n == "tp" else Replicate() for n in names]
+    rp = [Shard(0) if n in BATCH_DIMS else Replicate() for n in names]
+    kp = cache_placements(mesh)
+    mp = [Shard(0) if n in BATCH_DIMS else Shard(3) if n in CP_DIMS else Replicate() for n in names]
+    in_specs = (q.with_placements(qp), k.with_placements(kp), v.with_placements(kp), mask.with_placements(mp),
+                cos.with_placements(rp), sin.with_placements(rp))
+    n, length, width = q.shape
     dv = v.shape[-1]
     kw = {"scale": scale, "parts": parts, "out_dtype": q.dtype}
     if not parts:
-        return OpPlan(in_specs, (DTensorSpec(mesh, tuple(op), (n, nh, length, dv), q.dtype),), _attend_kernel, kw)
-    c = cp_size(mesh)
+        return OpPlan(in_specs, (DTensorSpec(mesh, tuple(qp), (n, length, heads * dv), q.dtype),), _attend_kernel, kw)
+    pp = tuple(Shard(1) if n_ in BATCH_DIMS else Shard(2) if n_ == "tp" else Shard(0) if n_ in CP_DIMS
+               else Replicate() for n_ in names)
     acc = torch.promote_types(q.dtype, torch.float32)
-    outs = (DTensorSpec(mesh, tuple(pp), (c, n, nh, length, dv), acc),
-            DTensorSpec(mesh, tuple(pp), (c, n, nh, length), acc))
+    outs = (DTensorSpec(mesh, pp, (cp_size(mesh), n, heads, length, dv), acc),
+            DTensorSpec(mesh, pp, (cp_size(mesh), n, heads, length), acc))
     return OpPlan(in_specs, outs, _attend_kernel, kw, multi_output=True)
 
 
@@ -323,8 +340,11 @@ def _combine_rule(specs, out_dtype: torch.dtype):
     # the parts of every cp device on each device (an all_gather of the new tokens' outputs, not the cache)
     pl = tuple(Replicate() if isinstance(p, Shard) and p.dim == 0 else p for p in out.placements)
     res = tuple(Replicate() if isinstance(p, Replicate) else Shard(p.dim - 1) for p in pl)
+    _, n, nh, length, dv = out.shape
+    res = tuple(Shard(2) if p == Shard(1) else p for p in res)  # [B, nh, L, d] -> [B, L, nh * d]: heads last
     return OpPlan((out.with_placements(pl), lse.with_placements(pl)),
-                  (DTensorSpec(out.mesh, res, out.shape[1:], out_dtype),), _combine_kernel, {"out_dtype": out_dtype})
+                  (DTensorSpec(out.mesh, res, (n, length, nh * dv), out_dtype),), _combine_kernel,
+                  {"out_dtype": out_dtype})
 
 
 def _last_row_rule(specs):
@@ -525,11 +545,23 @@ class KVCache:
             h = rt.write(_write_kernel, target._h, target._spec, [new._h], [new._spec], kwargs, device_args)
             target._written(h)
 
-    def _attend(self, layer_idx: int, q: Tensor, mask: Tensor, scale: float) -> Tensor:
+    def _write_projected(self, layer_idx: int, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, args) -> None:
+        kwargs, device_args = args
+        kwargs = dict(kwargs, projected=True)
+        for caches, new, rope in ((self.key_cache, k, (cos, sin)), (self.value_cache, v, ())):
+            target = caches[layer_idx]
+            ins = [new, *rope]
+            h = target._graph.runtime.write(_write_kernel, target._h, target._spec, [t._h for t in ins],
+                                            [t._spec for t in ins], kwargs, device_args)
+            target._written(h)
+
+    def _attend_projected(self, layer_idx: int, q: Tensor, mask: Tensor, cos: Tensor, sin: Tensor, scale: float,
+                          heads: int) -> Tensor:
         k, v = self.key_cache[layer_idx], self.value_cache[layer_idx]
+        ins = (q, k, v, mask, cos, sin)
         if self.cp == 1:
-            return dispatch("kv_cache.attend", _attend_rule, (q, k, v, mask), (scale, False))
-        out, lse = dispatch("kv_cache.attend", _attend_rule, (q, k, v, mask), (scale, True))
+            return dispatch("kv_cache.attend", _attend_rule, ins, (scale, False, heads))
+        out, lse = dispatch("kv_cache.attend", _attend_rule, ins, (scale, True, heads))
         return dispatch("kv_cache.combine", _combine_rule, (out, lse), (q.dtype,))
 
     def __repr__(self):
@@ -632,14 +664,26 @@ class CachedForward:
 
         return self._on(mesh, "mask", make)
 
+    def decode_attention(self, attn, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """A decode step's attention from the projections' outputs q/k/v [B, L, heads * d] (laid out as
+        they come: heads over tp in the last dim): k rotated and written into the cache and v written (one
+        in-place kernel each), q rotated and attended (one op, plus the cp merge), the output [B, L, nh * d]
+        ready for o_proj. The same arithmetic as ``attention`` without its dozen view and element-wise ops."""
+        mesh = q.device_mesh
+        want = [Shard(0) if n in BATCH_DIMS else Shard(2) if n == "tp" else Replicate()
+                for n in mesh.dim_names or [None] * mesh.ndim]
+        q, k, v = (t if t.placements == want else t.redistribute(mesh, want) for t in (q, k, v))
+        self.cache._write_projected(attn.layer_idx, k, v, cos, sin, self.write_args)
+        return self.cache._attend_projected(attn.layer_idx, q, self._mask(q.device_mesh), cos, sin, attn.scaling,
+                                            attn.num_heads)
+
     def attention(self, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """The attention of layer ``attn`` (q/k/v [B, heads, S, d], rotated) with the padding mask, writing the
-        new keys and values into the cache."""
+        """The attention of layer ``attn`` over the tokens of this forward (a prefill, or a forward without a
+        cache): q/k/v [B, heads, S, d], rotated, with the padding mask; the keys and values go into the cache."""
         from ..nn import functional as F
 
         if self.decode:
-            self.cache._write(attn.layer_idx, k, v, self.write_args)
-            return self.cache._attend(attn.layer_idx, q, self._mask(q.device_mesh), attn.scaling)
+            raise AssertionError("a decode step's attention is decode_attention (the model calls it)")
         gqa = attn.kv_heads_held != attn.num_heads
         if self.all_valid:
             o = causal_ring_attention(q, k, v, attn.scaling) if self.cache is not None else None

@@ -249,6 +249,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.RowParallelLinearWithReplicateOutput(self.num_heads * self.head_dim, h, bias=bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, step=None) -> Tensor:
+        if step is not None and step.decode:  # a decode step: fused cache write and attention (kv_cache.py)
+            return self.o_proj(step.decode_attention(self, self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin))
         b, s, _ = x.shape
         # [B, S, H] -> [B, S, n*d] (S(2) on tp) -> [B, S, n, d] -> [B, n, S, d]: heads over tp, S over cp
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
