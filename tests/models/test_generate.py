@@ -389,15 +389,17 @@ def test_generate_bad_input_is_named():
 
 # -- the process backend ---------------------------------------------------------------------------------
 
-def test_process_backend_generates_the_same_and_fetches_only_token_ids():
+@pytest.mark.parametrize("dims,lengths", [((("tp", 2),), (6, 3)), ((("ring_cp", 2),), (8, 8))],
+                         ids=["tp2, padded", "ring_cp2: per-device writes, causal ring prefill, merge"])
+def test_process_backend_generates_the_same_and_fetches_only_token_ids(dims, lengths):
     from tests.runtime.conftest import process_graph, using
 
-    ids, mask = prompts((6, 3), 128, seed=4)
-    ref = dtorch_model("gqa", (("tp", 2),)).generate(ids, attention_mask=mask, max_new_tokens=8)
+    ids, mask = prompts(lengths, 128, seed=4)
+    ref = dtorch_model("gqa", dims).generate(ids, attention_mask=mask, max_new_tokens=8)
     graph = process_graph(workers=2)
     try:
         with using(graph):
-            model = dtorch_model("gqa", (("tp", 2),))
+            model = dtorch_model("gqa", dims)
             fetched = []
             rt = graph.runtime
             real = rt.to_global
