@@ -5,7 +5,8 @@ runs them in order: kernels on its local blocks (the in-process backend's per-de
 the redistribution primitives (one handler each: collectives over the process groups of mesh dims,
 local cuts, point-to-point copies for moves between meshes and ring shifts), and uploads of blocks
 the controller asked for. It never answers a record unless asked (``get``,
-``sync``), so the controller does not wait on it.
+``sync``), so the controller does not wait on it. Nor do its peers: a move's sends are not waited on
+and its receives only where the block is first read (``_Incoming``), so pipeline stages overlap.
 
 Run by the controller (``--rank``), or on another node by ``dtorch worker --controller HOST:PORT
 --ranks 0-3``, which starts one worker per rank and reports the ones that die.
