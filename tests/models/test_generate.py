@@ -311,6 +311,9 @@ def test_decode_step_never_gathers_the_cache():
 
 
 def test_cache_made_by_the_user_and_its_errors():
+    from dtorch.models.llama import KVCache as api_name
+
+    assert api_name is KVCache
     model = dtorch_model("mha", (("ring_cp", 2),))
     cache = KVCache(model, batch_size=2, max_length=12)
     assert cache.slots == 12 and cache.key_cache[0].placements == [Shard(2)]

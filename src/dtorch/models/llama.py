@@ -575,5 +575,15 @@ def _config_dtype(config) -> torch.dtype | None:
     return d if isinstance(d, torch.dtype) and d.is_floating_point else None
 
 
+def __getattr__(name: str):
+    # dtorch.models.llama.KVCache (the API's name) is kv_cache.KVCache, imported on first use: kv_cache
+    # imports this module
+    if name == "KVCache":
+        from .kv_cache import KVCache
+
+        return KVCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer", "LlamaAttention", "LlamaMLP",
            "LlamaRotaryEmbedding", "TiedLMHead", "LlamaLayoutError", "check_layout", "activation_placements", "SUPPORTED_MESH_DIMS"]
