@@ -13,7 +13,7 @@ import transformers
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import dtorch
-from dtorch import CommLog, Replicate, Shard
+from dtorch import CommLog, Shard
 from dtorch.models.generation import GenerationError, _next_token_kernel
 from dtorch.models.kv_cache import KVCache, KVCacheError
 from dtorch.models.llama import LlamaForCausalLM

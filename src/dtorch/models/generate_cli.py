@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-import dtorch
 
 from ..errors import CheckpointError, DTorchError
 from ._checkpoint import load_config

@@ -27,8 +27,6 @@ when a forward with ``use_cache`` outgrows it; ``generate`` sizes it once for pr
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
@@ -77,17 +75,13 @@ def cp_size(mesh: DeviceMesh) -> int:
     return n
 
 
-def _cp_dims(mesh: DeviceMesh) -> list[int]:
-    return [i for i, name in enumerate(mesh.dim_names or ()) if name in CP_DIMS]
-
-
 # ------------------------------------------------------------------------------------------------
 # kernels (leading grid dims allowed: ``lead``)
 
 
 def _heads_first(x, heads: int):
-    """A projection's output [.., B, L, heads * d] as [.., B, heads, L, d] (a view)."""
-    return x.view(x.shape[:-1] + (heads, x.shape[-1] // heads)).transpose(-3, -2)
+    """A projection's output [.., B, L, heads * d] as [.., B, heads, L, d] (a view where it can be)."""
+    return x.reshape(x.shape[:-1] + (heads, x.shape[-1] // heads)).transpose(-3, -2)
 
 
 def _rotate(x, cos, sin):
@@ -282,16 +276,10 @@ def causal_ring_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tens
 
 
 @kernel("kv_cache.rotary")
-def _rotary_kernel(q, k, cos, sin, *, lead=0):
+def _rotary_kernel(q, k, cos, sin):
     """Hugging Face's ``apply_rotary_pos_emb`` on q/k [B, H, S, d] with each row's cos/sin [B, S, d], the
     same float operations in the same order, as one kernel (instead of a dozen element-wise ops)."""
-    cos, sin = cos.unsqueeze(lead + 1), sin.unsqueeze(lead + 1)  # [.., B, 1, S, d]
-
-    def rotate_half(x):
-        half = x.shape[-1] // 2
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotary_rule(specs):
