@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-
 from ..errors import CheckpointError, DTorchError
 from ._checkpoint import load_config
 from .llama import LlamaForCausalLM, LlamaLayoutError, check_layout
