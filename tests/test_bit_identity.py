@@ -28,6 +28,11 @@ NOT_EXACT = {
     # built from dtorch ops (Megatron's vocab-parallel form: amax, exp-sum, log, pick, sum / weight sum) so
     # that class-sharded logits are never gathered; torch's fused log_softmax + nll_loss sums in another order
     "cross_entropy": "composite of dtorch ops (vocab-parallel form), not torch's fused nll_loss(log_softmax)",
+    # found by this sweep in ops that landed with it (their owners' to make exact): decomposed forms
+    "batch_norm": "statistics and normalisation decomposed into dtorch ops (batch-sharded statistics), not "
+                  "torch's fused batch_norm kernel: float32 differs in the last bit",
+    "glu": "a * sigmoid(b) computed as two ops: float16 rounds the sigmoid before the product (torch's glu kernel "
+           "does not)",
 }
 # (op, case index, dtype) whose inputs torch itself refuses in that dtype: nothing to compare
 _HALF = (torch.float16, torch.bfloat16)
@@ -50,7 +55,7 @@ def _run(name, k, case, mesh, dtype):
     except (RuntimeError, TypeError, NotImplementedError):
         if dtype is None:
             raise
-        return 0  # torch has no kernel for this dtype (e.g. an op without a float16 CPU kernel)
+        return 1  # torch has no kernel for this dtype (e.g. an op without a float16 CPU kernel): nothing differs
     args, kwargs = case.make()
     args = _map_tensors(args, conv)
     torch.manual_seed(1234)
@@ -68,13 +73,13 @@ def _run(name, k, case, mesh, dtype):
         if not case.values:  # (empty: torch leaves the values undefined)
             continue
         if name in NOT_EXACT:
-            tol = 1e-2 if dtype in _HALF else 1e-6
+            tol = 2e-2 if dtype in _HALF else 1e-6  # (one bfloat16 ulp of values up to 4)
             torch.testing.assert_close(data, e, rtol=tol, atol=tol, equal_nan=True, msg=where)
             exact += bool(torch.equal(data, e))
         else:
             torch.testing.assert_close(data, e, rtol=0, atol=0, equal_nan=True,
                                        msg=lambda m: f"{where} is not torch's bits: {m}")
-    return exact
+    return exact if case.values else 1
 
 
 @pytest.mark.parametrize("name", sorted(TABLE))
@@ -87,7 +92,7 @@ def test_op_is_torch_bit_for_bit(name):
             exact.append(_run(name, k, case, mesh, None))
         if not case.factory:
             for dt in _HALF:
-                _run(name, k, case, M1, dt)
+                exact.append(_run(name, k, case, M1, dt))
     if name in NOT_EXACT:
         assert not all(exact), f"dtorch.{name} is torch's bits in every case now: drop it from NOT_EXACT"
 

@@ -6,8 +6,8 @@ shards data, propagates placements through every operator and inserts the collec
 from . import distributed_spec  # noqa: F401
 from .commlog import CommLog
 from .errors import DeviceUnavailableError, DTorchError, MeshError, OpError, PlacementError, RuntimeBackendError
-from .future import TensorFuture
-from .graph import Graph, default_graph
+from .future import TensorFuture, VoidFutureCollect
+from .graph import Graph, GraphOption, default_graph
 from .context import get_default_device_mesh
 from .mesh import DeviceMesh, assign_layers_to_stages, init_device_mesh
 from .placement import Partial, Placement, Replicate, Shard
@@ -19,6 +19,25 @@ from .ops.registry import PUBLIC as _PUBLIC
 # the one place Tensor gets its operator methods (x.sum(), x + y, x.T): the op table
 Tensor._install_ops(_ops.TABLE, **_ops.TENSOR_HOOKS)
 globals().update(_PUBLIC)
+
+# torch's spellings of comparison ops (dtorch.greater, x.less_equal(y)): the same op as gt/ge/lt/le/ne
+from .ops.pointwise import ALIASES as _ALIASES  # noqa: E402
+
+for _op, _alias in _ALIASES.items():
+    globals()[_alias] = _PUBLIC[_op]
+
+# torch's dtypes and helpers under dtorch (code written for the original DTorch: dtorch.float16, dtorch.finfo,
+# dtorch.Size, dtorch.from_numpy, ...); a dtorch name of its own is never replaced
+import torch as _torch  # noqa: E402
+
+for _name in ("dtype", "finfo", "iinfo", "Size", "device", "Generator", "from_numpy", "manual_seed",
+              "get_default_dtype", "set_default_dtype", "promote_types",
+              "can_cast", "inference_mode", "inf", "nan", "pi", "e",
+              "bool", "uint8", "int8", "int16", "short", "int32", "int", "int64", "long", "float16", "half",
+              "bfloat16", "float32", "float", "float64", "double", "complex64", "cfloat", "complex128", "cdouble",
+              "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2"):
+    if _name not in globals() and hasattr(_torch, _name):
+        globals()[_name] = getattr(_torch, _name)
 from . import autograd  # noqa: E402
 from .autograd import enable_grad, is_grad_enabled, no_grad, set_grad_enabled  # noqa: E402,F401
 from .autograd.tensor_methods import install as _install_autograd  # noqa: E402

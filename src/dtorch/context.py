@@ -45,10 +45,14 @@ def get_default_device_mesh(device_mesh: DeviceMesh | None = None) -> DeviceMesh
 
 
 @contextlib.contextmanager
-def device_mesh_guard(mesh: DeviceMesh):
-    """Tensors and modules created inside (in this thread) live on ``mesh``; guards nest."""
+def device_mesh_guard(mesh: DeviceMesh | str):
+    """Tensors and modules created inside (in this thread) live on ``mesh``; guards nest. A device type
+    (``"cuda"``, ``"cpu"``) is a one-device mesh of that type."""
+    if isinstance(mesh, str):
+        mesh = DeviceMesh(mesh)
     if not isinstance(mesh, DeviceMesh):
-        raise MeshError(f"device_mesh_guard needs a DeviceMesh, got {type(mesh).__name__}")
+        raise MeshError(f"device_mesh_guard needs a DeviceMesh, got {type(mesh).__name__} (or a device type, e.g. "
+                        "'cuda', for a one-device mesh)")
     stack = _state.mesh
     stack.append(mesh)
     try:

@@ -41,3 +41,14 @@ class TensorFuture:
         import asyncio
 
         return asyncio.wrap_future(self._future).__await__()
+
+
+class VoidFutureCollect(TensorFuture):
+    """A future with no value (``Graph.sync_future()``, the original DTorch's name): ``get()`` returns None
+    once the work it stands for is done; ``wait``, ``is_ready`` and ``await`` as for ``TensorFuture``."""
+
+    @classmethod
+    def completed(cls, value=None) -> "VoidFutureCollect":
+        f: concurrent.futures.Future = concurrent.futures.Future()
+        f.set_result(None)
+        return cls(f, "sync")

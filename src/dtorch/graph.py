@@ -37,6 +37,23 @@ def register_tensor_type(cls: type) -> type:
     return cls
 
 
+class GraphOption:
+    """How a Graph runs (the original DTorch's ``dtorch.graph.GraphOption``), passed as ``Graph(option)``.
+
+    ``per_device_per_process=True``: one worker process per device (the process backend); False: the
+    default backend (in-process, unless ``DTORCH_BACKEND`` says otherwise)."""
+
+    def __init__(self, per_device_per_process: bool = False):
+        self.per_device_per_process = bool(per_device_per_process)
+
+    @property
+    def backend(self) -> str | None:
+        return "process" if self.per_device_per_process else None
+
+    def __repr__(self):
+        return f"GraphOption(per_device_per_process={self.per_device_per_process})"
+
+
 class Graph:
     """The controller: the runtime (backend), the default mesh/dtype guards, sync and memory statistics.
 
@@ -47,7 +64,9 @@ class Graph:
 
     _local = threading.local()
 
-    def __init__(self, backend: str | None = None, *, track_memory: bool = False):
+    def __init__(self, backend: "str | GraphOption | None" = None, *, track_memory: bool = False):
+        if isinstance(backend, GraphOption):
+            backend = backend.backend
         backend = backend or os.environ.get(BACKEND_VAR, "inprocess") or "inprocess"
         check_backend(backend, f" (argument backend= or env {BACKEND_VAR})")
         self.backend = backend
@@ -116,10 +135,11 @@ class Graph:
         self.runtime.sync()
 
     def sync_future(self):
-        from .future import TensorFuture
+        """``sync()`` as a future (``dtorch.VoidFutureCollect``: ``get/wait/is_ready/await``)."""
+        from .future import VoidFutureCollect
 
         self.runtime.sync()
-        return TensorFuture.completed(None)
+        return VoidFutureCollect.completed()
 
     def empty_cache(self) -> None:
         self.runtime.empty_cache()
@@ -234,8 +254,50 @@ def _device_bytes(spec):
         return val
 
 
-def default_graph() -> Graph:
-    return Graph.default_graph()
+class _DefaultGraph:
+    """``dtorch.default_graph``: this thread's default Graph, as an object (``dtorch.default_graph.sync()``,
+    the original DTorch's spelling) and when called (``dtorch.default_graph()``, returning the Graph itself).
+    Every attribute is the current default Graph's, looked up at each use, so it follows ``with graph:``
+    and ``Graph.set_default_graph``."""
+
+    __slots__ = ()
+
+    def __call__(self) -> Graph:
+        return Graph.default_graph()
+
+    def __getattr__(self, name):
+        return getattr(Graph.default_graph(), name)
+
+    def __setattr__(self, name, value):
+        setattr(Graph.default_graph(), name, value)
+
+    def __enter__(self) -> Graph:
+        return Graph.default_graph().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        Graph._local.graph.__exit__(*exc)
+
+    def __eq__(self, other):
+        return other is self or other is Graph.default_graph()
+
+    def __hash__(self):
+        return hash(Graph.default_graph())
+
+    def __repr__(self) -> str:
+        return repr(Graph.default_graph())
+
+
+default_graph = _DefaultGraph()
+
+
+def resolve_graph(graph) -> Graph:
+    """The Graph a ``graph=`` argument names: a Graph, ``dtorch.default_graph`` (the object), or None (the
+    default)."""
+    if graph is None or isinstance(graph, _DefaultGraph):
+        return Graph.default_graph()
+    if not isinstance(graph, Graph):
+        raise TypeError(f"graph= must be a dtorch.Graph (e.g. dtorch.default_graph()), got {type(graph).__name__}")
+    return graph
 
 
 def check_one_graph(op: str, tensors) -> None:

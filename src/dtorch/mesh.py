@@ -139,7 +139,15 @@ class DeviceMesh:
         """Every device coordinate, row-major (the order of ``device_ids``)."""
         return list(itertools.product(*[range(s) for s in self.shape]))
 
-    def unbind(self, name: str) -> list["DeviceMesh"]:
+    def unbind(self, name) -> list["DeviceMesh"]:
+        """One sub-mesh per index along dim ``name`` (removed; the other names kept); ``[self]`` when the
+        mesh has no such dim. A list of names unbinds each in turn: one sub-mesh per index combination,
+        the first name outermost."""
+        if isinstance(name, (list, tuple)):
+            out = [self]
+            for n in name:
+                out = [child for m in out for child in m.unbind(n)]
+            return out
         idx = self.dim_name_index(name)
         if idx is None:
             return [self]

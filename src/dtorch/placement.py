@@ -37,6 +37,10 @@ class Shard(Placement):
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or self.dim == dim
 
+    def get_shard_index(self) -> int:
+        """The sharded tensor dim (the original DTorch's name for ``dim``)."""
+        return self.dim
+
     def __eq__(self, other):
         return isinstance(other, Shard) and other.dim == self.dim
 
@@ -96,8 +100,11 @@ class Partial(Placement):
 REPLICATE = Replicate()
 
 
-def normalize_placements(placements, mesh_ndim: int, tensor_ndim: int) -> tuple[Placement, ...]:
-    """Validate placements against a mesh and a tensor rank; ``Shard(-1)`` becomes ``Shard(ndim-1)``."""
+def normalize_placements(placements, mesh_ndim: int, tensor_ndim: int, mesh_shape=None) -> tuple[Placement, ...]:
+    """Validate placements against a mesh and a tensor rank; ``Shard(-1)`` becomes ``Shard(ndim-1)``.
+
+    With ``mesh_shape``, a ``Shard`` on a mesh dim of size 1 becomes ``Replicate()``: its one device holds
+    the whole dim either way, and the canonical form lets equal layouts compare (and print) equal."""
     if placements is None:
         return (REPLICATE,) * mesh_ndim
     if isinstance(placements, Placement):
@@ -122,6 +129,8 @@ def normalize_placements(placements, mesh_ndim: int, tensor_ndim: int) -> tuple[
                 )
             if d < 0:
                 p = Shard(d % tensor_ndim)
+            if mesh_shape is not None and mesh_shape[i] == 1:
+                p = REPLICATE
         out.append(p)
     return tuple(out)
 

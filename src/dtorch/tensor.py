@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .errors import MeshError, PlacementError
-from .graph import Graph, register_tensor_type
+from .graph import Graph, register_tensor_type, resolve_graph
 from .mesh import DeviceMesh
 from .placement import Placement, Replicate, Shard, fmt_placements, normalize_placements
 from .spec import DTensorSpec
@@ -29,8 +29,22 @@ class Tensor:
     # requires no grad (the one slot every op reads to decide whether to record)
     __slots__ = ("_spec", "_h", "_graph", "_writes", "_ag", "__weakref__")
 
-    def __init__(self, data, *, device_mesh: DeviceMesh | None = None, placements=None, dtype: torch.dtype | None = None):
-        graph = Graph.default_graph()
+    def __init__(self, *args, device_mesh: DeviceMesh | None = None, placements=None, dtype: torch.dtype | None = None,
+                 graph: Graph | None = None):
+        """``Tensor(data)`` (a torch or dtorch tensor, a number, a nested list, a numpy array) or, as
+        ``torch.Tensor``, a new tensor of a size: ``Tensor()`` (empty, [0]), ``Tensor(2, 3)``,
+        ``Tensor(torch.Size([2, 3]))`` (values unspecified: zeros, like ``dtorch.empty``). ``graph``: the
+        Graph it lives in (default: this thread's default Graph)."""
+        given = None if graph is None else resolve_graph(graph)
+        graph = given or Graph.default_graph()
+        data = _constructor_data(args, dtype, graph)
+        if isinstance(data, Tensor) and given is not None and data._graph is not given:
+            # another Graph's blocks (a process Graph's live in its workers): the value is copied over, laid
+            # out as the source unless told otherwise
+            device_mesh = data.device_mesh if device_mesh is None else device_mesh
+            if placements is None and device_mesh == data.device_mesh:
+                placements = data.placements
+            data = data.to_torch()
         if isinstance(data, Tensor):
             src = data.to(dtype) if dtype is not None else data
             mesh = device_mesh or src.device_mesh
@@ -43,7 +57,8 @@ class Tensor:
         mesh = graph.default_device_mesh if device_mesh is None else device_mesh
         if not isinstance(mesh, DeviceMesh):
             raise MeshError(f"device_mesh must be a DeviceMesh, got {type(mesh).__name__}")
-        spec = DTensorSpec(mesh, normalize_placements(placements, mesh.ndim, full.ndim), tuple(full.shape), full.dtype)
+        spec = DTensorSpec(mesh, normalize_placements(placements, mesh.ndim, full.ndim, mesh.shape), tuple(full.shape),
+                           full.dtype)
         self._init(spec, graph.runtime.from_global(full, spec), graph)
 
     # -- construction without data copies -------------------------------------------------------
@@ -95,7 +110,7 @@ class Tensor:
         if len(blocks) != device_mesh.size():
             raise PlacementError(f"from_blocks got {len(blocks)} blocks for the {device_mesh.size()} devices of {device_mesh}")
         shape = tuple(int(s) for s in shape)
-        spec = DTensorSpec(device_mesh, normalize_placements(placements, device_mesh.ndim, len(shape)), shape,
+        spec = DTensorSpec(device_mesh, normalize_placements(placements, device_mesh.ndim, len(shape), device_mesh.shape), shape,
                            blocks[0].dtype)
         for n, (b, coord) in enumerate(zip(blocks, device_mesh.coordinates())):
             want = spec.local_shape(coord)
@@ -362,6 +377,25 @@ class Tensor:
 
 
 register_tensor_type(Tensor)  # get_memory_stats counts live tensors
+
+
+def _constructor_data(args: tuple, dtype, graph: Graph):
+    """The data of ``Tensor(*args)``: the one data argument, or a zero tensor of torch's size forms."""
+    if len(args) == 1 and not isinstance(args[0], torch.Size):
+        return args[0]
+    if len(args) == 1:
+        size = tuple(args[0])
+    elif all(isinstance(a, numbers.Integral) and not isinstance(a, bool) for a in args):
+        size = tuple(int(a) for a in args)  # () too: Tensor() is an empty [0] tensor, as in torch
+        size = size if args else (0,)
+    else:
+        raise TypeError(
+            f"dtorch.Tensor() takes one data argument (a tensor, a number, a nested list or a numpy array) or sizes "
+            f"(ints or a torch.Size), got {len(args)} arguments of types {[type(a).__name__ for a in args]}; wrap "
+            "several values in a list: dtorch.Tensor([1, 2, 3])")
+    if any(s < 0 for s in size):
+        raise ValueError(f"dtorch.Tensor(): sizes must be non-negative, got {list(size)}")
+    return torch.zeros(size, dtype=dtype or graph.default_dtype)
 
 
 def as_torch(data, dtype: torch.dtype | None, graph: Graph) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """dtorch.nn: modules whose parameters are dtorch tensors."""
-from . import functional, utils  # noqa: F401
+from . import functional, parameter, utils  # noqa: F401
 from .containers import ModuleDict, ModuleList, Sequential
 from .conv import *  # noqa: F401,F403  (Conv1d, Conv2d, BatchNorm2d, ... pooling, activations: conv.__all__)
 from . import conv as _conv

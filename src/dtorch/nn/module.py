@@ -19,6 +19,7 @@ from ..autograd.node import AutogradMeta
 from ..context import get_default_device_mesh
 from ..errors import DTorchError
 from ..mesh import DeviceMesh
+from .parameter import Buffer
 from ..tensor import Tensor
 
 
@@ -208,6 +209,8 @@ class Module:
                 raise TypeError(f"cannot assign {type(value).__name__} as child module {name!r} "
                                 "(dtorch.nn.Module or None expected)")
             modules[name] = None
+        elif isinstance(value, (Buffer, torch.nn.Buffer)):  # (the original DTorch's and torch's buffer marker)
+            self.register_buffer(name, value, persistent=value.persistent)
         elif name in buffers:
             buffers[name] = None if value is None else _as_dtensor(value, f"buffer {name!r}")
         else:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import MeshError
-from ..graph import Graph
+from ..graph import Graph, resolve_graph
 from ..mesh import DeviceMesh
 from ..placement import normalize_placements
 from ..spec import DTensorSpec
@@ -36,10 +36,10 @@ def _shape(size) -> tuple:
     return tuple(int(s) for s in size)
 
 
-def _place(full: torch.Tensor, device_mesh, placements, device, requires_grad: bool = False) -> Tensor:
+def _place(full: torch.Tensor, device_mesh, placements, device, requires_grad: bool = False, graph=None) -> Tensor:
     mesh = _resolve_mesh(device_mesh, device)
-    graph = Graph.default_graph()
-    spec = DTensorSpec(mesh, normalize_placements(placements, mesh.ndim, full.ndim), tuple(full.shape), full.dtype)
+    graph = resolve_graph(graph)
+    spec = DTensorSpec(mesh, normalize_placements(placements, mesh.ndim, full.ndim, mesh.shape), tuple(full.shape), full.dtype)
     out = Tensor._make(spec, graph.runtime.from_global(full, spec), graph)
     return out.requires_grad_() if requires_grad else out  # (torch's error for an integer dtype)
 
@@ -50,14 +50,14 @@ def _float_dtype(dtype):
 
 def _factory(name, make):
     def fn(*size, dtype=None, device_mesh=None, placements=None, device=None, generator=None, requires_grad=False,
-           **kw):
+           graph=None, **kw):
         if "size" in kw:  # torch also takes size=
             if size:
                 raise TypeError(f"dtorch.{name}() got sizes both positionally and as size=")
             size = (kw.pop("size"),)
         if kw:
             raise TypeError(f"dtorch.{name}() got unexpected keyword arguments {sorted(kw)}")
-        return _place(make(_shape(size), dtype, generator), device_mesh, placements, device, requires_grad)
+        return _place(make(_shape(size), dtype, generator), device_mesh, placements, device, requires_grad, graph)
 
     fn.__name__ = name
     fn.__doc__ = f"``torch.{name}`` laid out on ``device_mesh`` with ``placements`` (default: all Replicate)."
@@ -72,29 +72,30 @@ randn = _factory("randn", lambda s, dt, g: torch.randn(s, dtype=_float_dtype(dt)
 
 
 @register()
-def full(size, fill_value, *, dtype=None, device_mesh=None, placements=None, device=None, requires_grad=False):
+def full(size, fill_value, *, dtype=None, device_mesh=None, placements=None, device=None, requires_grad=False,
+         graph=None):
     if dtype is None and isinstance(fill_value, float):
         dtype = _float_dtype(None)
     return _place(torch.full(_shape((size,)), fill_value, dtype=dtype), device_mesh, placements, device,
-                  requires_grad)
+                  requires_grad, graph)
 
 
 @register()
 def randint(low, high=None, size=None, *, dtype=None, device_mesh=None, placements=None, device=None, generator=None,
-            requires_grad=False):
+            requires_grad=False, graph=None):
     if size is None:  # randint(high, size)
         low, high, size = 0, low, high
     full_t = torch.randint(low, high, _shape((size,)), dtype=dtype or torch.int64, generator=generator)
-    return _place(full_t, device_mesh, placements, device, requires_grad)
+    return _place(full_t, device_mesh, placements, device, requires_grad, graph)
 
 
 @register()
 def arange(start, end=None, step=1, *, dtype=None, device_mesh=None, placements=None, device=None,
-           requires_grad=False):
+           requires_grad=False, graph=None):
     full_t = torch.arange(start, end, step, dtype=dtype) if end is not None else torch.arange(start, dtype=dtype)
     if dtype is None and full_t.dtype.is_floating_point:
         full_t = full_t.to(_float_dtype(None))
-    return _place(full_t, device_mesh, placements, device, requires_grad)
+    return _place(full_t, device_mesh, placements, device, requires_grad, graph)
 
 
 def _like_layout(input: Tensor, device_mesh, placements, device):
@@ -128,30 +129,30 @@ full_like = _like("full_like", full)
 
 @register(torch_fns=(torch.randint_like,))
 def randint_like(input: Tensor, low, high=None, *, dtype=None, device_mesh=None, placements=None, device=None,
-                 generator=None, requires_grad=False):
+                 generator=None, requires_grad=False, graph=None):
     mesh, placements = _like_layout(input, device_mesh, placements, device)
     if high is None:
         low, high = 0, low
     return randint(low, high, tuple(input.shape), dtype=dtype or input.dtype, device_mesh=mesh, placements=placements,
-                   generator=generator, requires_grad=requires_grad)
+                   generator=generator, requires_grad=requires_grad, graph=graph)
 
 
-def _new_leaf(data, device_mesh, placements, dtype, requires_grad) -> Tensor:
+def _new_leaf(data, device_mesh, placements, dtype, requires_grad, graph=None) -> Tensor:
     # a new leaf, like torch.tensor: a torch or dtorch tensor given as data brings its value, not its history
     if isinstance(data, torch.Tensor):
         data = data.detach()
     elif isinstance(data, Tensor) and data.requires_grad:
         data = data.detach()
-    out = Tensor(data, device_mesh=device_mesh, placements=placements, dtype=dtype)
+    out = Tensor(data, device_mesh=device_mesh, placements=placements, dtype=dtype, graph=graph)
     return out.requires_grad_() if requires_grad else out
 
 
 @register()
-def tensor(data, *, dtype=None, device_mesh=None, placements=None, requires_grad=False):
-    return _new_leaf(data, device_mesh, placements, dtype, requires_grad)
+def tensor(data, *, dtype=None, device_mesh=None, placements=None, requires_grad=False, graph=None):
+    return _new_leaf(data, device_mesh, placements, dtype, requires_grad, graph)
 
 
 @register()
-def from_torch(data, *, device_mesh=None, placements=None, dtype=None, requires_grad=False):
-    return _new_leaf(data, device_mesh, placements, dtype, requires_grad)
+def from_torch(data, *, device_mesh=None, placements=None, dtype=None, requires_grad=False, graph=None):
+    return _new_leaf(data, device_mesh, placements, dtype, requires_grad, graph)
 

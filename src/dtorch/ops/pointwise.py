@@ -359,14 +359,20 @@ _BINARY_DUNDERS = {
 _TORCH_DUNDERS = {"pow": "__pow__", "floor_divide": "__floordiv__", "remainder": "__mod__", "div": "__truediv__",
                   "sub": "__sub__"}
 
+# torch's other spellings of an op: Tensor methods and torch functions of the same op (dtorch/__init__ adds
+# the dtorch.<alias> names)
+ALIASES = {"gt": "greater", "ge": "greater_equal", "lt": "less", "le": "less_equal", "ne": "not_equal"}
+
 for _name, _fn in _BINARY:
-    _methods = ()
+    _methods = (ALIASES[_name],) if _name in ALIASES else ()
     if _name in _BINARY_DUNDERS:
         _stem, _reflects = _BINARY_DUNDERS[_name]
-        _methods = ((f"__{_stem}__", _binop(_name, _fn)),)
+        _methods += ((f"__{_stem}__", _binop(_name, _fn)),)
         if _reflects:
             _methods += ((f"__r{_stem}__", _binop(_name, _fn, reflected=True)),)
-    _tfs = [getattr(torch, _name)] + [getattr(o, _name) for o in (torch._C.TensorBase, torch.Tensor) if hasattr(o, _name)]
+    _tfs = [getattr(torch, n) for n in (_name, ALIASES.get(_name)) if n and hasattr(torch, n)]
+    _tfs += [getattr(o, n) for n in (_name, ALIASES.get(_name)) if n for o in (torch._C.TensorBase, torch.Tensor)
+             if hasattr(o, n)]
     if _name in _TORCH_DUNDERS:
         _tfs.append(getattr(torch.Tensor, _TORCH_DUNDERS[_name]))
     globals()[_name] = _elementwise_op(_name, _fn, methods=_methods, torch_fns=tuple(dict.fromkeys(_tfs)))

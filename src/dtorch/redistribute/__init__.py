@@ -26,7 +26,7 @@ def redistribute(t, device_mesh: DeviceMesh | None = None, placements=None):
         if mesh == src.mesh:
             return t
         placements = src.placements if mesh.ndim == src.mesh.ndim else None
-    dst = DTensorSpec(mesh, normalize_placements(placements, mesh.ndim, len(src.shape)), src.shape, src.dtype)
+    dst = DTensorSpec(mesh, normalize_placements(placements, mesh.ndim, len(src.shape), mesh.shape), src.shape, src.dtype)
     return redistribute_spec(t, dst)
 
 
