@@ -184,16 +184,16 @@ def train_step(model, micro_batches: Sequence, loss_fn: Callable | None = None, 
                 raise RuntimeError(f"the loss of micro-batch {i} does not require grad: no parameter reached it "
                                    "(is the forward under no_grad?)")
             scaled = loss / m
-        with no_grad():
-            total = loss.detach() if total is None else total + loss
-        cuts, order = _cut(scaled) if scaled._ag.grad_fn is not None else ({}, [])
+        cuts, order = _cut(scaled)
         if stages is None:
             stages = order
-        elif order != stages:
-            raise RuntimeError(f"micro-batch {i} crosses meshes {order}, micro-batch 0 crossed {stages}: every "
-                               "micro-batch must take the same pipeline stages")
+        elif order != stages or loss.device_mesh != total.device_mesh:
+            raise RuntimeError(f"micro-batch {i} crosses meshes {order} to a loss on {loss.device_mesh}; micro-batch 0 "
+                               f"crossed {stages} to {total.device_mesh}: every micro-batch must take the same "
+                               "pipeline stages")
+        with no_grad():
+            total = loss.detach() if total is None else total + loss
         live[i] = _MicroBatch(scaled, cuts)
-        return len(order) + 1
 
     def backward(i, s):
         mb = live[i]

@@ -187,6 +187,47 @@ def test_gradients_accumulate_like_backward_and_mesh_without_stages():
     torch.testing.assert_close(loss.to_torch(), ((xs @ w0 - ys) ** 2).mean(), rtol=1e-12, atol=1e-12)
 
 
+def test_any_model_whose_stages_hand_on_by_redistribute():
+    # a hand-written two-stage MLP, micro-batches of 3, 2 and 2 rows (3 rows split unevenly over dp=2),
+    # a sum loss: the step's gradient is the mean of the micro-batch gradients
+    torch.manual_seed(6)
+    w0_t = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    w1_t = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    xs = torch.randn(7, 4, dtype=torch.float64)
+    cuts = [xs[:3], xs[3:5], xs[5:]]
+    (sum((torch.tanh(x @ w0_t) @ w1_t).pow(2).sum() for x in cuts) / 3).backward()
+    g = dtorch.Graph(backend="inprocess")
+    with g:
+        s0, s1 = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["pp", "dp"]).unbind("pp")
+        w0 = dtorch.nn.Parameter(dtorch.Tensor(w0_t.detach(), device_mesh=s0, placements=[Replicate()]))
+        w1 = dtorch.nn.Parameter(dtorch.Tensor(w1_t.detach(), device_mesh=s1, placements=[Shard(1)]))
+
+        def loss_fn(_, x):
+            h = dtorch.tanh(dtorch.Tensor(x, device_mesh=s0, placements=[Shard(0)]) @ w0)
+            return (h.redistribute(s1, h.placements) @ w1).pow(2).sum()
+
+        train_step(None, cuts, loss_fn)
+        torch.testing.assert_close(w0.grad.to_torch(), w0_t.grad, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(w1.grad.to_torch(), w1_t.grad, rtol=1e-12, atol=1e-12)
+
+        def wandering(_, x):  # micro-batch 1 skips the second stage
+            h = dtorch.tanh(dtorch.Tensor(x, device_mesh=s0) @ w0)
+            if x.shape[0] == 2:
+                return h.sum()
+            return (h.redistribute(s1, h.placements) @ w1).sum()
+
+        with pytest.raises(RuntimeError, match="same pipeline stages"):
+            train_step(None, cuts, wandering)
+
+        def back_again(_, x):  # the loss on the first stage's mesh, which also hands on: not a chain
+            h = dtorch.tanh(dtorch.Tensor(x, device_mesh=s0) @ w0)
+            y = h.redistribute(s1, h.placements) @ w1
+            return y.redistribute(s0, y.placements).sum()
+
+        with pytest.raises(NotImplementedError, match="chain"):
+            train_step(None, cuts, back_again)
+
+
 # -- memory ---------------------------------------------------------------------------------------
 
 
