@@ -47,9 +47,9 @@ class KernelNode(Node):
     """One kernel on every device. Saves the laid-out inputs it needs to recompute the local forward."""
 
     __slots__ = ("op", "kernel", "in_specs", "out_specs", "kwargs", "device_args", "saved", "diff", "graph",
-                 "outputs_saved")
+                 "outputs_saved", "tape")
 
-    def __init__(self, op, kern, in_specs, out_specs, kwargs, device_args, inputs, handles, outputs):
+    def __init__(self, op, kern, in_specs, out_specs, kwargs, device_args, inputs, handles, outputs, tape=None):
         diff = tuple(requires_grad(t) and _floating(s.dtype) for t, s in zip(inputs, in_specs))
         super().__init__([t for t, d in zip(inputs, diff) if d], len(out_specs))
         self.op = op
@@ -74,6 +74,10 @@ class KernelNode(Node):
             else:
                 saved.append((type(t)._make(s, h, t._graph), 0, None))
         self.saved = saved
+        # (executable, tape): the runtime kept each device's local autograd graph from the forward
+        # (Executable.run_tracked), so the backward differentiates it instead of recomputing the forward.
+        # Not when an input is laid out again in the backward (fsdp): the graph would keep the gathered copy.
+        self.tape = tape if tape is not None and all(layout is None for _, _, layout in saved) else None
         # outputs that are Partial(max|min) keep their local extremes: the backward masks the cotangent
         self.outputs_saved = {k: type(o)._make(o._spec, o._h, o._graph) for k, o in enumerate(outputs)
                               if any(isinstance(p, Partial) and p.reduce_op in ("max", "min")
@@ -95,6 +99,7 @@ class KernelNode(Node):
         super().release()
         self.saved = None
         self.outputs_saved = None
+        self.tape = None
 
     def apply(self, grads):
         from ..redistribute import relayout
@@ -134,9 +139,13 @@ class KernelNode(Node):
             return [None] * len(self.edges)
         grad_specs = input_grad_specs(self.in_specs, self.diff, self.out_specs, has_ct, ct_specs)
         rt = self.graph.runtime
-        ex = rt.executable(vjp_kernel(self.kernel), tuple(specs) + tuple(ct_specs), grad_specs)
         try:
-            outs = ex.run(handles, {**self.kwargs, "vjp": (self.diff, tuple(has_ct))}, self.device_args)
+            if self.tape is not None:
+                ex, tape = self.tape
+                outs = ex.vjp_tracked(tape, handles[len(specs):], ct_specs, tuple(has_ct), grad_specs)
+            else:
+                ex = rt.executable(vjp_kernel(self.kernel), tuple(specs) + tuple(ct_specs), grad_specs)
+                outs = ex.run(handles, {**self.kwargs, "vjp": (self.diff, tuple(has_ct))}, self.device_args)
         except OpError:
             raise
         except Exception as exc:  # torch has no derivative for the local computation (floor_divide), ...
@@ -275,11 +284,17 @@ def _mask_extreme_cotangent(out, g):
     return g
 
 
-def record_kernel(op, kern, in_specs, out_specs, kwargs, device_args, inputs, handles, outputs) -> None:
-    """Record one kernel run (``outputs``: the dtorch tensors it made) when an input requires grad."""
-    if not any(requires_grad(t) and _floating(s.dtype) for t, s in zip(inputs, in_specs)):
+def differentiable(inputs, in_specs) -> tuple:
+    """Which inputs of a kernel get a gradient: floating-point ones that require grad."""
+    return tuple(t._ag is not None and requires_grad(t) and _floating(s.dtype) for t, s in zip(inputs, in_specs))
+
+
+def record_kernel(op, kern, in_specs, out_specs, kwargs, device_args, inputs, handles, outputs, tape=None) -> None:
+    """Record one kernel run (``outputs``: the dtorch tensors it made) when an input requires grad;
+    ``tape``: (executable, its ``run_tracked`` tape) when the runtime kept the local autograd graph."""
+    if not any(differentiable(inputs, in_specs)):
         return
-    node = KernelNode(op, kern, in_specs, out_specs, kwargs, device_args, inputs, handles, outputs)
+    node = KernelNode(op, kern, in_specs, out_specs, kwargs, device_args, inputs, handles, outputs, tape)
     attach(node, outputs)
 
 

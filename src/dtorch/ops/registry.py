@@ -27,7 +27,7 @@ from .._lru import LRU
 from ..errors import DTorchError, OpError
 from ..graph import check_one_graph
 from ..placement import Replicate
-from ..autograd.dispatched import record_kernel
+from ..autograd.dispatched import differentiable, record_kernel
 from ..autograd.mode import is_grad_enabled as _grad_enabled
 from ..redistribute import relayout
 from ..runtime.kernels import Kernel
@@ -184,8 +184,17 @@ def dispatch(name: str, rule: Callable, tensors, static: tuple = (), kwargs: dic
             merged = {**c.kwargs, **kwargs}
             c.last_kwargs = (kwargs, merged)
             kwargs = merged
+    tape = None
     try:
-        outs = ex.run(handles, kwargs, c.device_args)
+        if recording and _grad_enabled():
+            diff = differentiable(tensors, c.plan.in_specs)
+            tracked = ex.run_tracked(handles, kwargs, c.device_args, diff) if any(diff) else None
+            if tracked is not None:
+                outs, tape = tracked
+            else:
+                outs = ex.run(handles, kwargs, c.device_args)
+        else:
+            outs = ex.run(handles, kwargs, c.device_args)
     except DTorchError:
         raise
     except Exception as exc:
@@ -198,7 +207,7 @@ def dispatch(name: str, rule: Callable, tensors, static: tuple = (), kwargs: dic
     if recording and _grad_enabled():  # an input requires grad: the output remembers how it was made
         plan = c.plan
         record_kernel(name, plan.kernel, plan.in_specs, plan.out_specs, kwargs, c.device_args, tensors, handles,
-                      res if c.out_spec is None else (res,))
+                      res if c.out_spec is None else (res,), tape=(ex, tape) if tape is not None else None)
     return res
 
 

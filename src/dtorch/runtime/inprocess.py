@@ -32,7 +32,7 @@ from .blocks import assemble, cut_global, cut_shard, dim_groups, reduce_dim, red
 from .cow import private_copy, writable
 from .devices import DeviceConfig, read_device_config, torch_devices
 from .interface import Executable, Runtime
-from .kernels import Kernel
+from .kernels import Kernel, as_terms, broadcast_pair, varying
 
 
 class Shards:
@@ -438,37 +438,52 @@ class _Executable(Executable):
         if self.in_specs:  # the executable specialises itself: run is the bound call from now on
             self.run = _bound_run(self, f, kwargs, len(self.in_specs), tuple_out)
 
+    def _grid_inputs(self, handles, kwargs, device_args, leaf=None):
+        """The kernel's grid inputs and keyword arguments (per-device values as grid-shaped tensors);
+        ``leaf(i, x)``: what input ``i``'s grid becomes before it is aligned (autograd leaves)."""
+        rt = self.runtime()
+        xs = [h.grid if h.grid is not None else rt.as_grid(h, s) for h, s in zip(handles, self.in_specs)]
+        if leaf is not None:
+            xs = [leaf(i, x) for i, x in enumerate(xs)]
+        if self.in_reshape is not None:
+            xs = [x if shp is None else x.reshape(shp) for x, shp in zip(xs, self.in_reshape)]
+        if device_args:
+            grid_args = self.grid_args
+            if grid_args[0] is not device_args:  # plans keep their device_args: convert once
+                grid_args = self.grid_args = (device_args, {
+                    k: torch.as_tensor(v, device=self.grid_dev).reshape(self.mesh.shape) for k, v in device_args.items()})
+            kwargs = dict(kwargs, **grid_args[1])
+        if self.wants_lead:
+            kwargs = dict(kwargs, lead=self.nd)
+        return xs, kwargs
+
+    def _fit(self, y, g, local, what):
+        """A grid result laid out as an output of grid shape ``g`` (replicated dims narrowed, broadcast
+        dims expanded); (the grid, whether it needed a fix)."""
+        if tuple(y.shape[self.nd:]) != local:
+            raise RuntimeBackendError(f"kernel {what} produced local shape {tuple(y.shape[self.nd:])}, expected {local}")
+        yg = y.shape[: self.nd]
+        if tuple(yg) == g:
+            return y, False
+        for d in range(self.nd):
+            if yg[d] != g[d] and g[d] == 1:
+                y = y.narrow(d, 0, 1)
+        if tuple(y.shape[: self.nd]) != g:
+            y = y.expand(tuple(g) + tuple(y.shape[self.nd:]))
+        return y, True
+
     def _run(self, handles, kwargs, device_args):
         rt = self.runtime()
         kernel = self.kernel
         if self.grid:
-            xs = [h.grid if h.grid is not None else rt.as_grid(h, s) for h, s in zip(handles, self.in_specs)]
-            if self.in_reshape is not None:
-                xs = [x if shp is None else x.reshape(shp) for x, shp in zip(xs, self.in_reshape)]
-            if device_args:
-                grid_args = self.grid_args
-                if grid_args[0] is not device_args:  # plans keep their device_args: convert once
-                    grid_args = self.grid_args = (device_args, {
-                        k: torch.as_tensor(v, device=self.grid_dev).reshape(self.mesh.shape) for k, v in device_args.items()})
-                kwargs = dict(kwargs, **grid_args[1])
-            if self.wants_lead:
-                kwargs = dict(kwargs, lead=self.nd)
+            xs, kwargs = self._grid_inputs(handles, kwargs, device_args)
             out = kernel.fn(*xs, **kwargs)
             outs = out if isinstance(out, tuple) else (out,)
             res = []
             exact = not device_args
             for y, (g, local) in zip(outs, self.out_fix):
-                if tuple(y.shape[self.nd:]) != local:
-                    raise RuntimeBackendError(
-                        f"kernel {kernel.name} produced local shape {tuple(y.shape[self.nd:])}, expected {local}")
-                yg = y.shape[: self.nd]
-                if tuple(yg) != g:
-                    exact = False
-                    for d in range(self.nd):
-                        if yg[d] != g[d] and g[d] == 1:
-                            y = y.narrow(d, 0, 1)
-                    if tuple(y.shape[: self.nd]) != g:
-                        y = y.expand(tuple(g) + tuple(y.shape[self.nd:]))
+                y, fixed = self._fit(y, g, local, kernel.name)
+                exact = exact and not fixed
                 res.append(Shards(grid=y))
             self.exact = exact if self.exact is None else (self.exact and exact)
             if self.exact and self.in_reshape is None and len(outs) == len(self.out_specs):
@@ -486,6 +501,50 @@ class _Executable(Executable):
             out = kernel.fn(*[b[n] for b in blocks_in], **kw)
             per_dev.append(out if isinstance(out, tuple) else (out,))
         return [rt._make(s, blocks=[d[j] for d in per_dev]) for j, s in enumerate(self.out_specs)]
+
+
+    # -- autograd: the local computation's torch graph kept from the forward (no recomputation) --------
+    def run_tracked(self, handles, kwargs, device_args, diff):
+        """Run with torch's autograd recording the grid computation of the ``diff`` inputs; (output handles,
+        tape) or None when this executable runs device by device."""
+        if not self.grid:
+            return None
+        leaves = []
+
+        def leaf(i, x):
+            if diff[i]:
+                x = x.detach().requires_grad_()
+                leaves.append(x)
+            return x
+
+        with torch.enable_grad():
+            xs, kwargs = self._grid_inputs(handles, kwargs, device_args, leaf)
+            kwargs = {k: varying(v) if isinstance(v, torch.Tensor) and v.ndim == self.nd else v
+                      for k, v in kwargs.items()}
+            out = self.kernel.fn(*xs, **kwargs)
+        outs = out if isinstance(out, tuple) else (out,)
+        res = [Shards(grid=self._fit(y.detach(), g, local, self.kernel.name)[0]) for y, (g, local) in zip(outs, self.out_fix)]
+        grid = tuple(torch.broadcast_shapes(*(x.shape[: self.nd] for x in leaves + xs),
+                                            *(v.shape for v in kwargs.values() if isinstance(v, torch.Tensor)
+                                              and v.ndim == self.nd)))
+        return res, (leaves, outs, grid)
+
+    def vjp_tracked(self, tape, cotangents, ct_specs, has_ct, grad_specs) -> list:
+        """The gradients of the tracked inputs (laid out as ``grad_specs``) for the outputs' cotangents."""
+        leaves, outs, grid = tape
+        rt = self.runtime()
+        cts = [h.grid if h.grid is not None else rt.as_grid(h, s) for h, s in zip(cotangents, ct_specs)]
+        grid = tuple(torch.broadcast_shapes(grid, *(c.shape[: self.nd] for c in cts)))
+        with torch.enable_grad():  # (the expand of an output to its cotangent's grid is part of the graph)
+            pairs = [broadcast_pair(y, c) for y, c in zip([y for y, h in zip(outs, has_ct) if h], cts)
+                     if y.requires_grad]
+            grads = (torch.autograd.grad([y for y, _ in pairs], leaves, [c for _, c in pairs], allow_unused=True)
+                     if pairs else [None] * len(leaves))
+        res = []
+        for x, g, spec in zip(leaves, grads, grad_specs):
+            g = as_terms(torch.zeros_like(x) if g is None else g, grid, self.nd)
+            res.append(Shards(grid=self._fit(g, spec.grid_shape(), spec.even_local_shape(), "vjp")[0]))
+        return res
 
 
 _new_shards = object.__new__

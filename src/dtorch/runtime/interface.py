@@ -35,6 +35,16 @@ class Executable(ABC):
     def run(self, handles: Sequence, kwargs: dict, device_args: dict | None = None) -> list:
         """Run on every device of the mesh; returns one handle per output spec."""
 
+    # Optional (autograd): a backend that can keep each device's local autograd graph from the forward
+    # returns ``(output handles, tape)`` here and differentiates the tape in ``vjp_tracked``; None means
+    # the backward recomputes the local forward (``kernels.vjp_kernel``), which every backend can run.
+    def run_tracked(self, handles: Sequence, kwargs: dict, device_args: dict | None, diff: tuple):
+        return None
+
+    def vjp_tracked(self, tape, cotangents: Sequence, ct_specs, has_ct: tuple, grad_specs) -> list:
+        """The gradient handles (laid out as ``grad_specs``) of the ``diff`` inputs of a ``run_tracked`` call."""
+        raise NotImplementedError
+
 
 class Runtime(ABC):
     name: str = "abstract"

@@ -50,7 +50,7 @@ def kernel(name: str, *, align: bool = False, bind: Callable | None = None):
     return deco
 
 
-def _varying(v: torch.Tensor) -> torch.Tensor:
+def varying(v: torch.Tensor) -> torch.Tensor:
     """A per-device value (one entry per grid position) with the dims it is constant on cut to size 1."""
     for d in range(v.ndim):
         first = v.narrow(d, 0, 1)
@@ -59,7 +59,7 @@ def _varying(v: torch.Tensor) -> torch.Tensor:
     return v
 
 
-def _broadcast(y: torch.Tensor, c: torch.Tensor):
+def broadcast_pair(y: torch.Tensor, c: torch.Tensor):
     """An output and its cotangent at one shape (either may hold a grid dim once that the other varies on)."""
     if y.shape == c.shape:
         return y, c
@@ -67,7 +67,7 @@ def _broadcast(y: torch.Tensor, c: torch.Tensor):
     return y.expand(shape), c.expand(shape)
 
 
-def _as_terms(g: torch.Tensor, grid: tuple, lead: int) -> torch.Tensor:
+def as_terms(g: torch.Tensor, grid: tuple, lead: int) -> torch.Tensor:
     """``g`` (a gradient summed over the grid dims where it has size 1 and ``grid`` does not) as per-device
     Partial terms: the sum on index 0 of each such dim, zeros elsewhere."""
     summed = [d for d in range(lead) if g.shape[d] == 1 and grid[d] > 1]
@@ -120,7 +120,7 @@ def vjp_kernel(forward: Kernel) -> Kernel:
         # first device of the dim, zeros on the others. (No input is expanded: a weight broadcast over the
         # batch grid stays one matrix, so its gradient is one GEMM over all devices' rows.)
         if lead:  # per-device values come over the whole mesh: keep only the grid dims they vary on
-            kw = {k: _varying(v) if isinstance(v, torch.Tensor) and v.ndim == lead else v for k, v in kw.items()}
+            kw = {k: varying(v) if isinstance(v, torch.Tensor) and v.ndim == lead else v for k, v in kw.items()}
         grid = torch.broadcast_shapes(*(t.shape[:lead] for t in args),
                                       *(v.shape for v in kw.values() if isinstance(v, torch.Tensor)
                                         and v.ndim == lead)) if lead else ()
@@ -136,10 +136,10 @@ def vjp_kernel(forward: Kernel) -> Kernel:
                 call.append(x)
             out = fwd(*call, lead=lead, **kw) if wants_lead else fwd(*call, **kw)
             outs = out if isinstance(out, tuple) else (out,)
-            pairs = [_broadcast(y, c) for y, c in zip([y for y, h in zip(outs, has_ct) if h], cts) if y.requires_grad]
+            pairs = [broadcast_pair(y, c) for y, c in zip([y for y, h in zip(outs, has_ct) if h], cts) if y.requires_grad]
             grads = (torch.autograd.grad([y for y, _ in pairs], leaves, [c for _, c in pairs], allow_unused=True)
                      if pairs else [None] * len(leaves))
-        return tuple(_as_terms(torch.zeros_like(x) if g is None else g, grid, lead) for x, g in zip(leaves, grads))
+        return tuple(as_terms(torch.zeros_like(x) if g is None else g, grid, lead) for x, g in zip(leaves, grads))
 
     k = _REGISTRY[name] = Kernel(name, fn)
     return k
