@@ -31,7 +31,7 @@ from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel, per_device
 from ..spec import DTensorSpec, block_offsets
 from ..tensor import Tensor
-from .registry import OpPlan, dispatch, register, spec_like, to_dtensors
+from .registry import OpPlan, _broadcast_shape, dispatch, register, spec_like, to_dtensors
 from .view import IndexOutOfRangeError
 
 _REDUCTIONS = ("none", "mean", "sum")
@@ -81,7 +81,7 @@ def _pick_kernel(x, target, *, lead, cd: int, n_classes: int, ignore_index: int,
         t = t - per_device(class_off, t, lead)
         keep = keep & (t >= 0) & (t < x.shape[cd])
     if x.shape[cd] == 0:  # an empty class shard (uneven split) picks nothing
-        shape = torch.broadcast_shapes(x.shape[:lead], t.shape[:lead]) + t.shape[lead:]
+        shape = _broadcast_shape([x.shape[:lead], t.shape[:lead]]) + tuple(t.shape[lead:])
         return torch.zeros(shape, dtype=x.dtype, device=x.device)
     idx = torch.where(keep, t, 0).unsqueeze(cd)
     out = torch.take_along_dim(x, idx, dim=cd).squeeze(cd)  # (broadcasts a replicated block's grid dims)

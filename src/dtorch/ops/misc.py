@@ -14,7 +14,7 @@ from ..spec import DTensorSpec
 from . import pointwise as pw
 from . import reduce as rd
 from . import view as vw
-from .registry import OpPlan, dispatch, register, spec_like
+from .registry import OpPlan, _broadcast_shape, dispatch, register, spec_like
 
 
 @kernel("misc.one_hot")
@@ -54,7 +54,9 @@ def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
 def cosine_similarity(x1, x2, dim=1, eps=1e-8):
     """``F.cosine_similarity``: each input over its norm (clamped at eps), multiplied, summed over ``dim``."""
     a, b = vw._tensor("cosine_similarity", x1), vw._tensor("cosine_similarity", x2)
-    shape = tuple(torch.broadcast_shapes(tuple(a.shape), tuple(b.shape)))
+    shape = _broadcast_shape([tuple(a.shape), tuple(b.shape)])
+    if shape is None:
+        raise OpError(f"dtorch.cosine_similarity: shapes {list(a.shape)} and {list(b.shape)} do not broadcast")
     a = a if tuple(a.shape) == shape else a.expand(shape)
     b = b if tuple(b.shape) == shape else b.expand(shape)
     na = pw.clamp(rd.norm(a, 2, dim, keepdim=True), min=eps)

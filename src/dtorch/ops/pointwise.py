@@ -28,7 +28,7 @@ from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
-from .registry import _RESOLVED, OpPlan, dispatch, meta_call, register, reject_out, resolve_torch, to_dtensors
+from .registry import _RESOLVED, OpPlan, _broadcast_shape, dispatch, meta_call, register, reject_out, resolve_torch, to_dtensors
 
 # op name -> how it treats partial inputs: "add" (linear in every operand), "scale" (linear in its
 # first operand when the others are replicated or scalars)
@@ -100,7 +100,7 @@ def _pointwise_0d_kernel(*xs, fn: str, template, zero_d: tuple, lead=0, kwargs: 
     if all(xs[j].numel() == 1 for j in zero_d):
         xs = tuple(x.reshape(()) if j in zero_d else x for j, x in enumerate(xs))
         return _call(fn, template, kwargs, xs, scalars)
-    grid = torch.broadcast_shapes(*(x.shape[:lead] for x in xs))
+    grid = _broadcast_shape([x.shape[:lead] for x in xs])
     outs = []
     for idx in itertools.product(*(range(n) for n in grid)):
         ys = [x[tuple(i if x.shape[d] != 1 else 0 for d, i in enumerate(idx))] for x in xs]

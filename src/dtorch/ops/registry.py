@@ -31,6 +31,7 @@ from ..autograd.dispatched import differentiable, record_kernel
 from ..autograd.mode import is_grad_enabled as _grad_enabled
 from ..redistribute import relayout
 from ..runtime.kernels import Kernel
+from ..runtime.kernels import broadcast_shape as _broadcast_shape
 from ..spec import DTensorSpec
 from ..tensor import Tensor, as_torch
 
@@ -313,19 +314,6 @@ def _meta_from_small_call(fn, specs, out_shape, args, kwargs):
         return None
     metas = tuple(torch.empty(out_shape, dtype=o.dtype, device="meta") for o in outs)
     return metas if isinstance(out, tuple) else metas[0]
-
-
-def _broadcast_shape(shapes) -> tuple | None:
-    """torch's broadcast of ``shapes``, or None where they do not broadcast (torch.broadcast_shapes
-    itself imports sympy on its first call)."""
-    out = [1] * max((len(s) for s in shapes), default=0)
-    for shape in shapes:
-        for k, n in enumerate(shape, start=len(out) - len(shape)):
-            if out[k] == 1:
-                out[k] = n
-            elif n not in (1, out[k]):
-                return None
-    return tuple(out)
 
 
 def to_dtensors(name: str, args, mesh_from=None) -> list:

@@ -32,7 +32,7 @@ from .blocks import assemble, cut_global, cut_shard, dim_groups, reduce_dim, red
 from .cow import private_copy, writable
 from .devices import DeviceConfig, read_device_config, torch_devices
 from .interface import Executable, Runtime
-from .kernels import Kernel, as_terms, broadcast_pair, varying
+from .kernels import Kernel, as_terms, broadcast_pair, broadcast_shape, varying
 
 
 class Shards:
@@ -524,9 +524,8 @@ class _Executable(Executable):
             out = self.kernel.fn(*xs, **kwargs)
         outs = out if isinstance(out, tuple) else (out,)
         res = [Shards(grid=self._fit(y.detach(), g, local, self.kernel.name)[0]) for y, (g, local) in zip(outs, self.out_fix)]
-        grid = tuple(torch.broadcast_shapes(*(x.shape[: self.nd] for x in leaves + xs),
-                                            *(v.shape for v in kwargs.values() if isinstance(v, torch.Tensor)
-                                              and v.ndim == self.nd)))
+        grid = broadcast_shape([x.shape[: self.nd] for x in leaves + xs] + [
+            v.shape for v in kwargs.values() if isinstance(v, torch.Tensor) and v.ndim == self.nd])
         return res, (leaves, outs, grid)
 
     def vjp_tracked(self, tape, cotangents, ct_specs, has_ct, grad_specs) -> list:
@@ -534,7 +533,7 @@ class _Executable(Executable):
         leaves, outs, grid = tape
         rt = self.runtime()
         cts = [h.grid if h.grid is not None else rt.as_grid(h, s) for h, s in zip(cotangents, ct_specs)]
-        grid = tuple(torch.broadcast_shapes(grid, *(c.shape[: self.nd] for c in cts)))
+        grid = broadcast_shape([grid] + [c.shape[: self.nd] for c in cts])
         with torch.enable_grad():  # (the expand of an output to its cotangent's grid is part of the graph)
             pairs = [broadcast_pair(y, c) for y, c in zip([y for y, h in zip(outs, has_ct) if h], cts)
                      if y.requires_grad]

@@ -50,6 +50,19 @@ def kernel(name: str, *, align: bool = False, bind: Callable | None = None):
     return deco
 
 
+def broadcast_shape(shapes) -> tuple | None:
+    """torch's broadcast of ``shapes``, or None where they do not broadcast (torch.broadcast_shapes
+    itself imports sympy on its first call: seconds, on the first op that needs it)."""
+    out = [1] * max((len(s) for s in shapes), default=0)
+    for shape in shapes:
+        for k, n in enumerate(shape, start=len(out) - len(shape)):
+            if out[k] == 1:
+                out[k] = n
+            elif n not in (1, out[k]):
+                return None
+    return tuple(out)
+
+
 def varying(v: torch.Tensor) -> torch.Tensor:
     """A per-device value (one entry per grid position) with the dims it is constant on cut to size 1."""
     for d in range(v.ndim):
@@ -63,7 +76,7 @@ def broadcast_pair(y: torch.Tensor, c: torch.Tensor):
     """An output and its cotangent at one shape (either may hold a grid dim once that the other varies on)."""
     if y.shape == c.shape:
         return y, c
-    shape = torch.broadcast_shapes(y.shape, c.shape)
+    shape = broadcast_shape([y.shape, c.shape])
     return y.expand(shape), c.expand(shape)
 
 
@@ -121,9 +134,8 @@ def vjp_kernel(forward: Kernel) -> Kernel:
         # batch grid stays one matrix, so its gradient is one GEMM over all devices' rows.)
         if lead:  # per-device values come over the whole mesh: keep only the grid dims they vary on
             kw = {k: varying(v) if isinstance(v, torch.Tensor) and v.ndim == lead else v for k, v in kw.items()}
-        grid = torch.broadcast_shapes(*(t.shape[:lead] for t in args),
-                                      *(v.shape for v in kw.values() if isinstance(v, torch.Tensor)
-                                        and v.ndim == lead)) if lead else ()
+        grid = broadcast_shape([t.shape[:lead] for t in args] + [v.shape for v in kw.values()
+                                if isinstance(v, torch.Tensor) and v.ndim == lead]) if lead else ()
         rank = max((x.ndim - lead for x in xs if isinstance(x, torch.Tensor)), default=0)
         with torch.enable_grad():
             leaves, call = [], []
