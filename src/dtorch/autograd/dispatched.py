@@ -95,6 +95,27 @@ class KernelNode(Node):
                 dims.update(m for m, p in enumerate(in_spec.placements) if p == _R)
         return dims
 
+    def _folded(self, grad_specs) -> tuple:
+        """With the local graph kept (one torch autograd call over every simulated device), the gradient of
+        a parameter replicated on a mesh dim comes out summed over that dim's devices (one GEMM over all
+        their rows): its reduction, which storing it in ``.grad`` would run next, is already done. Those
+        gradients are laid out Replicate there, and the all-reduce the devices perform is recorded in
+        CommLog as the executor would record it (``executor.record_only``)."""
+        from ..redistribute.executor import record_only
+        from ..redistribute.planner import plan_redistribute
+
+        out = []
+        leaves = [leaf for (_, _, leaf) in self.edges]
+        for spec, leaf in zip(grad_specs, leaves):
+            if leaf is not None and any(p == _P and q == _R for p, q in zip(spec.placements, leaf._spec.placements)):
+                folded = DTensorSpec(spec.mesh, tuple(_R if p == _P and q == _R else p
+                                                      for p, q in zip(spec.placements, leaf._spec.placements)),
+                                     spec.shape, spec.dtype)
+                record_only(plan_redistribute(spec, folded))
+                spec = folded
+            out.append(spec)
+        return tuple(out)
+
     def release(self):
         super().release()
         self.saved = None
@@ -142,6 +163,7 @@ class KernelNode(Node):
         try:
             if self.tape is not None:
                 ex, tape = self.tape
+                grad_specs = self._folded(grad_specs)
                 outs = ex.vjp_tracked(tape, handles[len(specs):], ct_specs, tuple(has_ct), grad_specs)
             else:
                 ex = rt.executable(vjp_kernel(self.kernel), tuple(specs) + tuple(ct_specs), grad_specs)

@@ -15,11 +15,25 @@ def execute(plan: Plan, handle, rt):
     """Run ``plan`` on ``handle`` (laid out as ``plan.src``); returns the handle laid out as ``plan.dst``."""
     before = plan.src
     for step, after in zip(plan.steps, plan.specs):
-        if step.communicates and commlog.is_recording():
-            commlog.record(step.kind, step.label, step.wire_bytes(before, after), step.devices(before, after))
+        _record(step, before, after)
         handle = step.run(rt, handle, before, after)
         before = after
     return handle
+
+
+def _record(step, before: DTensorSpec, after: DTensorSpec) -> None:
+    if step.communicates and commlog.is_recording():
+        commlog.record(step.kind, step.label, step.wire_bytes(before, after), step.devices(before, after))
+
+
+def record_only(plan: Plan) -> None:
+    """Record ``plan``'s communicating steps without running them: a runtime computed their result inside
+    a kernel (the in-process backend's VJP sums a replicated parameter's gradient over the simulated
+    devices in one GEMM); the devices of a real system run these collectives."""
+    before = plan.src
+    for step, after in zip(plan.steps, plan.specs):
+        _record(step, before, after)
+        before = after
 
 
 def ring_shift(rt, handle, spec: DTensorSpec, mesh_dim: int, shift: int = 1):

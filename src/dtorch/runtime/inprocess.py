@@ -541,8 +541,12 @@ class _Executable(Executable):
                      if pairs else [None] * len(leaves))
         res = []
         for x, g, spec in zip(leaves, grads, grad_specs):
-            g = as_terms(torch.zeros_like(x) if g is None else g, grid, self.nd)
-            res.append(Shards(grid=self._fit(g, spec.grid_shape(), spec.even_local_shape(), "vjp")[0]))
+            # summed over devices where the layout keeps terms apart: Partial terms; where it is Replicate
+            # (the caller folded the reduction of a parameter's gradient into the GEMM), the sum is the value
+            target = spec.grid_shape()
+            g = as_terms(torch.zeros_like(x) if g is None else g, tuple(n if t > 1 else 1 for n, t in zip(grid, target)),
+                         self.nd)
+            res.append(Shards(grid=self._fit(g, target, spec.even_local_shape(), "vjp")[0]))
         return res
 
 
