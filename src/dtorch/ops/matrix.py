@@ -79,7 +79,8 @@ def _folded_matmul(a, b):
     tb, ma, nb_ = size(a, both), size(a, a_only), size(b, b_only)
     a2 = a.permute(both + a_only + [nbatch] + ones_a + [nbatch + 1]).reshape(tb, ma * m, k)
     b2 = b.permute(both + [nbatch] + b_only + [nbatch + 1] + ones_b).reshape(tb, k, nb_ * n)
-    c = torch.mm(a2[0], b2[0]).unsqueeze(0) if tb == 1 else torch.bmm(a2, b2)
+    # (squeeze, not [0]: under autograd a select's backward writes its gradient into a zeroed full copy)
+    c = torch.mm(a2.squeeze(0), b2.squeeze(0)).unsqueeze(0) if tb == 1 else torch.bmm(a2, b2)
     labels = both + a_only + ["m"] + b_only + ["n"]
     c = c.reshape([a.shape[d] for d in both] + [a.shape[d] for d in a_only] + [m] + [b.shape[d] for d in b_only] + [n])
     target = [d for d in range(nbatch) if d in both or d in a_only or d in b_only] + ["m", "n"]

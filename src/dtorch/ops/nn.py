@@ -71,10 +71,12 @@ def _embedding_kernel(ids, weight, *, lead, masked: bool, vocab: int, vocab_off=
     if lead:
         # gather rows straight from each grid block (the weight block may be a strided view of a larger
         # table: flattening it into one 2-D table would copy the whole table on every call)
-        index = []
-        for k, g in enumerate(weight.shape[:lead]):
-            index.append(0 if g == 1 else torch.arange(g, device=weight.device).reshape((g,) + (1,) * (idx.ndim - k - 1)))
-        out = weight[tuple(index) + (idx,)]
+        # (grid dims of size 1 are dropped by a view, not indexed with 0: under autograd each such select's
+        # backward would write the table's gradient into a zeroed full copy)
+        index = [torch.arange(g, device=weight.device).reshape((g,) + (1,) * (idx.ndim - k - 1))
+                 for k, g in enumerate(weight.shape[:lead]) if g != 1]
+        table = weight.reshape([g for g in weight.shape[:lead] if g != 1] + [vl, d])
+        out = table[tuple(index) + (idx,)]
     else:
         out = F.embedding(idx, weight)
     if masked:
