@@ -185,31 +185,44 @@ def dispatch(name: str, rule: Callable, tensors, static: tuple = (), kwargs: dic
             merged = {**c.kwargs, **kwargs}
             c.last_kwargs = (kwargs, merged)
             kwargs = merged
+    if recording and _grad_enabled():  # an input requires grad: the output remembers how it was made
+        return _recorded(name, c, ex, graph, tensors, handles, kwargs)
+    try:
+        outs = ex.run(handles, kwargs, c.device_args)
+    except DTorchError:
+        raise
+    except Exception as exc:
+        raise _failed(name, tensors, exc) from exc
+    if c.out_spec is None:  # several outputs
+        return tuple(_make(s, h, graph) for s, h in zip(c.plan.out_specs, outs))
+    return _make(c.out_spec, outs[0], graph)
+
+
+def _failed(name, tensors, exc) -> OpError:
+    return OpError(f"dtorch.{name} failed on inputs {describe([t._spec for t in tensors])}: "
+                   f"{type(exc).__name__}: {exc}")
+
+
+def _recorded(name, c: "_Compiled", ex, graph, tensors, handles, kwargs):
+    """``dispatch`` when autograd records: the runtime may keep each device's local autograd graph
+    (``Executable.run_tracked``), then the op's node differentiates it instead of recomputing."""
+    plan = c.plan
     tape = None
     try:
-        if recording and _grad_enabled():
-            diff = differentiable(tensors, c.plan.in_specs)
-            tracked = ex.run_tracked(handles, kwargs, c.device_args, diff) if any(diff) else None
-            if tracked is not None:
-                outs, tape = tracked
-            else:
-                outs = ex.run(handles, kwargs, c.device_args)
+        diff = differentiable(tensors, plan.in_specs)
+        tracked = ex.run_tracked(handles, kwargs, c.device_args, diff) if any(diff) else None
+        if tracked is not None:
+            outs, tape = tracked
         else:
             outs = ex.run(handles, kwargs, c.device_args)
     except DTorchError:
         raise
     except Exception as exc:
-        raise OpError(f"dtorch.{name} failed on inputs {describe([t._spec for t in tensors])}: "
-                      f"{type(exc).__name__}: {exc}") from exc
-    if c.out_spec is None:  # several outputs
-        res = tuple(_make(s, h, graph) for s, h in zip(c.plan.out_specs, outs))
-    else:
-        res = _make(c.out_spec, outs[0], graph)
-    if recording and _grad_enabled():  # an input requires grad: the output remembers how it was made
-        plan = c.plan
-        record_kernel(name, plan.kernel, plan.in_specs, plan.out_specs, kwargs, c.device_args, tensors, handles,
-                      res if c.out_spec is None else (res,), tape=(ex, tape) if tape is not None else None)
-    return res
+        raise _failed(name, tensors, exc) from exc
+    res = tuple(_make(s, h, graph) for s, h in zip(plan.out_specs, outs))
+    record_kernel(name, plan.kernel, plan.in_specs, plan.out_specs, kwargs, c.device_args, tensors, handles, res,
+                  tape=(ex, tape) if tape is not None else None)
+    return res if c.out_spec is None else res[0]
 
 
 def _plan(name, rule, specs, static) -> _Compiled:
