@@ -25,14 +25,9 @@ M2 = dtorch.init_device_mesh("cpu", (2,))
 
 # op -> why its result is not torch's bits on one device
 NOT_EXACT = {
-    # built from dtorch ops (Megatron's vocab-parallel form: amax, exp-sum, log, pick, sum / weight sum) so
-    # that class-sharded logits are never gathered; torch's fused log_softmax + nll_loss sums in another order
-    "cross_entropy": "composite of dtorch ops (vocab-parallel form), not torch's fused nll_loss(log_softmax)",
     # found by this sweep in ops that landed with it (their owners' to make exact): decomposed forms
     "batch_norm": "statistics and normalisation decomposed into dtorch ops (batch-sharded statistics), not "
                   "torch's fused batch_norm kernel: float32 differs in the last bit",
-    "glu": "a * sigmoid(b) computed as two ops: float16 rounds the sigmoid before the product (torch's glu kernel "
-           "does not)",
 }
 # (op, case index, dtype) whose inputs torch itself refuses in that dtype: nothing to compare
 _HALF = (torch.float16, torch.bfloat16)

@@ -182,6 +182,11 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index: i
         raise OpError("dtorch.cross_entropy: input and target must be tensors")
     cd = 1 if x.ndim > 1 else 0
     probs = _check_ce(x, target, weight, cd, float(label_smoothing))
+    operands = [x, target] + ([weight] if weight is not None else [])
+    if all(all(isinstance(p, Replicate) for p in t.placements) for t in operands):
+        # nothing is sharded: torch's own fused call on every device (its bits, its derivative)
+        return dispatch("cross_entropy", _whole_ce_rule, operands,
+                        (int(ignore_index), reduction, float(label_smoothing)))
     n_classes = x.shape[cd]
     eps = float(label_smoothing)
     x = _reduced(x)  # Partial logits (a row-parallel output): their terms reduce once here
@@ -220,6 +225,23 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index: i
     elif reduction == "mean":
         smooth = smooth.sum() / denom
     return (1 - eps) * nll + smooth * (eps / n_classes)
+
+
+@kernel("loss.cross_entropy_whole")
+def _whole_ce_kernel(x, target, *weight, lead=0, ignore_index, reduction, label_smoothing):
+    grid = x.shape[:lead]
+    x, target, *weight = [t.reshape(t.shape[lead:]) for t in (x, target, *weight)]  # (every grid dim is 1)
+    out = F.cross_entropy(x, target, weight[0] if weight else None, ignore_index=ignore_index, reduction=reduction,
+                          label_smoothing=label_smoothing)
+    return out.reshape(tuple(grid) + tuple(out.shape))
+
+
+def _whole_ce_rule(specs, ignore_index, reduction, label_smoothing):
+    x = specs[0]
+    cd = 1 if len(x.shape) > 1 else 0
+    shape = x.shape[:cd] + x.shape[cd + 1:] if reduction == "none" else ()  # (the class dim reduced)
+    return OpPlan(tuple(specs), (DTensorSpec(x.mesh, x.placements, shape, x.dtype),), _whole_ce_kernel,
+                  {"ignore_index": ignore_index, "reduction": reduction, "label_smoothing": label_smoothing})
 
 
 # -- mse_loss ---------------------------------------------------------------------------------------

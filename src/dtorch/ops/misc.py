@@ -3,12 +3,13 @@ come from those): one_hot, normalize, cosine_similarity, glu, Tensor.equal.
 
 one_hot keeps every shard (a new last dim; ``num_classes=-1`` fetches the maximum, as torch reads it
 too). normalize and cosine_similarity reduce over ``dim`` with ``norm``/``sum``, which turn a sharded dim
-into Partial sums (no gather of the input). glu splits its dim in halves (a sharded dim is gathered)."""
+into Partial sums (no gather of the input). glu is torch's kernel on each block (a shard of its dim is gathered)."""
 from __future__ import annotations
 
 import torch
 
 from ..errors import OpError
+from ..placement import Replicate, Shard
 from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from . import pointwise as pw
@@ -64,15 +65,31 @@ def cosine_similarity(x1, x2, dim=1, eps=1e-8):
     return rd.sum_((a / na) * (b / nb), dim)
 
 
-@register(functional=True, torch_fns=(torch.nn.functional.glu,))
+@kernel("misc.glu")
+def _glu_kernel(x, *, dim):
+    return torch.nn.functional.glu(x, dim)
+
+
+def _glu_rule(specs, dim):
+    (s,) = specs
+    d = dim % len(s.shape)
+    # the halves must meet on one device: a shard of ``dim`` is gathered; glu is not linear: partials reduce
+    places = tuple(Replicate() if p.is_partial() or (isinstance(p, Shard) and p.dim % len(s.shape) == d) else p
+                   for p in s.placements)
+    shape = tuple(n // 2 if k == d else n for k, n in enumerate(s.shape))
+    return OpPlan((spec_like(s, placements=places),), (spec_like(s, placements=places, shape=shape),), _glu_kernel,
+                  {"dim": dim})
+
+
+@register(rule=_glu_rule, kernel=_glu_kernel, functional=True, torch_fns=(torch.nn.functional.glu,))
 def glu(input, dim=-1):
-    """``F.glu``: first half times the sigmoid of the second half along ``dim``."""
+    """``F.glu``: first half times the sigmoid of the second half along ``dim`` (torch's own kernel on each
+    device's block: ``dim`` is gathered where it is sharded, other shards stay)."""
     x = vw._tensor("glu", input)
     d = vw._dim(dim, x.ndim, "glu")
     if x.shape[d] % 2:
         raise OpError(f"Halving dimension must be even, but dimension {d} is size {x.shape[d]}")
-    a, b = vw.chunk(x, 2, d)
-    return a * pw.sigmoid(b)
+    return dispatch("glu", _glu_rule, [x], (d - x.ndim,))
 
 
 @register(methods=("equal",), torch_fns=(torch.equal,))
