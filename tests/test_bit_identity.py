@@ -25,9 +25,6 @@ M2 = dtorch.init_device_mesh("cpu", (2,))
 
 # op -> why its result is not torch's bits on one device
 NOT_EXACT = {
-    # found by this sweep in ops that landed with it (their owners' to make exact): decomposed forms
-    "batch_norm": "statistics and normalisation decomposed into dtorch ops (batch-sharded statistics), not "
-                  "torch's fused batch_norm kernel: float32 differs in the last bit",
 }
 # (op, case index, dtype) whose inputs torch itself refuses in that dtype: nothing to compare
 _HALF = (torch.float16, torch.bfloat16)

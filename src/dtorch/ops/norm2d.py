@@ -46,10 +46,13 @@ def _bn_eval_kernel(x, rm, rv, *wb, lead=0, eps: float, has_weight: bool, has_bi
     c = x.shape[lead + 1]
     # every device's blocks at once: the channel statistics broadcast against [*grid, N, C, *spatial]
     shape = tuple(rm.shape[:lead]) + (1, c) + (1,) * (x.ndim - lead - 2)
-    if not lead and x.numel():
+    if x.numel() and all(d == 1 for t in (x, rm, rv, *wb) for d in t.shape[:lead]):  # one block: torch's call
+        grid = x.shape[:lead]
+        x, rm, rv, *wb = [t.reshape(t.shape[lead:]) for t in (x, rm, rv, *wb)]
         w = wb[0] if has_weight else None
         b = wb[-1] if has_bias else None
-        return F.batch_norm(x, rm.detach(), rv.detach(), w, b, False, 0.0, eps)  # (torch: no gradient to them)
+        y = F.batch_norm(x, rm.detach(), rv.detach(), w, b, False, 0.0, eps)  # (torch: no gradient to them)
+        return y.reshape(tuple(grid) + tuple(y.shape))
     y = (x - rm.reshape(shape)) * torch.rsqrt(rv.reshape(shape) + eps)
     if has_weight:
         y = y * wb[0].reshape(tuple(wb[0].shape[:lead]) + shape[lead:])
@@ -87,16 +90,24 @@ def _bn_train(x: Tensor, running_mean, running_var, weight, bias, momentum, eps)
     x = _replicate_partials(x)  # (once: the statistics and the output all read it)
     stats_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     xf = x.to(stats_dtype) if x.dtype != stats_dtype else x
+    params = [t for t in (weight, bias) if t is not None]
+    whole = all(all(isinstance(p, Replicate) for p in t.placements) for t in [x] + params)
+    if whole and running_mean is None and running_var is None:
+        # nothing sharded, no statistics to keep: torch's fused kernel on every device (its bits)
+        return dispatch("batch_norm", _whole_bn_rule, [x] + params, (eps, weight is not None, bias is not None))
     mean = _replicate_partials(xf.mean(dims))  # per-channel sums: one all-reduce per batch/spatial mesh dim
     centered = xf - _channel_view(mean, x.ndim)
     var = _replicate_partials((centered * centered).mean(dims))
-    y = centered * _channel_view((var + eps).rsqrt(), x.ndim)
-    if weight is not None:
-        y = y * _channel_view(weight, x.ndim)
-    if bias is not None:
-        y = y + _channel_view(bias, x.ndim)
-    if y.dtype != x.dtype:
-        y = y.to(x.dtype)
+    if whole:  # the output from torch's fused kernel; the running statistics from the stats above
+        y = dispatch("batch_norm", _whole_bn_rule, [x] + params, (eps, weight is not None, bias is not None))
+    else:
+        y = centered * _channel_view((var + eps).rsqrt(), x.ndim)
+        if weight is not None:
+            y = y * _channel_view(weight, x.ndim)
+        if bias is not None:
+            y = y + _channel_view(bias, x.ndim)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
     if running_mean is not None or running_var is not None:
         with no_grad():
             if running_mean is not None:
@@ -104,6 +115,19 @@ def _bn_train(x: Tensor, running_mean, running_var, weight, bias, momentum, eps)
             if running_var is not None:
                 _update(running_var, var * (n / (n - 1)), momentum)
     return y
+
+
+@kernel("norm2d.batch_norm_whole")
+def _whole_bn_kernel(x, *wb, lead=0, eps: float, has_weight: bool, has_bias: bool):
+    grid = x.shape[:lead]
+    x, *wb = [t.reshape(t.shape[lead:]) for t in (x, *wb)]  # (every grid dim is 1: nothing is sharded)
+    y = F.batch_norm(x, None, None, wb[0] if has_weight else None, wb[-1] if has_bias else None, True, 0.0, eps)
+    return y.reshape(tuple(grid) + tuple(y.shape))
+
+
+def _whole_bn_rule(specs, eps, has_weight, has_bias):
+    return OpPlan(tuple(specs), (specs[0],), _whole_bn_kernel,
+                  {"eps": eps, "has_weight": has_weight, "has_bias": has_bias})
 
 
 def _update(running: Tensor, stat: Tensor, momentum: float) -> None:
