@@ -59,3 +59,10 @@ def test_plot_without_matplotlib_names_the_extra(monkeypatch, capsys):
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     assert train_cli.main(SMALL + ["--plot", "loss.png"]) == 2
     assert "dtorch[plot]" in capsys.readouterr().err
+
+
+def test_plot_draws_the_loss_curve(tmp_path):
+    pytest.importorskip("matplotlib", reason="the optional plot extra (pip install 'dtorch[plot]') is not installed")
+    out = tmp_path / "loss.png"
+    train_cli.plot_losses([3.0, 2.5, 2.1], out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
