@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError, DTorchError
+from ..errors import CheckpointError
 from ._checkpoint import load_config
 from .llama import LlamaForCausalLM, LlamaLayoutError, check_layout
-from .llama_cli import _DIM_ORDER, _flag, _ids, _mesh, _mesh_problems, _where
+from .llama_cli import _DIM_ORDER, _flag, _ids, _mesh, _mesh_problems, _where, run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -239,18 +239,7 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    problems = check_args(args)
-    if problems:
-        print(f"{parser.prog}: error: " + "; ".join(problems), file=sys.stderr)
-        return 2
-    try:
-        with torch.no_grad():
-            return run(args)
-    except (DTorchError, ValueError, FileNotFoundError) as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2
+    return run_command(build_parser(), check_args, run, argv, inference=True)
 
 
 if __name__ == "__main__":

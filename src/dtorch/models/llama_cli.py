@@ -329,22 +329,27 @@ def run(args) -> int:
     return 0 if ok else 1
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
+def run_command(parser, check, run_fn, argv, *, inference: bool) -> int:
+    """The shared life of a ``dtorch`` subcommand: parse, report every bad flag at once (one line, exit
+    code 2, like argparse's own errors), run (``inference``: without autograd history; parameters
+    require grad), turn dtorch's errors into that one line too."""
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    # bad flags, found all at once, exit like argparse's own errors: one line, exit code 2
-    problems = check_args(args)
+    problems = check(args)
     if problems:
         print(f"{parser.prog}: error: " + "; ".join(problems), file=sys.stderr)
         return 2
     try:
-        with torch.no_grad():  # inference: no autograd history (parameters require grad)
-            return run(args)
+        with torch.set_grad_enabled(not inference):
+            return run_fn(args)
     except (DTorchError, ValueError, FileNotFoundError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
     finally:
         dtorch.default_graph().track_memory(False)
+
+
+def main(argv=None) -> int:
+    return run_command(build_parser(), check_args, run, argv, inference=True)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,8 @@ import torch
 
 import dtorch
 
-from ..errors import DTorchError
 from .llama import LlamaForCausalLM
-from .llama_cli import _DIM_ORDER, _ids, _mesh_problems, _mib, _random_config, _where
+from .llama_cli import _DIM_ORDER, _ids, _mesh_problems, _mib, _random_config, _where, run_command
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 _TRAIN_DIMS = _DIM_ORDER + (("fsdp", "fsdp"),)
@@ -269,19 +268,7 @@ def plot_losses(losses, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    problems = check_args(args)
-    if problems:
-        print(f"{parser.prog}: error: " + "; ".join(problems), file=sys.stderr)
-        return 2
-    try:
-        return run(args)
-    except (DTorchError, ValueError, FileNotFoundError) as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        dtorch.default_graph().track_memory(False)
+    return run_command(build_parser(), check_args, run, argv, inference=False)
 
 
 if __name__ == "__main__":
