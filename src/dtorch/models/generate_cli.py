@@ -17,22 +17,18 @@ import torch
 from ..errors import CheckpointError
 from ._checkpoint import load_config
 from .llama import LlamaForCausalLM, LlamaLayoutError, check_layout
-from .llama_cli import _DIM_ORDER, _flag, _ids, _mesh, _mesh_problems, _where, run_command
+from .llama_cli import _DIM_ORDER, _flag, _ids, _mesh, _mesh_problems, _where, add_layout_flags, run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtorch generate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g = p.add_argument_group("layout (mesh dim sizes; their product is the number of devices)")
-    g.add_argument("--dp", type=int, default=1, help="data parallel: the prompts are split")
-    g.add_argument("--tp", type=int, default=2, help="tensor parallel: heads (and the KV cache's kv heads) are split")
-    g.add_argument("--pp", type=int, default=2, help="pipeline parallel: layers (and their KV cache) are split")
-    g.add_argument("--ulysses-cp", type=int, default=1, help="Ulysses context parallel: the prompt and the cache's "
-                   "slots are split")
-    g.add_argument("--ring-cp", type=int, default=1, help="Ring context parallel: the prompt and the cache's slots "
-                   "are split")
-    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="mesh device type (cpu devices are virtual; cuda needs GPUs or DTORCH_DTENSOR_IN_SAME_DEVICE=1)")
+    add_layout_flags(p, {"dp": 1, "tp": 2, "pp": 2, "ulysses-cp": 1, "ring-cp": 1}, {
+        "dp": "data parallel: the prompts are split",
+        "tp": "tensor parallel: heads (and the KV cache's kv heads) are split",
+        "pp": "pipeline parallel: layers (and their KV cache) are split",
+        "ulysses-cp": "Ulysses context parallel: the prompt and the cache's slots are split",
+        "ring-cp": "Ring context parallel: the prompt and the cache's slots are split"})
     m = p.add_argument_group("model (a random Llama unless --model is given; its tokens are the prompt's bytes)")
     m.add_argument("--model", metavar="DIR", help="a Hugging Face Llama checkpoint directory with tokenizer.json")
     m.add_argument("--layers", type=int, default=4)

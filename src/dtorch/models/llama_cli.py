@@ -26,17 +26,31 @@ from .llama import LlamaForCausalLM, LlamaLayoutError, check_layout, dim_size
 _DIM_ORDER = (("pp", "pp"), ("dp", "dp"), ("tp", "tp"), ("ulysses_cp", "ulysess_cp"), ("ring_cp", "ring_cp"))
 
 
+_LAYOUT_HELP = {
+    "dp": "data parallel: the batch is split",
+    "tp": "tensor parallel: heads and MLP features are split",
+    "pp": "pipeline parallel: layers are split into stages",
+    "ulysses-cp": "Ulysses context parallel: the sequence is split",
+    "ring-cp": "Ring context parallel: the sequence is split",
+}
+
+
+def add_layout_flags(p: argparse.ArgumentParser, defaults: dict, helps: dict | None = None, *, device: bool = True):
+    """The layout group every subcommand shares (``defaults``: flag -> size; ``helps`` overrides texts)."""
+    g = p.add_argument_group("layout (mesh dim sizes; their product is the number of devices)")
+    texts = {**_LAYOUT_HELP, **(helps or {})}
+    for flag, size in defaults.items():
+        g.add_argument(f"--{flag}", type=int, default=size, help=texts[flag])
+    if device:
+        g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                       help="mesh device type (cpu devices are virtual; cuda needs GPUs or DTORCH_DTENSOR_IN_SAME_DEVICE=1)")
+    return g
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtorch demo", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g = p.add_argument_group("layout (mesh dim sizes; their product is the number of devices)")
-    g.add_argument("--dp", type=int, default=2, help="data parallel: the batch is split")
-    g.add_argument("--tp", type=int, default=2, help="tensor parallel: heads and MLP features are split")
-    g.add_argument("--pp", type=int, default=2, help="pipeline parallel: layers are split into stages")
-    g.add_argument("--ulysses-cp", type=int, default=2, help="Ulysses context parallel: the sequence is split")
-    g.add_argument("--ring-cp", type=int, default=1, help="Ring context parallel: the sequence is split")
-    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="mesh device type (cpu devices are virtual; cuda needs GPUs or DTORCH_DTENSOR_IN_SAME_DEVICE=1)")
+    add_layout_flags(p, {"dp": 2, "tp": 2, "pp": 2, "ulysses-cp": 2, "ring-cp": 1})
     m = p.add_argument_group("model (a random Llama unless --model is given)")
     m.add_argument("--model", metavar="PATH", help="a Hugging Face Llama checkpoint directory")
     m.add_argument("--layers", type=int, default=4)

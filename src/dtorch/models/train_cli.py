@@ -24,7 +24,8 @@ import torch
 import dtorch
 
 from .llama import LlamaForCausalLM
-from .llama_cli import _DIM_ORDER, _ids, _mesh_problems, _mib, _random_config, _where, run_command
+from .llama_cli import (_DIM_ORDER, _ids, _mesh_problems, _mib, _random_config, _where, add_layout_flags,
+                        run_command)
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 _TRAIN_DIMS = _DIM_ORDER + (("fsdp", "fsdp"),)
@@ -33,14 +34,10 @@ _TRAIN_DIMS = _DIM_ORDER + (("fsdp", "fsdp"),)
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtorch train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    g = p.add_argument_group("layout (mesh dim sizes; their product is the number of devices)")
-    g.add_argument("--dp", type=int, default=2, help="data parallel: the batch is split, gradients all-reduced")
+    g = add_layout_flags(p, {"dp": 2, "tp": 2, "pp": 2, "ulysses-cp": 2, "ring-cp": 1},
+                         {"dp": "data parallel: the batch is split, gradients all-reduced"}, device=False)
     g.add_argument("--fsdp", type=int, default=1, help="fully sharded data parallel: the batch and every "
                    "parameter, gradient and optimizer state are split")
-    g.add_argument("--tp", type=int, default=2, help="tensor parallel: heads and MLP features are split")
-    g.add_argument("--pp", type=int, default=2, help="pipeline parallel: layers are split into stages")
-    g.add_argument("--ulysses-cp", type=int, default=2, help="Ulysses context parallel: the sequence is split")
-    g.add_argument("--ring-cp", type=int, default=1, help="Ring context parallel: the sequence is split")
     m = p.add_argument_group("model (a random Llama over byte tokens)")
     m.add_argument("--layers", type=int, default=4)
     m.add_argument("--hidden", type=int, default=128)
