@@ -5,7 +5,10 @@ baselines: the Hugging Face forward on one device, and PyTorch DTensor's single-
 (LocalTensorMode) of the TP=2 layout where it runs. Also per-device peak memory vs the ideal
 (weights / (tp * pp)).
 
-    .venv/bin/python bench/llama_simulation.py [--seq 16 256] [--repeat 3] [--small]
+    .venv/bin/python bench/llama_simulation.py [--seq 16 256] [--repeat 3] [--small] [--device cuda]
+
+``--device cuda`` builds a "cuda" mesh and runs the Hugging Face baseline on ``cuda:0`` (real GPUs, or
+one GPU simulating several under DTORCH_DTENSOR_IN_SAME_DEVICE=1); bench/gpu_check.sh uses it.
 """
 from __future__ import annotations
 
@@ -27,12 +30,19 @@ def make_config(small: bool):
                        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512)
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():  # kernels are asynchronous: a time must include their completion
+        torch.cuda.synchronize()
+
+
 def best_time(fn, repeat: int) -> float:
     fn()  # warm up (plans, caches, allocator)
     best = float("inf")
     for _ in range(repeat):
+        _sync()
         t0 = time.perf_counter()
         fn()
+        _sync()
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -80,7 +90,11 @@ def main(argv=None):
     ap.add_argument("--small", action="store_true", help="a tiny model (smoke test)")
     ap.add_argument("--layout", default="dp=2,tp=2,pp=2,ulysess_cp=2")
     ap.add_argument("--no-pytorch-dtensor", action="store_true")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="mesh device type; cuda also runs the Hugging Face baseline on cuda:0 when a GPU exists")
     args = ap.parse_args(argv)
+    # the baseline's device: the GPU the mesh runs on (cpu when "cuda" is simulated on a machine without one)
+    hf_device = torch.device("cuda", 0) if args.device == "cuda" and torch.cuda.is_available() else torch.device("cpu")
 
     from transformers import LlamaForCausalLM as HFLlama
 
@@ -90,24 +104,28 @@ def main(argv=None):
     config = make_config(args.small)
     hf = HFLlama(config).eval()
     dims = dict(kv.split("=") for kv in args.layout.split(","))
-    mesh = dtorch.init_device_mesh("cpu", tuple(int(v) for v in dims.values()), mesh_dim_names=list(dims))
+    mesh = dtorch.init_device_mesh(args.device, tuple(int(v) for v in dims.values()), mesh_dim_names=list(dims))
     graph = dtorch.default_graph()
     model = LlamaForCausalLM(config, device_mesh=mesh)
     model.load_state_dict(hf.state_dict())
+    hf.to(hf_device)
     weights = sum(p.numel() * p.element_size() for p in hf.parameters())
     print(f"model: {sum(p.numel() for p in hf.parameters()) / 1e6:.1f} M params, layout {mesh} ({mesh.size()} devices), "
-          f"torch threads {torch.get_num_threads()}\n")
+          f"HF baseline on {hf_device}, torch threads {torch.get_num_threads()}\n")
     print(f"{'seq':>5} {'HF s':>8} {'dtorch s':>9} {'dtorch/HF':>9} {'max err':>9} {'PT DTensor tp2 s':>17} {'PT/HF':>6}")
     for seq in args.seq:
         ids = torch.randint(0, config.vocab_size, (args.batch, seq))
+        hf_ids = ids.to(hf_device)
         with torch.no_grad():
-            ref = hf(ids).logits
-            t_hf = best_time(lambda: hf(ids).logits, args.repeat)
+            ref = hf(hf_ids).logits
+            t_hf = best_time(lambda: hf(hf_ids).logits, args.repeat)
         out = model(ids)
-        err = (out - ref).abs().max().item()
+        err = (out.to(ref.device) - ref).abs().max().item()
         t_dt = best_time(lambda: model(ids), args.repeat)
         if args.no_pytorch_dtensor:
             pt, why = None, "skipped"
+        elif hf_device.type != "cpu":
+            pt, why = None, "cpu only"  # LocalTensorMode simulates on the CPU
         else:
             pt, why = pytorch_dtensor_tp_time(hf, ids, 2, args.repeat)
         pt_s = f"{pt:17.3f} {pt / t_hf:6.2f}" if pt else f"{why[:40]:>17}"
