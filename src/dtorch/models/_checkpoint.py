@@ -7,7 +7,9 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
+from ..graph import Graph
 from ..nn.module import Parameter, StateDictError
+from ..runtime.interface import FileBlock
 from ..tensor import Tensor
 
 
@@ -54,9 +56,11 @@ def _weight_files(path: Path) -> dict:
 
 
 def read_sharded(model, path: Path, progress=None) -> None:
-    """Fill every parameter and persistent buffer of ``model`` from the checkpoint: each distinct device
-    block is read with ``get_slice`` (replicas share one read), so no full tensor is ever assembled.
-    Every key and shape is checked before anything is loaded: on error the model is unchanged."""
+    """Fill every parameter and persistent buffer of ``model`` from the checkpoint: each device reads its
+    own block (``Runtime.from_files``: the in-process backend reads here, once per distinct block; the
+    process backend's workers read their blocks themselves, so no weight byte passes through this
+    process), and no full tensor is ever assembled. Every key and shape is checked (file headers only)
+    before anything is loaded: on error the model is unchanged."""
     from safetensors import safe_open
 
     where = _weight_files(path)
@@ -67,13 +71,14 @@ def read_sharded(model, path: Path, progress=None) -> None:
         raise StateDictError(f"checkpoint {path} lacks parameters {missing}; is it a Llama checkpoint of this config?")
     handles = {}
     try:
-        slices = []
+        sources = []
         for key, mod, name, t in entries:
             src = "model.embed_tokens.weight" if key not in where else key
             f = where[src]
             if f not in handles:
                 handles[f] = safe_open(str(f), framework="pt").__enter__()
             sl = handles[f].get_slice(src)
+            saved_rows = sl.get_shape()[0] if sl.get_shape() else 0
             form = mod._saved_form(name)
             if form is not None:  # held with repeated rows (kv heads replicated over tp): read in that layout
                 sl = form.held_slice(sl)
@@ -81,30 +86,37 @@ def read_sharded(model, path: Path, progress=None) -> None:
             if shape != tuple(t.shape):
                 raise StateDictError(f"size mismatch for {key}: the checkpoint has shape {list(shape)}, the model "
                                      f"expects {list(t.shape)}")
-            slices.append(sl)
-        for n, ((key, mod, name, t), sl) in enumerate(zip(entries, slices)):
-            value = _read_blocks(t.spec, sl)
-            if isinstance(t, Parameter):
-                t._set(value)
-            else:
-                mod._buffers[name] = value
-            if progress:
-                progress(n + 1, len(entries), key)
+            # held row -> saved row (the held layout's own map, applied to the row numbers)
+            row_map = None if form is None else form.load(torch.arange(saved_rows)).tolist()
+            sources.append((str(f.resolve()), src, row_map))
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
+    graph = Graph.default_graph()
+    for n, ((key, mod, name, t), source) in enumerate(zip(entries, sources)):
+        spec = t.spec
+        value = Tensor._make(spec, graph.runtime.from_files(_file_blocks(spec, *source), spec), graph)
+        if isinstance(t, Parameter):
+            t._set(value)
+        else:
+            mod._buffers[name] = value
+        if progress:
+            progress(n + 1, len(entries), key)
 
 
-def _read_blocks(spec, sl) -> Tensor:
-    """Each device takes exactly its block, read once per distinct block (replicas share the tensor)."""
-    read: dict = {}
-    blocks = []
+def _file_blocks(spec, path: str, key: str, row_map) -> list:
+    """Each device's ``FileBlock`` (mesh order): its box, or for a held layout the saved rows it repeats."""
+    out = []
     for coord in spec.mesh.coordinates():
         box = spec.local_box(coord)
-        if box not in read:
-            if any(n == 0 for _, n in box):  # an empty shard (uneven split)
-                read[box] = torch.empty(tuple(n for _, n in box), dtype=spec.dtype)
-            else:
-                read[box] = sl[tuple(slice(o, o + n) for o, n in box)].to(spec.dtype)
-        blocks.append(read[box])
-    return Tensor.from_blocks(blocks, device_mesh=spec.mesh, placements=spec.placements, shape=spec.shape)
+        if row_map is None or not box or box[0][1] == 0:
+            out.append(FileBlock(path, key, tuple(box)))
+            continue
+        (start, length), rest = box[0], tuple(box[1:])
+        rows = row_map[start:start + length]
+        lo, hi = min(rows), max(rows) + 1
+        if rows == list(range(lo, hi)):  # contiguous saved rows: a plain box
+            out.append(FileBlock(path, key, ((lo, hi - lo),) + rest))
+        else:
+            out.append(FileBlock(path, key, ((lo, hi - lo),) + rest, tuple(r - lo for r in rows)))
+    return out

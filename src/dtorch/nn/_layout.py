@@ -10,7 +10,9 @@ from ..autograd.fsdp import fsdp_placements
 from ..context import get_default_device_mesh
 from ..errors import MeshError
 from ..mesh import DeviceMesh
-from ..placement import Placement, Replicate
+from ..graph import Graph
+from ..placement import Placement, Replicate, normalize_placements
+from ..spec import DTensorSpec
 from ..tensor import Tensor
 from .module import Parameter
 
@@ -39,7 +41,13 @@ def make_param(full: torch.Tensor, mesh: DeviceMesh, placements) -> Parameter:
     """A parameter laid out as ``placements`` (None: Replicate), sharded over an "fsdp" mesh dim too."""
     if placements is None:
         placements = [Replicate()] * mesh.ndim
-    return Parameter(Tensor(full, device_mesh=mesh, placements=fsdp_placements(mesh, placements, full.ndim)))
+    placements = fsdp_placements(mesh, placements, full.ndim)
+    if not init_enabled():  # values about to be loaded: made where the devices are (no upload from here)
+        graph = Graph.default_graph()
+        spec = DTensorSpec(mesh, normalize_placements(placements, mesh.ndim, full.ndim, mesh.shape), tuple(full.shape),
+                           full.dtype)
+        return Parameter(Tensor._make(spec, graph.runtime.zeros(spec), graph))
+    return Parameter(Tensor(full, device_mesh=mesh, placements=placements))
 
 
 def on_mesh(x, mesh: DeviceMesh):

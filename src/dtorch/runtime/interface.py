@@ -3,7 +3,8 @@
 The front end hands the runtime specs (pure metadata) and opaque storage handles; the runtime owns
 the per-device blocks. Nothing above ``runtime/`` reads a handle's storage. A backend implements:
 
-* placement: ``from_global``, ``from_blocks``, ``to_global`` (+ async), ``local_blocks``;
+* placement: ``from_global``, ``from_blocks``, ``from_files`` (blocks read from safetensors files where the
+  device is: the default reads them here), ``to_global`` (+ async), ``local_blocks``;
 * compute: ``executable(kernel, in_specs, out_specs)`` -> an ``Executable`` the runtime caches (bounded);
   ``Executable.run(handles, kwargs, device_args)`` runs the kernel on every device;
 * in place: ``write`` runs an in-place kernel on a handle's own blocks, copying first when the storage is
@@ -20,12 +21,41 @@ from __future__ import annotations
 
 import weakref
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ..spec import DTensorSpec
 from .kernels import Kernel
+
+
+@dataclass(frozen=True)
+class FileBlock:
+    """Where one device's block lies in a safetensors file: ``key``'s region ``box`` (``(start, length)`` per
+    dim). With ``rows``, dim 0 takes the saved rows ``box[0][0] + i`` for each ``i`` in ``rows``, in that
+    order (a layout that repeats rows, e.g. kv heads replicated over tp). Plain data, so a backend can
+    send it to the process that reads it; ``path`` must name the file there too."""
+    path: str
+    key: str
+    box: tuple
+    rows: tuple | None = None
+
+
+def read_file_block(block: FileBlock, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """``block`` read with safetensors (only its own bytes), as a ``dtype`` tensor of ``shape``."""
+    if any(n == 0 for n in shape):  # an empty shard (uneven split)
+        return torch.empty(shape, dtype=dtype)
+    from safetensors import safe_open
+
+    with safe_open(block.path, framework="pt") as f:
+        x = f.get_slice(block.key)[tuple(slice(o, o + n) for o, n in block.box)]
+    if block.rows is not None:
+        x = x[torch.tensor(block.rows, dtype=torch.long)]
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{block.path}: {block.key}{[list(b) for b in block.box]} read a {list(x.shape)} block where "
+                         f"{list(shape)} was expected; the file changed since its shapes were checked")
+    return x.to(dtype)
 
 
 class Executable(ABC):
@@ -63,6 +93,23 @@ class Runtime(ABC):
 
         Replicas (devices that differ only on Replicate mesh dims) must get equal blocks.
         """
+
+    def zeros(self, spec: DTensorSpec) -> Any:
+        """Zeros laid out as ``spec`` (storage about to be filled, e.g. parameters a checkpoint loads). This
+        default places a global zero tensor; a backend whose devices live elsewhere makes them there."""
+        return self.from_global(torch.zeros(spec.shape, dtype=spec.dtype), spec)
+
+    def from_files(self, reads: Sequence[FileBlock], spec: DTensorSpec) -> Any:
+        """Place one block per device (mesh order) read from safetensors files (``FileBlock``); equal
+        reads are one read. This default reads them in this process and places them with ``from_blocks``;
+        a backend whose devices live elsewhere reads each block where its device is."""
+        read: dict = {}
+        blocks = []
+        for coord, where in zip(spec.mesh.coordinates(), reads):
+            if where not in read:
+                read[where] = read_file_block(where, spec.local_shape(coord), spec.dtype)
+            blocks.append(read[where])
+        return self.from_blocks(blocks, spec)
 
     @abstractmethod
     def to_global(self, handle, spec: DTensorSpec) -> torch.Tensor:

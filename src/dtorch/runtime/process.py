@@ -123,7 +123,8 @@ class ProcessRuntime(Runtime):
         self._pool: Pool | None = None
         self._epoch = 0
         self._lost = None  # why the previous epoch's tensors are gone
-        self.stats = {"ops": 0, "records": 0, "flushes": 0, "bytes_pushed": 0}
+        # bytes_pushed: op records (inline blocks included); bytes_put: larger blocks placed through the store
+        self.stats = {"ops": 0, "records": 0, "flushes": 0, "bytes_pushed": 0, "bytes_put": 0}
         self._sink: list = []  # (id, ranks, epoch) of dead handles, appended by Handle.__del__
         self._executables = LRU("process.executables", 4096)  # (kernel, in specs, out specs) -> _Executable
         self._pid_seq = itertools.count(1)  # plan ids are never reused (a worker may still hold a forgotten one)
@@ -373,6 +374,7 @@ class ProcessRuntime(Runtime):
             else:
                 name = f"p/{h.id}/{n}"
                 pp.store_put(store, name, blob)
+                self.stats["bytes_put"] += len(blob)
                 store.add(f"{name}/left", readers[key])
                 payload[key] = (name, len(blob))
         for r, rec in plan:
@@ -380,6 +382,22 @@ class ProcessRuntime(Runtime):
                 rec = rec[:-1] + (payload[rec[-1]],)
             self._buf[r].append(rec)
         self._counted(len(plan))
+        return h
+
+    def zeros(self, spec: DTensorSpec) -> Handle:
+        return self.from_blocks([None] * spec.mesh.size(), spec)  # each worker makes its own
+
+    def from_files(self, reads, spec: DTensorSpec) -> Handle:
+        """Each worker reads its own block from the files (``FileBlock``): only the read instructions
+        leave the controller, no weight bytes."""
+        mesh = spec.mesh
+        self._ensure(mesh)
+        ranks = tuple(mesh.device_ids)
+        h = self._new(ranks)
+        seq = self._note(("read", spec))
+        for r, coord, where in zip(ranks, mesh.coordinates(), reads):
+            self._buf[r].append(("fread", seq, h.id, spec.dtype, spec.local_shape(coord), mesh.device_type, where))
+        self._counted(len(ranks))
         return h
 
     # -- fetching values -------------------------------------------------------------------------
@@ -632,7 +650,7 @@ class ProcessRuntime(Runtime):
             return f"redistribute step '{what[1]}' of {what[2]}"
         if what[0] == "ring_shift":
             return f"ring_shift on mesh dim {what[1]} of {what[2]}"
-        return {"put": "placing", "get": "fetching"}[what[0]] + f" {what[1]}"
+        return {"put": "placing", "get": "fetching", "read": "reading from files"}[what[0]] + f" {what[1]}"
 
     def _unpicklable(self, recs, exc) -> str:
         for rec in recs:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from . import process_plan as pp
 from .blocks import cut_shard, reduce_list
 from .cow import private_copy, writable
+from .interface import read_file_block
 from .kernels import get_kernel
 
 _NATIVE_REDUCE = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
@@ -255,6 +256,9 @@ class Worker:
                 self.store.delete_key(f"{name}/left")
             data = raw
         self.t[hid] = pp.from_blob(data, dtype, shape).to(self.device(device_type))
+
+    def op_fread(self, seq, hid, dtype, shape, device_type, where):
+        self.t[hid] = read_file_block(where, shape, dtype).to(self.device(device_type))
 
     def op_zeros(self, seq, hid, dtype, shape, device_type):
         self.t[hid] = torch.zeros(shape, dtype=dtype, device=self.device(device_type))
@@ -615,6 +619,44 @@ def launch(address: str, ranks: list[int], devices: list[int] | None, connect_ti
     return 0 if worst == 0 else 1
 
 
+def torchrun_identity(env, controller: str | None) -> tuple[str, int, int, int]:
+    """(controller address, rank, local rank, world size) from torchrun's environment."""
+    missing = [k for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE") if k not in env]
+    if missing:
+        raise ValueError(f"--torchrun needs torchrun's {', '.join(missing)} in the environment; start it as "
+                         "`torchrun ... -m dtorch.runtime.worker --torchrun`, or use --ranks without torchrun")
+    try:
+        rank, local, world = (int(env[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    except ValueError:
+        raise ValueError("RANK, LOCAL_RANK and WORLD_SIZE must be integers (as torchrun sets them)") from None
+    if controller is None:
+        if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+            raise ValueError("give --controller HOST:PORT (MASTER_ADDR/MASTER_PORT are not set to derive it from)")
+        # torchrun's own store holds MASTER_PORT on the first node: the controller listens next to it
+        controller = f"{env['MASTER_ADDR']}:{int(env['MASTER_PORT']) + 1}"
+    return controller, rank, local, world
+
+
+def run_torchrun_worker(address: str, rank: int, local: int, world: int, connect_timeout: float) -> int:
+    """One worker torchrun started: its rank is the device id, LOCAL_RANK its CUDA device. The world
+    torchrun made must be the one the controller waits for, else no process group could form."""
+    store = connect(address, connect_timeout)
+    cfg = pickle.loads(store.get("cfg"))
+    if cfg["world"] != world:
+        msg = (f"torchrun started WORLD_SIZE={world} workers but the controller at {address} waits for "
+               f"{cfg['world']}; set DTORCH_PROCESS_WORKERS={world} for the controller (or change --nnodes/"
+               "--nproc-per-node)")
+        print(f"dtorch worker (rank {rank}): {msg}", file=sys.stderr, flush=True)
+        if rank == 0:  # one report is enough: the controller raises it instead of waiting for its timeout
+            store.set("dead/0", msg)
+            store.add("nfault", 1)
+        return 2
+    del store
+    # torchrun's agent is the parent: a worker whose agent is gone exits (as under `dtorch worker`)
+    run_worker(address, rank, local, os.getppid(), connect_timeout)
+    return 0
+
+
 def _listening(address: str) -> bool:
     """Does anything accept connections at HOST:PORT? (a plain socket: no c10d retries or logs)"""
     host, _, port = address.rpartition(":")
@@ -628,7 +670,10 @@ def _listening(address: str) -> bool:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="dtorch worker",
                                  description="start process-backend workers and join a controller")
-    ap.add_argument("--controller", required=True, help="HOST:PORT of the controller's store (DTORCH_PROCESS_LISTEN)")
+    ap.add_argument("--controller", help="HOST:PORT of the controller's store (DTORCH_PROCESS_LISTEN); under "
+                    "--torchrun the default is MASTER_ADDR:MASTER_PORT+1")
+    ap.add_argument("--torchrun", action="store_true",
+                    help="this process is one worker started by torchrun: rank RANK, CUDA device LOCAL_RANK")
     ap.add_argument("--ranks", help="the ranks (device ids) this node runs, e.g. 0-3 or 4,5")
     ap.add_argument("--devices", help="local CUDA device index of each rank (default: 0, 1, ... in --ranks order)")
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -636,6 +681,14 @@ def main(argv=None) -> int:
     ap.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--connect-timeout", type=float, default=300.0, help="seconds to wait for the controller")
     args = ap.parse_args(argv)
+    if args.torchrun:
+        try:
+            address, rank, local, world = torchrun_identity(os.environ, args.controller)
+        except ValueError as exc:
+            ap.error(str(exc))
+        return run_torchrun_worker(address, rank, local, world, args.connect_timeout)
+    if not args.controller:
+        ap.error("give --controller HOST:PORT (where the controller listens: DTORCH_PROCESS_LISTEN)")
     if args.rank is not None:
         run_worker(args.controller, args.rank, args.device_index, args.parent_pid, args.connect_timeout)
         return 0
