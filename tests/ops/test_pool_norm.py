@@ -78,3 +78,13 @@ def test_bad_input():
         F.group_norm(dx, 4)
     with pytest.raises(dtorch.OpError, match="torch tensor"):
         F.batch_norm(dx, torch.zeros(6), torch.ones(6), training=True)
+
+
+@pytest.mark.parametrize("op", [lambda t: F.avg_pool1d(t, 2), lambda t: F.max_pool1d(t, 2),
+                                lambda t: F.adaptive_avg_pool1d(t, 3)], ids=["avg", "max", "adaptive"])
+def test_1d_pooling_with_an_empty_channel_shard(op):
+    # 4 channels over 3 devices: torch.chunk gives 2, 2, 0 (the 1-D kernels checked only 2-D layouts' dims)
+    mesh = dtorch.init_device_mesh("cpu", (3,), mesh_dim_names=["a"])
+    x = torch.randn(3, 4, 7, dtype=torch.float64)
+    X = dtorch.Tensor(x, device_mesh=mesh, placements=[Shard(1)])
+    torch.testing.assert_close(op(X).to_torch(), op(x))

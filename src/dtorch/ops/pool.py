@@ -40,14 +40,15 @@ _AVG = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 _ADAPTIVE = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}
 
 
-def _fold(fn, x, lead: int):
-    """``fn`` on the blocks of every device at once: the grid dims folded into the first dim."""
-    empty = [d for d in range(lead, x.ndim - 2) if x.shape[d] == 0]
+def _fold(fn, x, lead: int, nd: int = 2):
+    """``fn`` on the blocks of every device at once: the grid dims folded into the first dim (``nd``: the
+    spatial dims at the end; the batch/channel dims before them may hold empty shards)."""
+    empty = [d for d in range(lead, x.ndim - nd) if x.shape[d] == 0]
     if empty:  # an empty batch/channel shard: torch refuses empty planes; one zero plane computed, then cut
         d = empty[0]
         shape = list(x.shape)
         shape[d] = 1
-        out = _fold(fn, torch.cat([x, x.new_zeros(shape)], d), lead)
+        out = _fold(fn, torch.cat([x, x.new_zeros(shape)], d), lead, nd)
         return tuple(o.narrow(d, 0, 0) for o in out) if isinstance(out, tuple) else out.narrow(d, 0, 0)
     if not lead:
         return fn(x)
@@ -85,7 +86,7 @@ def _pool_kernel(x, *, lead=0, kind: str, nd: int, kernel_size, stride, padding,
             if nd == 1:
                 return F.avg_pool1d(t, kernel_size, stride, padding, ceil_mode, count_include_pad)
             return _AVG[nd](t, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
-    return _fold(fn, x, lead)
+    return _fold(fn, x, lead, nd)
 
 
 @lru_cache(maxsize=1024)
@@ -223,7 +224,7 @@ avg_pool2d = register("avg_pool2d", rule=_pool_rule, kernel=_pool_kernel,
 def _adaptive_kernel(x, *, lead=0, nd: int, output_size, summed=(), sizes=()):
     for d, n in zip(summed, sizes):  # a sharded dim pooled to one value: this device's share of the mean
         x = x.sum(d, keepdim=True) / n
-    return _fold(lambda t: _ADAPTIVE[nd](t, output_size), x, lead)
+    return _fold(lambda t: _ADAPTIVE[nd](t, output_size), x, lead, nd)
 
 
 def _adaptive_rule(specs, nd, output_size):
