@@ -104,3 +104,19 @@ def test_from_files_reads_boxes_and_rows(request, tmp_path, backend):
         y = dtorch.Tensor._make(spec2, graph.runtime.from_files(reads, spec2), graph)
         want = torch.cat([full[[4, 3, 3], 1:4], full[0:3, 1:4], full[6:7, 1:4]]).float()
         torch.testing.assert_close(y.to_torch(), want)
+
+
+def test_a_file_a_worker_cannot_read_is_named(tmp_path):
+    from dtorch.runtime.process import WorkerError
+
+    g = process_graph(workers=2)
+    try:
+        with using(g):
+            mesh = dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["tp"])
+            spec = DTensorSpec(mesh, (Shard(0),), (4, 2), torch.float32)
+            missing = str(tmp_path / "absent.safetensors")
+            x = dtorch.Tensor._make(spec, g.runtime.from_files([FileBlock(missing, "w", ((0, 2), (0, 2)))] * 2, spec), g)
+            with pytest.raises(WorkerError, match=r"worker 0 failed running reading from files \[4, 2\] float32(.|\n)*absent"):
+                x.to_torch()
+    finally:
+        g.runtime.shutdown()

@@ -86,3 +86,39 @@ def test_two_torchrun_nodes_run_llama_across_both(tmp_path):
         for p in [ctl] + nodes:
             if p.poll() is None:
                 os.killpg(p.pid, 9)
+
+
+MISMATCH = """
+import torch, dtorch
+mesh = dtorch.init_device_mesh("cpu", (4,))
+try:
+    dtorch.Tensor(torch.arange(4.0), device_mesh=mesh).to_torch()
+except Exception as exc:
+    print(type(exc).__name__, exc, flush=True)
+"""
+
+
+def test_a_torchrun_world_unlike_the_controllers_is_named(tmp_path):
+    """torchrun made 2 workers, the controller waits for 4: the worker says so, the controller raises it
+    at once instead of waiting for its timeout."""
+    port = _free_port_pair()
+    script = tmp_path / "controller.py"
+    script.write_text(MISMATCH)
+    env = dict(os.environ, PYTHONPATH=REPO)
+    ctl = subprocess.Popen([sys.executable, str(script)], cwd=REPO, text=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, start_new_session=True,
+                           env=dict(env, DTORCH_BACKEND="process", DTORCH_PROCESS_SPAWN="0", DTORCH_PROCESS_WORKERS="4",
+                                    DTORCH_PROCESS_LISTEN=f"127.0.0.1:{port + 1}", DTORCH_PROCESS_TIMEOUT="60"))
+    worker = subprocess.Popen([sys.executable, "-m", "dtorch.runtime.worker", "--torchrun", "--connect-timeout", "30"],
+                              cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                              env=dict(env, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=str(port)))
+    try:
+        _, werr = worker.communicate(timeout=60)
+        assert worker.returncode == 2 and "WORLD_SIZE=2" in werr and "DTORCH_PROCESS_WORKERS=2" in werr, werr
+        out, err = ctl.communicate(timeout=60)
+        assert "WORLD_SIZE=2" in out and "waits for 4" in out, out + err[-2000:]
+    finally:
+        for p in (ctl, worker):
+            if p.poll() is None:
+                os.killpg(p.pid, 9)

@@ -45,7 +45,7 @@ _NATIVE = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.co
            torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8}
 _HALF = (torch.float16, torch.bfloat16)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_NUMBERED = ("put", "zeros", "get", "k", "w", "s", "r")  # records whose second field is the op's number
+_NUMBERED = ("put", "zeros", "fread", "get", "k", "w", "s", "r")  # records whose second field is the op's number
 
 
 def connect(address: str, timeout_s: float) -> dist.TCPStore:
