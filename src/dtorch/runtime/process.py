@@ -7,7 +7,9 @@ into an op record, buffers the records per worker and pushes them in batches thr
 worker has run anything. A mesh's device id is a worker's rank; what each worker does for a kernel
 or a redistribution primitive is a pure function of the specs (``process_plan``), sent once per plan.
 
-Transport: control records and controller<->worker data go through the store (data in 4 MiB chunks);
+Transport: control records go through the store. Controller<->worker data: workers on this host get
+large blocks as files in a shared-memory directory (``process_plan.shm_*``: the record carries the name),
+workers elsewhere through the store (in 4 MiB chunks);
 worker<->worker data goes through torch.distributed collectives and send/recv (gloo on CPU, NCCL on
 CUDA). Partial terms reduce with torch.distributed's all_reduce / reduce_scatter (half floats in
 float32, integer avg in int64). Where any order gives the same bits (two terms, max/min, integers) the
@@ -24,6 +26,8 @@ Configuration (environment):
                           how many will join
   DTORCH_PROCESS_TIMEOUT  seconds one wait may take (default 300); DTORCH_PROCESS_SYNC=1 waits after
                           every op, so a failing op raises where it was issued (debugging)
+  DTORCH_PROCESS_SHM      1 (default): large blocks to and from workers on this host go through /dev/shm;
+                          0: through the store
   DTORCH_PROCESS_HEARTBEAT_TIMEOUT  seconds a worker's heartbeat may stand still before it counts as
                           hung and the workers are stopped (default 15)
 """
@@ -113,6 +117,7 @@ class ProcessRuntime(Runtime):
         self.max_workers = max_workers or _env_int("DTORCH_PROCESS_MAX_WORKERS", 64)
         self.heartbeat_timeout = heartbeat_timeout(heartbeat_timeout_s)
         self.sync_every_op = os.environ.get("DTORCH_PROCESS_SYNC", "0") in ("1", "true")
+        self.shm = os.environ.get("DTORCH_PROCESS_SHM", "1") not in ("0", "false")
         # the workers' GPUs, when this controller's machine has none (several nodes)
         self.force_cuda = os.environ.get("DTORCH_PROCESS_CUDA", "0") in ("1", "true")
         if not self.spawn and not self.min_workers:
@@ -124,7 +129,9 @@ class ProcessRuntime(Runtime):
         self._epoch = 0
         self._lost = None  # why the previous epoch's tensors are gone
         # bytes_pushed: op records (inline blocks included); bytes_put: larger blocks placed through the store
-        self.stats = {"ops": 0, "records": 0, "flushes": 0, "bytes_pushed": 0, "bytes_put": 0}
+        # bytes_shm: blocks moved through shared memory (both ways); bytes_fetched: blocks fetched through the store
+        self.stats = {"ops": 0, "records": 0, "flushes": 0, "bytes_pushed": 0, "bytes_put": 0, "bytes_shm": 0,
+                      "bytes_fetched": 0}
         self._sink: list = []  # (id, ranks, epoch) of dead handles, appended by Handle.__del__
         self._executables = LRU("process.executables", 4096)  # (kernel, in specs, out specs) -> _Executable
         self._pid_seq = itertools.count(1)  # plan ids are never reused (a worker may still hold a forgotten one)
@@ -146,6 +153,7 @@ class ProcessRuntime(Runtime):
         self._tag = 0
         self._world = 0
         self._cuda = False
+        self._shm_ranks: set = set()  # workers that see the pool's shared-memory directory
 
     # -- devices ---------------------------------------------------------------------------------
     def devices(self, mesh) -> tuple:
@@ -213,6 +221,7 @@ class ProcessRuntime(Runtime):
 
         self._pool.resize(world, "cpu:gloo,cuda:nccl" if cuda else "gloo", cuda, reform)
         self._world, self._cuda = world, cuda
+        self._shm_ranks = self._pool.shm_ranks() if self._pool.shm else set()
         for r in range(world):
             self._buf.setdefault(r, [])
         # the plans stay defined: running workers keep theirs across a re-form, and no plan names a new rank
@@ -364,18 +373,29 @@ class ProcessRuntime(Runtime):
                 continue
             key = id(block)
             if key not in data:
-                data[key] = (block, pp.to_blob(block.detach().cpu()))
-            readers[key] = readers.get(key, 0) + 1
+                data[key] = block
+                readers[key] = []
+            readers[key].append(r)
             plan.append((r, ("put", seq, h.id, spec.dtype, shape, mesh.device_type, key)))
         payload = {}
-        for n, (key, (_, blob)) in enumerate(data.items()):
+        for n, (key, block) in enumerate(data.items()):
+            size = pp.nbytes(tuple(block.shape), block.dtype)
+            if size > INLINE_BYTES and self.shm and self._shm_ranks.issuperset(readers[key]):
+                name = f"p/{h.id}/{n}"
+                path = os.path.join(self._pool.shm[0], f"p-{h.id}-{n}")
+                pp.shm_write(path, block)
+                self.stats["bytes_shm"] += size
+                store.add(f"{name}/left", len(readers[key]))
+                payload[key] = ("shm", path, size, name)
+                continue
+            blob = pp.to_blob(block.detach().cpu())
             if len(blob) <= INLINE_BYTES:
                 payload[key] = blob
             else:
                 name = f"p/{h.id}/{n}"
                 pp.store_put(store, name, blob)
                 self.stats["bytes_put"] += len(blob)
-                store.add(f"{name}/left", readers[key])
+                store.add(f"{name}/left", len(readers[key]))
                 payload[key] = (name, len(blob))
         for r, rec in plan:
             if rec[0] == "put":
@@ -408,8 +428,9 @@ class ProcessRuntime(Runtime):
         req = next(self._ids)
         seq = self._note(("get", spec))
         ranks = [int(spec.mesh.mesh[c]) for c in coords]
+        shm = self.shm and pp.nbytes(spec.local_shape(coords[0]), spec.dtype) > INLINE_BYTES
         for r in ranks:
-            self._buf[r].append(("get", seq, hid, req))
+            self._buf[r].append(("get", seq, hid, req, shm and r in self._shm_ranks))
         self._counted(len(ranks))
         self.flush()
         return req, ranks, self._pool
@@ -428,9 +449,15 @@ class ProcessRuntime(Runtime):
         heads = store.multi_get([f"{key}/{r}" for r in ranks])
         out = []
         for r, head in zip(ranks, heads):
-            dtype, shape = pickle.loads(head)
-            size = pp.nbytes(shape, dtype)
-            out.append(pp.from_blob(pp.store_take(store, f"{key}/{r}", size), dtype, shape))
+            dtype, shape, *shm = pickle.loads(head)
+            if shm:  # a file in the shared-memory directory
+                path, size = shm
+                out.append(pp.shm_take(path, size, dtype, shape))
+                self.stats["bytes_shm"] += size
+            else:
+                size = pp.nbytes(shape, dtype)
+                out.append(pp.from_blob(pp.store_take(store, f"{key}/{r}", size), dtype, shape))
+                self.stats["bytes_fetched"] += size
             store.delete_key(f"{key}/{r}")
         return out
 

@@ -115,6 +115,66 @@ def store_drop(store, key: str, size: int) -> None:
         store.delete_key(f"{key}/{n}")
 
 
+# -- same-host data plane: blocks in shared memory files ------------------------------------------
+# The controller owns one directory in /dev/shm per pool (``shm_dir``); a block travels as a file in it,
+# the record carrying only its name and size. The reader maps the file privately (copy-on-write, no
+# copy) and unlinks it; the directory goes when the pool stops, faults included, so nothing is left.
+
+SHM_ROOT = "/dev/shm"
+
+
+def shm_dir() -> tuple | None:
+    """(directory, token) for this pool's files, or None where there is no /dev/shm."""
+    import os
+    import secrets
+
+    if not os.path.isdir(SHM_ROOT) or not os.access(SHM_ROOT, os.W_OK):
+        return None
+    token = secrets.token_hex(8)
+    path = os.path.join(SHM_ROOT, f"dtorch-{os.getpid()}-{token}")
+    os.mkdir(path, 0o700)
+    with open(os.path.join(path, "token"), "w") as f:
+        f.write(token)
+    return path, token
+
+
+def shm_reachable(where) -> str | None:
+    """The directory, if this process sees the controller's (same host), else None (use the store)."""
+    import os
+
+    if not where:
+        return None
+    path, token = where
+    try:
+        with open(os.path.join(path, "token")) as f:
+            return path if f.read() == token else None
+    except OSError:
+        return None
+
+
+def shm_write(path: str, t: torch.Tensor) -> int:
+    """Write ``t``'s bytes to a new file ``path``; returns their count."""
+    b = as_bytes(t.detach().cpu())
+    with open(path, "wb") as f:
+        if b.numel():
+            f.write(memoryview(b.numpy()))
+    return b.numel()
+
+
+def shm_take(path: str, size: int, dtype: torch.dtype, shape, unlink: bool = True) -> torch.Tensor:
+    """The block in file ``path``, mapped privately: writes stay in this process, and the pages outlive
+    the unlink (they go with the tensor)."""
+    import os
+
+    if size == 0:
+        out = torch.empty(shape, dtype=dtype)
+    else:
+        out = from_bytes(torch.from_file(path, shared=False, size=size, dtype=torch.uint8), dtype, shape)
+    if unlink:
+        os.unlink(path)
+    return out
+
+
 # -- cross-mesh moves ----------------------------------------------------------------------------
 
 

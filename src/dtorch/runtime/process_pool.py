@@ -26,6 +26,7 @@ import time
 import torch.distributed as dist
 
 from ..errors import RuntimeBackendError
+from . import process_plan as pp
 from .worker import worker_command, worker_env
 
 # A worker whose heartbeat (ticked every 0.5 s by its watchdog thread) has not moved for this long is
@@ -72,6 +73,8 @@ class Pool:
         self.world = 0
         self.gen = -1
         self.logdir = tempfile.mkdtemp(prefix="dtorch-workers-") if spawn else None
+        # same-host blocks travel as files here (removed in ``stop``, faults included)
+        self.shm = pp.shm_dir()
         self._logs: dict = {}
         self._beats: dict = {}
         self._info: dict = {}  # rank -> what the worker said about itself (pid, host, device)
@@ -96,7 +99,7 @@ class Pool:
         """Make ``world`` workers run process-group generation gen+1 (``reform()`` tells the running ones)."""
         gen = self.gen + 1
         self.store.set("cfg", pickle.dumps({"gen": gen, "world": world, "backend": backend, "cuda": cuda,
-                                            "timeout": self.timeout}))
+                                            "timeout": self.timeout, "shm": self.shm}))
         if self.world:
             reform()
         if self.spawn:
@@ -229,6 +232,20 @@ class Pool:
             return ""
         return ("; its log ends:\n      " + "\n      ".join(tail)) if tail else ""
 
+    def shm_ranks(self) -> set:
+        """The workers that see this pool's shared-memory directory (on this host)."""
+        out = set()
+        for r in range(self.world):
+            info = pickle.loads(self.client.get(f"info/{r}"))
+            self._info[r] = info
+            if info.get("shm"):
+                out.add(r)
+        return out
+
+    def drop_shm(self) -> None:
+        if self.shm:
+            shutil.rmtree(self.shm[0], ignore_errors=True)
+
     # -- stopping ------------------------------------------------------------------------------
     def stop(self, clean: bool, grace: float = 5.0) -> None:
         """Clean: the workers got an exit record; wait for them. Else (or after ``grace``) kill them."""
@@ -260,4 +277,5 @@ class Pool:
         if self.logdir and not keep:
             shutil.rmtree(self.logdir, ignore_errors=True)
         self.procs.clear()
+        self.drop_shm()
         self.store = None  # closes the server: workers started elsewhere notice and exit

@@ -122,6 +122,7 @@ class Worker:
         self.stopping = False  # the controller is shutting down: skip to the exit record
         self.leaving = False  # got the exit record: the controller closing its store now is no fault
         self.cfg: dict = {}
+        self.shm = None  # the controller's shared-memory directory, when this worker sees it (same host)
 
     # -- setup -------------------------------------------------------------------------------
     def join(self) -> None:
@@ -134,8 +135,9 @@ class Worker:
             torch.cuda.set_device(self.device_index)  # NCCL works on the current device
         # who this worker is, for the controller's fault messages (a hung worker is named by these)
         where = f"cuda:{self.device_index}" if cfg["cuda"] else "cpu"
+        self.shm = pp.shm_reachable(cfg.get("shm"))
         self.store.set(f"info/{self.rank}", pickle.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                                          "device": where}))
+                                                          "device": where, "shm": self.shm is not None}))
         # the process groups get their own store connection: sharing ours with gloo's rendezvous
         # corrupted it (crashes in gloo's address parsing when groups were made under load)
         pg_store = dist.PrefixStore(f"g{cfg['gen']}/", self.store.clone())
@@ -248,6 +250,14 @@ class Worker:
         self.store.add(f"s/{tok}", 1)
 
     def op_put(self, seq, hid, dtype, shape, device_type, data):
+        if isinstance(data, tuple) and data[0] == "shm":  # a file in the shared-memory directory
+            _, path, size, name = data
+            block = pp.shm_take(path, size, dtype, shape, unlink=False)  # mapped before anyone unlinks
+            if self.store.add(f"{name}/left", -1) == 0:  # the last reader unlinks it
+                os.unlink(path)
+                self.store.delete_key(f"{name}/left")
+            self.t[hid] = block.to(self.device(device_type))
+            return
         if isinstance(data, tuple):  # a large block, in the store under ``name`` for ``readers`` workers
             name, size = data
             raw = pp.store_take(self.store, name, size, delete=False)
@@ -263,11 +273,16 @@ class Worker:
     def op_zeros(self, seq, hid, dtype, shape, device_type):
         self.t[hid] = torch.zeros(shape, dtype=dtype, device=self.device(device_type))
 
-    def op_get(self, seq, hid, req):
+    def op_get(self, seq, hid, req, shm=False):
         x = self.t[hid]
         key = f"g/{req}/{self.rank}"
-        pp.store_put(self.store, key, pp.to_blob(x))
-        self.store.set(key, pickle.dumps((x.dtype, tuple(x.shape))))
+        if shm and self.shm:  # the controller maps the file and unlinks it
+            path = os.path.join(self.shm, f"g-{req}-{self.rank}")
+            size = pp.shm_write(path, x)
+            self.store.set(key, pickle.dumps((x.dtype, tuple(x.shape), path, size)))
+        else:
+            pp.store_put(self.store, key, pp.to_blob(x))
+            self.store.set(key, pickle.dumps((x.dtype, tuple(x.shape))))
         self.store.add(f"g/{req}", 1)
 
     def op_batch(self, name, size):  # a batch too large for one queue message

@@ -1,0 +1,153 @@
+"""The process backend's same-host data plane: large blocks to and from workers on this host travel as
+files in a shared-memory directory, the store carries only control records. Values equal torch's (uneven
+shapes, shards and replicas), nothing is left in /dev/shm after use, shutdown or a worker killed in the
+middle of a 256 MB transfer.
+
+    .venv/bin/pytest -q tests/runtime/test_process_dataplane.py
+"""
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import dtorch
+from dtorch import DeviceMesh, Replicate, Shard
+from dtorch.runtime import process_plan as pp
+from dtorch.runtime.process import INLINE_BYTES, WorkerError
+
+from .conftest import process_graph, using
+from .test_process_faults import wait_gone, worker_pids
+
+TRIO = DeviceMesh("cpu", [0, 1, 2], mesh_dim_names=["a"])
+PAIR = DeviceMesh("cpu", [0, 1], mesh_dim_names=["a"])
+
+
+def shm_files() -> list:
+    """Everything this controller left in /dev/shm (its pools' directories and their files)."""
+    return glob.glob(os.path.join(pp.SHM_ROOT, f"dtorch-{os.getpid()}-*"))
+
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(pp.SHM_ROOT),
+                                reason="no /dev/shm on this machine: the store path is the only one")
+
+
+@pytest.fixture(scope="module")
+def trio():
+    g = process_graph(workers=3)
+    yield g
+    g.runtime.shutdown()
+
+
+@pytest.mark.parametrize("placements", [[Shard(0)], [Shard(1)], [Replicate()]])
+def test_large_blocks_go_through_shared_memory_and_equal_torch(trio, placements):
+    # 7 rows over 3 workers: uneven shards, each block well over the inline limit
+    x = torch.randn(7, 3 * INLINE_BYTES // 4 + 13)
+    with using(trio):
+        rt = trio.runtime
+        before = dict(rt.stats)
+        d = dtorch.Tensor(x, device_mesh=TRIO, placements=placements)
+        y = (d * 2).to_torch()
+        assert torch.equal(y, x * 2)
+        assert torch.equal(d.to_torch(), x)
+        moved = rt.stats["bytes_shm"] - before["bytes_shm"]
+        assert moved >= 3 * x.numel() * 4  # placed once, fetched twice
+        # the store carried control only
+        assert rt.stats["bytes_put"] == before["bytes_put"]
+        assert rt.stats["bytes_fetched"] == before["bytes_fetched"]
+        assert rt.stats["bytes_pushed"] - before["bytes_pushed"] < 64 << 10
+        rt.sync()
+        # every file was taken and unlinked: only the pool's directory and its token remain
+        assert os.listdir(rt._pool.shm[0]) == ["token"]
+
+
+def test_in_place_writes_stay_private(trio):
+    """A replicated block is one file mapped by every worker: an in-place write must not reach another
+    tensor placed from the same values (the mappings are private)."""
+    x = torch.randn(5, INLINE_BYTES // 4 + 3)
+    with using(trio):
+        d = dtorch.Tensor(x, device_mesh=TRIO, placements=[Replicate()])
+        s = dtorch.Tensor(x, device_mesh=TRIO, placements=[Replicate()])
+        s.add_(1.0)
+        assert torch.equal(s.to_torch(), x + 1)
+        assert torch.equal(d.to_torch(), x)
+        part = dtorch.Tensor(x, device_mesh=TRIO, placements=[Replicate()]).redistribute(TRIO, [Shard(0)])
+        assert torch.equal(part.to_torch(), x)
+
+
+def test_store_path_gives_the_same_values(trio):
+    x = torch.randn(7, INLINE_BYTES // 4 + 5, dtype=torch.float64)
+    with using(trio):
+        rt = trio.runtime
+        rt.shm = False
+        try:
+            before = dict(rt.stats)
+            d = dtorch.Tensor(x, device_mesh=TRIO, placements=[Shard(0)])
+            assert torch.equal((d + 1).to_torch(), x + 1)
+            assert rt.stats["bytes_shm"] == before["bytes_shm"]
+            assert rt.stats["bytes_put"] > before["bytes_put"] and rt.stats["bytes_fetched"] > before["bytes_fetched"]
+        finally:
+            rt.shm = True
+
+
+def test_shutdown_removes_the_shared_memory_directory():
+    g = process_graph(workers=2)
+    try:
+        with using(g):
+            d = dtorch.Tensor(torch.randn(3, INLINE_BYTES), device_mesh=PAIR, placements=[Shard(0)])
+            d.to_torch()
+            path = g.runtime._pool.shm[0]
+            assert os.path.isdir(path)
+    finally:
+        g.runtime.shutdown()
+    assert not os.path.exists(path)
+
+
+def _kill_when(pred, pid, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not pred() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    os.kill(pid, signal.SIGKILL)
+
+
+def test_worker_killed_during_a_256mb_transfer():
+    """Fetch and place of 256 MB with a worker SIGKILLed mid-way: the dead worker is named within 5 s,
+    no worker process and no /dev/shm file is left, and the next tensor works on new workers."""
+    x = torch.randn(64 << 20)  # 256 MB of float32
+    others = set(shm_files())  # other tests' pools, still running
+    g = process_graph(workers=2)
+    try:
+        with using(g):
+            d = dtorch.Tensor(x, device_mesh=PAIR, placements=[Shard(0)])
+            g.runtime.sync()
+            pids = worker_pids(g)
+            shm = g.runtime._pool.shm[0]
+            # fetch: kill worker 1 once its file exists (it is writing its 128 MB block)
+            fut = d.to_torch_async()
+            _kill_when(lambda: any(n.startswith("g-") for n in os.listdir(shm)), pids[1])
+            t0 = time.monotonic()
+            with pytest.raises(WorkerError, match=rf"worker 1 \(device id 1, pid {pids[1]}\) died: killed by signal SIGKILL"):
+                fut.get()
+            assert time.monotonic() - t0 < 5
+            assert wait_gone(pids, 5) == [] and set(shm_files()) == others
+
+            # place: kill worker 0 while the workers take the 256 MB just written
+            d = dtorch.Tensor(x, device_mesh=PAIR, placements=[Replicate()])
+            pids = worker_pids(g)
+            os.kill(pids[0], signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(WorkerError, match=rf"worker 0 \(device id 0, pid {pids[0]}\) died"):
+                g.runtime.sync()
+            assert time.monotonic() - t0 < 5
+            assert wait_gone(pids, 5) == [] and set(shm_files()) == others
+
+            z = dtorch.Tensor(torch.arange(7.0), device_mesh=PAIR, placements=[Shard(0)])
+            assert torch.equal((z * 3).to_torch(), torch.arange(7.0) * 3)
+            assert set(worker_pids(g)).isdisjoint(pids)
+    finally:
+        g.runtime.shutdown()
+    assert set(shm_files()) == others
