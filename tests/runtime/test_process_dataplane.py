@@ -21,7 +21,7 @@ from dtorch.runtime import process_plan as pp
 from dtorch.runtime.process import INLINE_BYTES, WorkerError
 
 from .conftest import process_graph, using
-from .test_process_faults import wait_gone, worker_pids
+from .test_process_faults import read_pids, run_controller, wait_gone, worker_pids
 
 TRIO = DeviceMesh("cpu", [0, 1, 2], mesh_dim_names=["a"])
 PAIR = DeviceMesh("cpu", [0, 1], mesh_dim_names=["a"])
@@ -79,6 +79,31 @@ def test_in_place_writes_stay_private(trio):
         assert torch.equal(part.to_torch(), x)
 
 
+@pytest.mark.parametrize("placements", [[Shard(0), Shard(1)], [Shard(1), Shard(0)], [Replicate(), Shard(0)],
+                                        [Shard(0), Shard(0)], [Shard(1), Replicate()]])
+def test_contiguous_offsets_locate_the_blocks(placements):
+    """A fetch writes straight into the global value's file where a block is one contiguous run of it:
+    the offset must be where torch has the block's values (2x3 mesh, 7x5 and 1x11 values: uneven)."""
+    from dtorch.runtime.blocks import cut_global
+    from dtorch.spec import DTensorSpec
+
+    mesh = DeviceMesh("cpu", [[0, 1, 2], [3, 4, 5]])
+    for shape in ((7, 5), (1, 11), (7,)):
+        if len(shape) == 1 and any(p.is_shard() and p.dim == 1 for p in placements):
+            continue
+        x = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+        spec = DTensorSpec(mesh, tuple(placements), shape, x.dtype)
+        flat = x.reshape(-1)
+        rows_only = all(not p.is_shard() or p.dim == 0 for p in placements) or shape[0] == 1
+        for coord, block in zip(mesh.coordinates(), cut_global(x, spec)):
+            off = pp.contiguous_offset(spec, coord)
+            if off is None:  # a block of several rows cut along columns: fetched as a block and assembled
+                assert not rows_only, (shape, placements, coord)
+                continue
+            n = block.numel()
+            assert torch.equal(flat[off // 4: off // 4 + n], block.reshape(-1)), (shape, placements, coord)
+
+
 def test_store_path_gives_the_same_values(trio):
     x = torch.randn(7, INLINE_BYTES // 4 + 5, dtype=torch.float64)
     with using(trio):
@@ -107,6 +132,17 @@ def test_shutdown_removes_the_shared_memory_directory():
     assert not os.path.exists(path)
 
 
+def writing(shm: str) -> bool:
+    """Has a worker started writing its block into the file of a fetched value?"""
+    for n in os.listdir(shm):
+        try:
+            if n.startswith("o-") and os.stat(os.path.join(shm, n)).st_blocks:
+                return True
+        except FileNotFoundError:
+            pass
+    return False
+
+
 def _kill_when(pred, pid, timeout=20.0):
     deadline = time.monotonic() + timeout
     while not pred() and time.monotonic() < deadline:
@@ -126,9 +162,9 @@ def test_worker_killed_during_a_256mb_transfer():
             g.runtime.sync()
             pids = worker_pids(g)
             shm = g.runtime._pool.shm[0]
-            # fetch: kill worker 1 once its file exists (it is writing its 128 MB block)
+            # fetch: kill worker 1 once the workers write into the global value's file (128 MB each)
             fut = d.to_torch_async()
-            _kill_when(lambda: any(n.startswith("g-") for n in os.listdir(shm)), pids[1])
+            _kill_when(lambda: writing(shm), pids[1])
             t0 = time.monotonic()
             with pytest.raises(WorkerError, match=rf"worker 1 \(device id 1, pid {pids[1]}\) died: killed by signal SIGKILL"):
                 fut.get()
@@ -151,3 +187,23 @@ def test_worker_killed_during_a_256mb_transfer():
     finally:
         g.runtime.shutdown()
     assert set(shm_files()) == others
+
+
+def test_workers_remove_the_directory_of_a_killed_controller(tmp_path):
+    """A controller killed by SIGKILL cannot clean up: its workers remove its /dev/shm directory."""
+    body = """
+    print(g.runtime._pool.shm[0], flush=True)
+    time.sleep(60)
+    """
+    ctl = run_controller(tmp_path, body)
+    try:
+        pids = read_pids(ctl)
+        path = ctl.stdout.readline().strip()
+        assert os.path.isdir(path), path
+        ctl.kill()
+        ctl.wait(timeout=30)
+        assert wait_gone(pids, 10) == []
+        assert not os.path.exists(path)
+    finally:
+        ctl.kill()
+        ctl.communicate()

@@ -48,7 +48,7 @@ import torch
 
 from ..errors import DeviceUnavailableError, RuntimeBackendError
 from ..mesh import DeviceMesh
-from ..placement import Replicate
+from ..placement import Replicate, Shard
 from ..spec import DTensorSpec
 from . import process_plan as pp
 from .blocks import assemble, cut_global
@@ -421,19 +421,41 @@ class ProcessRuntime(Runtime):
         return h
 
     # -- fetching values -------------------------------------------------------------------------
-    def _request(self, h: Handle, spec: DTensorSpec, coords) -> tuple:
-        """Ask the workers holding ``coords`` for their blocks; returns what ``_collect`` needs."""
+    def _request(self, h: Handle, spec: DTensorSpec, coords, whole: bool = False) -> tuple:
+        """Ask the workers holding ``coords`` for their blocks; returns what ``_collect`` needs.
+
+        ``whole`` (the global value is wanted): where every block is one contiguous run of it and every
+        worker is on this host, the workers write their blocks straight into one shared-memory file of
+        the global value (its path is returned last), which the controller then maps: no assembly copy."""
         self._ensure(spec.mesh)
         hid = self._id(h)
         req = next(self._ids)
         seq = self._note(("get", spec))
         ranks = [int(spec.mesh.mesh[c]) for c in coords]
         shm = self.shm and pp.nbytes(spec.local_shape(coords[0]), spec.dtype) > INLINE_BYTES
-        for r in ranks:
-            self._buf[r].append(("get", seq, hid, req, shm and r in self._shm_ranks))
+        out = None
+        if shm and whole and self._shm_ranks.issuperset(ranks) and all(
+                isinstance(p, (Replicate, Shard)) for p in spec.placements):
+            offsets = [pp.contiguous_offset(spec, c) for c in coords]
+            if None not in offsets:
+                out = os.path.join(self._pool.shm[0], f"o-{req}")
+                with open(out, "wb") as f:
+                    f.truncate(pp.nbytes(spec.shape, spec.dtype))
+        for n, r in enumerate(ranks):
+            how = (out, offsets[n]) if out else shm and r in self._shm_ranks
+            self._buf[r].append(("get", seq, hid, req, how))
         self._counted(len(ranks))
         self.flush()
-        return req, ranks, self._pool
+        return req, ranks, self._pool, out
+
+    def _fetch(self, req: int, ranks, pool: Pool, out, spec: DTensorSpec, coords) -> torch.Tensor:
+        """The global value: mapped from the file the workers wrote into, else assembled from blocks."""
+        blocks = self._collect(req, ranks, pool, spec)
+        if out is None:
+            return self._assemble(spec, coords, blocks)
+        size = pp.nbytes(spec.shape, spec.dtype)
+        self.stats["bytes_shm"] += size
+        return pp.shm_take(out, size, spec.dtype, spec.shape)
 
     def _collect(self, req: int, ranks, pool: Pool, spec: DTensorSpec) -> list:
         key = f"g/{req}"
@@ -450,7 +472,9 @@ class ProcessRuntime(Runtime):
         out = []
         for r, head in zip(ranks, heads):
             dtype, shape, *shm = pickle.loads(head)
-            if shm:  # a file in the shared-memory directory
+            if shm == ["direct"]:  # written into the global value's file (``_request``)
+                out.append(None)
+            elif shm:  # a file in the shared-memory directory
                 path, size = shm
                 out.append(pp.shm_take(path, size, dtype, shape))
                 self.stats["bytes_shm"] += size
@@ -473,20 +497,20 @@ class ProcessRuntime(Runtime):
     def to_global(self, h: Handle, spec: DTensorSpec) -> torch.Tensor:
         coords = pp.grid_coords(spec)
         with self._lock:
-            req, ranks, pool = self._request(h, spec, coords)
-        return self._assemble(spec, coords, self._collect(req, ranks, pool, spec))
+            req, ranks, pool, out = self._request(h, spec, coords, whole=True)
+        return self._fetch(req, ranks, pool, out, spec, coords)
 
     def to_global_async(self, h: Handle, spec: DTensorSpec):
         from ..future import TensorFuture
 
         coords = pp.grid_coords(spec)
         with self._lock:
-            req, ranks, pool = self._request(h, spec, coords)
+            req, ranks, pool, out = self._request(h, spec, coords, whole=True)
         fut: concurrent.futures.Future = concurrent.futures.Future()
 
         def finish():
             try:
-                fut.set_result(self._assemble(spec, coords, self._collect(req, ranks, pool, spec)))
+                fut.set_result(self._fetch(req, ranks, pool, out, spec, coords))
             except BaseException as exc:  # noqa: BLE001  (delivered through the future)
                 fut.set_exception(exc)
 
@@ -496,7 +520,7 @@ class ProcessRuntime(Runtime):
     def local_blocks(self, h: Handle, spec: DTensorSpec) -> list[torch.Tensor]:
         coords = spec.mesh.coordinates()
         with self._lock:
-            req, ranks, pool = self._request(h, spec, coords)
+            req, ranks, pool, _ = self._request(h, spec, coords)
         return self._collect(req, ranks, pool, spec)
 
     # -- local kernels ---------------------------------------------------------------------------

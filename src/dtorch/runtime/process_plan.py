@@ -161,6 +161,37 @@ def shm_write(path: str, t: torch.Tensor) -> int:
     return b.numel()
 
 
+def shm_write_at(path: str, offset: int, t: torch.Tensor) -> None:
+    """Write ``t``'s bytes into the existing file ``path`` at byte ``offset``."""
+    import os
+
+    view = memoryview(as_bytes(t.detach().cpu()).numpy())
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        while view:
+            n = os.pwrite(fd, view, offset)
+            view, offset = view[n:], offset + n
+    finally:
+        os.close(fd)
+
+
+def contiguous_offset(spec: DTensorSpec, coord) -> int | None:
+    """The byte offset of ``coord``'s block in the global value when the block is one contiguous run
+    of it (it splits at most the first dim it does not span fully, and only one-long dims before), else None."""
+    box = spec.local_box(coord)  # (start, length) per dim
+    if any(length == 0 for _, length in box):
+        return 0  # an empty block: nothing to write
+    offset, stride, split = 0, nbytes((), spec.dtype), False
+    for (start, length), n in reversed(list(zip(box, spec.shape))):
+        if split and length != 1:
+            return None
+        offset += start * stride
+        if length != n:
+            split = True
+        stride *= n
+    return offset
+
+
 def shm_take(path: str, size: int, dtype: torch.dtype, shape, unlink: bool = True) -> torch.Tensor:
     """The block in file ``path``, mapped privately: writes stay in this process, and the pages outlive
     the unlink (they go with the tensor)."""

@@ -20,6 +20,7 @@ import importlib
 import inspect
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
@@ -157,8 +158,10 @@ class Worker:
         while True:
             try:
                 blob = self.store.queue_pop(key)
-            except dist.DistNetworkError:
-                os._exit(1)  # the controller is gone
+            except dist.DistNetworkError:  # the controller is gone
+                if not self.leaving:
+                    _orphaned(self)
+                os._exit(1)
             except dist.DistStoreError:
                 continue  # idle past the store timeout
             self.run(pickle.loads(blob))
@@ -276,7 +279,11 @@ class Worker:
     def op_get(self, seq, hid, req, shm=False):
         x = self.t[hid]
         key = f"g/{req}/{self.rank}"
-        if shm and self.shm:  # the controller maps the file and unlinks it
+        if isinstance(shm, tuple):  # into the controller's file of the global value, at our block's offset
+            path, offset = shm
+            pp.shm_write_at(path, offset, x)
+            self.store.set(key, pickle.dumps((x.dtype, tuple(x.shape), "direct")))
+        elif shm and self.shm:  # a file of its own: the controller maps it and unlinks it
             path = os.path.join(self.shm, f"g-{req}-{self.rank}")
             size = pp.shm_write(path, x)
             self.store.set(key, pickle.dumps((x.dtype, tuple(x.shape), path, size)))
@@ -551,10 +558,19 @@ def _watch(store: dist.TCPStore, worker: Worker, parent_pid: int | None) -> None
         except Exception:  # noqa: BLE001
             # the store is gone: after the exit record that is the controller finishing (exit quietly,
             # so a launcher has nothing to report), before it the controller died
+            if not worker.leaving:
+                _orphaned(worker)
             os._exit(0 if worker.leaving else 1)
         if parent_pid and os.getppid() != parent_pid:
+            _orphaned(worker)
             os._exit(1)
         time.sleep(0.5)
+
+
+def _orphaned(worker: Worker) -> None:
+    """The controller died (killed: it could not clean up): remove its shared-memory directory."""
+    if worker.shm:
+        shutil.rmtree(worker.shm, ignore_errors=True)
 
 
 def run_worker(address: str, rank: int, device_index: int, parent_pid: int | None, connect_timeout: float) -> None:
