@@ -119,6 +119,25 @@ def test_store_path_gives_the_same_values(trio):
             rt.shm = True
 
 
+def test_a_full_dev_shm_falls_back_to_the_store(trio, monkeypatch):
+    """A block that does not fit in /dev/shm (a container's is often 64 MB) is placed through the store."""
+    def full(path, t):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pp, "shm_write", full)
+    x = torch.randn(7, INLINE_BYTES // 4 + 9)
+    with using(trio):
+        rt = trio.runtime
+        before = dict(rt.stats)
+        d = dtorch.Tensor(x, device_mesh=TRIO, placements=[Shard(0)])
+        assert torch.equal((d - 1).to_torch(), x - 1)
+        assert rt.stats["bytes_put"] > before["bytes_put"]
+        rt.sync()
+        assert os.listdir(rt._pool.shm[0]) == ["token"]  # the partial file is gone
+
+
 def test_shutdown_removes_the_shared_memory_directory():
     g = process_graph(workers=2)
     try:

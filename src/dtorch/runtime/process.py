@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import functools
 import itertools
 import os
@@ -383,11 +384,16 @@ class ProcessRuntime(Runtime):
             if size > INLINE_BYTES and self.shm and self._shm_ranks.issuperset(readers[key]):
                 name = f"p/{h.id}/{n}"
                 path = os.path.join(self._pool.shm[0], f"p-{h.id}-{n}")
-                pp.shm_write(path, block)
-                self.stats["bytes_shm"] += size
-                store.add(f"{name}/left", len(readers[key]))
-                payload[key] = ("shm", path, size, name)
-                continue
+                try:
+                    pp.shm_write(path, block)
+                except OSError:  # /dev/shm full (a container's is often 64 MB): this block takes the store
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                else:
+                    self.stats["bytes_shm"] += size
+                    store.add(f"{name}/left", len(readers[key]))
+                    payload[key] = ("shm", path, size, name)
+                    continue
             blob = pp.to_blob(block.detach().cpu())
             if len(blob) <= INLINE_BYTES:
                 payload[key] = blob
