@@ -1,6 +1,9 @@
 import os
 import sys
 
+import pytest
+import torch
+
 sys.path.insert(0, os.path.dirname(__file__))
 
 
@@ -22,3 +25,13 @@ def pytest_configure(config):
 
 def pytest_report_header(config):
     return f"dtorch backend: {os.environ.get('DTORCH_BACKEND') or 'inprocess'}"
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module of tiny kernels: on a shared machine torch's spinning thread pool makes
+    them up to 10x slower and erratic (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -23,13 +23,7 @@ RTOL = ATOL = 1e-4
 NEW = 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a loaded machine they cost (spinning workers)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models gain nothing from intra-op threads
 
 CONFIGS = {
     # MHA with 4 layers (pp=2 gets two per stage); initializer_range 0.1: peaked logits, a wrong key shows

@@ -36,7 +36,8 @@ def test_main_prints_the_memory_and_communication_tables(capsys):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--hidden", "30"], "--hidden 30 must be a multiple of 2 x --heads"),
+    (["--hidden", "30"], "--hidden 30 is not divisible by --heads 4 (each head takes hidden / heads features); "
+                         "use --hidden 24 or 32"),
     (["--seq", "15", "--ulysses-cp", "2"], "--seq 15 must be divisible by --ulysses-cp 2"),
     (["--text", "/nonexistent/file.txt"], "no such file"),
     (["--tp", "3"], "tp (3)"),

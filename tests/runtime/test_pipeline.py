@@ -22,13 +22,7 @@ from dtorch.runtime.kernels import get_kernel
 from . import process_kernels
 from .conftest import process_graph, using
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # kernels this small only contend when torch splits them over threads on a shared machine (10x slower)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # kernels this small only contend over threads
 
 
 CFG = dict(hidden_size=32, intermediate_size=88, num_attention_heads=4, num_key_value_heads=2, vocab_size=97,

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError
-from ._checkpoint import load_config
 from .llama import LlamaForCausalLM, LlamaLayoutError, check_layout
-from .llama_cli import _DIM_ORDER, _flag, _ids, _mesh, _mesh_problems, _where, add_layout_flags, run_command
+from .llama_cli import (_DIM_ORDER, _flag, _ids, _mesh, _mesh_problems, _where, add_layout_flags, checkpoint_config,
+                        head_width_problems, run_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,15 +65,11 @@ def check_args(args) -> list[str]:
         problems.append("--check compares greedy tokens; drop --do-sample or --check")
     if any(not p for p in args.prompt or ["x"]):
         problems.append("--prompt must not be empty")
-    if not args.model and args.hidden >= 1 and args.heads >= 1 and args.hidden % (2 * args.heads):
-        problems.append(f"--hidden {args.hidden} must be a multiple of 2 x --heads ({2 * args.heads}): each head takes "
-                        "hidden / heads features, an even number")
+    if not args.model and args.hidden >= 1 and args.heads >= 1:
+        problems += head_width_problems(args.hidden, args.heads)
     config = None
     if args.model:
-        try:
-            config = load_config(Path(args.model))
-        except CheckpointError as exc:
-            problems.append(str(exc))
+        config = checkpoint_config(args.model, problems)
         if not (Path(args.model) / "tokenizer.json").is_file():
             problems.append(f"{args.model} has no tokenizer.json (the tokenizers package reads it); save the "
                             "checkpoint's tokenizer there (tokenizer.save_pretrained(DIR))")

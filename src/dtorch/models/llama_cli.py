@@ -77,6 +77,29 @@ def _divisors(n: int) -> str:
     return ds[0] if len(ds) == 1 else ", ".join(ds[:-1]) + " or " + ds[-1]
 
 
+def head_width_problems(hidden: int, heads: int) -> list[str]:
+    """What is wrong with ``hidden`` over ``heads`` (empty: nothing): every head takes hidden / heads features,
+    an even number (rotary embeddings rotate pairs)."""
+    step = 2 * heads
+    if hidden % step == 0:
+        return []
+    lo, hi = hidden // step * step, (hidden // step + 1) * step
+    use = f"use --hidden {lo} or {hi}" if lo else f"use --hidden {hi}"
+    if hidden % heads:
+        return [f"--hidden {hidden} is not divisible by --heads {heads} (each head takes hidden / heads features); {use}"]
+    return [f"--hidden {hidden} / --heads {heads} = {hidden // heads} features per head, which must be even (rotary "
+            f"embeddings rotate pairs of features); {use}"]
+
+
+def checkpoint_config(path, problems: list):
+    """The config of the checkpoint at ``path``, or None with the reason appended to ``problems``."""
+    try:
+        return load_config(Path(path))
+    except CheckpointError as exc:
+        problems.append(str(exc))
+        return None
+
+
 def check_args(args) -> list[str]:
     """Every problem with the flags, all at once, each saying what to change (empty: they fit together).
 
@@ -96,28 +119,15 @@ def check_args(args) -> list[str]:
         return all(getattr(args, a) >= 1 for a in attrs)
 
     if not args.model and fine("hidden", "heads"):
-        h, n = args.hidden, args.heads
-        step = 2 * n  # every head takes hidden / heads features, an even number (rotary embeddings rotate pairs)
-        if h % step:
-            lo, hi = h // step * step, (h // step + 1) * step
-            use = f"use --hidden {lo} or {hi}" if lo else f"use --hidden {hi}"
-            problems.append(f"--hidden {h} is not divisible by --heads {n} (each head takes hidden / heads features); "
-                            f"{use}" if h % n else
-                            f"--hidden {h} / --heads {n} = {h // n} features per head, which must be even (rotary "
-                            f"embeddings rotate pairs of features); {use}")
+        problems += head_width_problems(args.hidden, args.heads)
     if fine("seq", "ulysses_cp") and args.seq % args.ulysses_cp:
         s, u = args.seq, args.ulysses_cp
         problems.append(f"--seq {s} is not divisible by --ulysses-cp {u} (Ulysses splits the sequence evenly); use "
                         + (f"--seq {s // u * u} or {(s // u + 1) * u}" if s > u else f"--seq {u}")
                         + f", or --ulysses-cp {_divisors(s)}")
 
-    config = None
-    if args.model:
-        try:
-            config = load_config(Path(args.model))
-        except CheckpointError as exc:
-            problems.append(str(exc))
-    elif fine("layers", "heads", "kv_heads"):
+    config = checkpoint_config(args.model, problems) if args.model else None
+    if not args.model and fine("layers", "heads", "kv_heads"):
         # the counts check_layout reads, straight from the flags (a LlamaConfig would refuse some
         # flag mistakes on its own before the layout could be judged)
         config = SimpleNamespace(num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,

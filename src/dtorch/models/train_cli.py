@@ -25,7 +25,7 @@ import dtorch
 
 from .llama import LlamaForCausalLM
 from .llama_cli import (_DIM_ORDER, _ids, _mesh_problems, _mib, _random_config, _where, add_layout_flags,
-                        run_command)
+                        head_width_problems, run_command)
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 _TRAIN_DIMS = _DIM_ORDER + (("fsdp", "fsdp"),)
@@ -67,9 +67,7 @@ def check_args(args) -> list[str]:
     problems += [f"--{a.replace('_', '-')} {getattr(args, a)} must be at least 1" for a in positive if getattr(args, a) < 1]
     if problems:
         return problems
-    if args.hidden % (2 * args.heads):
-        problems.append(f"--hidden {args.hidden} must be a multiple of 2 x --heads ({2 * args.heads}): each head "
-                        "takes an even number of features")
+    problems += head_width_problems(args.hidden, args.heads)
     if args.heads % args.kv_heads:
         problems.append(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     if args.seq % args.ulysses_cp:
