@@ -5,7 +5,7 @@
     dtorch train --text my.txt --save out/ --plot loss.png
 
 The corpus (a few public-domain texts, shipped with dtorch) is read as bytes: vocabulary 256, no
-tokenizer. Each step takes ``--batch`` random windows of ``--seq + 1`` bytes, runs the forward with
+tokenizer. Each step takes ``--batch`` random windows of ``--seq`` bytes, runs the forward with
 ``labels`` (Hugging Face's shifted loss), the backward and one AdamW step. After training: memory per
 device (weights, gradients, optimizer states, activation peak) and the collectives of one step per mesh
 dim. ``--save DIR`` writes a Hugging Face checkpoint (config.json + model.safetensors) that
@@ -75,8 +75,8 @@ def check_args(args) -> list[str]:
     text = Path(args.text) if args.text else CORPUS
     if not text.is_file():
         problems.append(f"--text {text}: no such file")
-    elif text.stat().st_size < args.seq + 2:
-        problems.append(f"--text {text} has {text.stat().st_size} bytes; it needs more than --seq + 1 = {args.seq + 1}")
+    elif text.stat().st_size < args.seq + 1:
+        problems.append(f"--text {text} has {text.stat().st_size} bytes; it needs at least --seq + 1 = {args.seq + 1}")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -106,8 +106,8 @@ def train_mesh(args):
 
 
 def byte_batches(data: np.ndarray, batch: int, seq: int, generator: torch.Generator):
-    """Endless random windows of ``seq`` + 1 bytes: (input ids, labels) with labels = input ids (the model
-    shifts them, like Hugging Face)."""
+    """Endless random windows of ``seq`` bytes: (input ids, labels) with labels = input ids (the model shifts
+    them, like Hugging Face: position i predicts byte i + 1)."""
     n = len(data) - seq
     tokens = torch.from_numpy(data.astype(np.int64))
     while True:
