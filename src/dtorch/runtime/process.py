@@ -63,7 +63,6 @@ __all__ = ["ProcessRuntime", "WorkerError"]
 FLUSH_RECORDS = 64  # records buffered before a push
 FLUSH_AFTER_S = 0.002  # ... or this long after the first one
 INLINE_BYTES = 256 << 10  # blocks up to this size travel inside the op record
-BATCH_LIMIT = 6 << 20  # larger batches go to the store by key (the store caps values at 8 MiB)
 _TAG_SPAN = 1 << 24
 PLAN_IDS = 4096  # plan ids the workers hold at most (a decode loop makes new ones every step)
 
@@ -335,12 +334,7 @@ class ProcessRuntime(Runtime):
                     msg = self._unpicklable(recs, exc)
                     self._teardown(msg)
                     raise RuntimeBackendError(msg) from exc
-                if len(blob) > BATCH_LIMIT:
-                    name = f"b/{next(self._ids)}"
-                    pp.store_put(pool.client, name, blob)
-                    blob = pickle.dumps([("batch", name, len(blob))])
-                pool.push(r, blob)
-                self.stats["bytes_pushed"] += len(blob)
+                self.stats["bytes_pushed"] += pool.push(r, blob)
                 self._buf[r] = []
             self.stats["flushes"] += 1
             self.stats["records"] += self._nrec
@@ -363,7 +357,6 @@ class ProcessRuntime(Runtime):
         ranks = tuple(mesh.device_ids)
         h = self._new(ranks)
         seq = self._note(("put", spec))
-        store = self._pool.client
         data: dict = {}
         readers: dict = {}
         plan = []
@@ -378,37 +371,37 @@ class ProcessRuntime(Runtime):
                 readers[key] = []
             readers[key].append(r)
             plan.append((r, ("put", seq, h.id, spec.dtype, shape, mesh.device_type, key)))
-        payload = {}
-        for n, (key, block) in enumerate(data.items()):
-            size = pp.nbytes(tuple(block.shape), block.dtype)
-            if size > INLINE_BYTES and self.shm and self._shm_ranks.issuperset(readers[key]):
-                name = f"p/{h.id}/{n}"
-                path = os.path.join(self._pool.shm[0], f"p-{h.id}-{n}")
-                try:
-                    pp.shm_write(path, block)
-                except OSError:  # /dev/shm full (a container's is often 64 MB): this block takes the store
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
-                else:
-                    self.stats["bytes_shm"] += size
-                    store.add(f"{name}/left", len(readers[key]))
-                    payload[key] = ("shm", path, size, name)
-                    continue
-            blob = pp.to_blob(block.detach().cpu())
-            if len(blob) <= INLINE_BYTES:
-                payload[key] = blob
-            else:
-                name = f"p/{h.id}/{n}"
-                pp.store_put(store, name, blob)
-                self.stats["bytes_put"] += len(blob)
-                store.add(f"{name}/left", len(readers[key]))
-                payload[key] = (name, len(blob))
+        payload = {key: self._stage(f"{h.id}-{n}", block, readers[key]) for n, (key, block) in enumerate(data.items())}
         for r, rec in plan:
             if rec[0] == "put":
                 rec = rec[:-1] + (payload[rec[-1]],)
             self._buf[r].append(rec)
         self._counted(len(plan))
         return h
+
+    def _stage(self, name: str, block: torch.Tensor, readers: list):
+        """What a put record carries for ``block``, which the workers ``readers`` read: small blocks inline;
+        larger ones a file in shared memory (workers on this host) or the store (elsewhere)."""
+        size = pp.nbytes(tuple(block.shape), block.dtype)
+        if size > INLINE_BYTES and self.shm and self._shm_ranks.issuperset(readers):
+            path = os.path.join(self._pool.shm[0], f"p-{name}")
+            try:
+                pp.shm_write(path, block)
+            except OSError:  # /dev/shm full (a container's is often 64 MB): this block takes the store
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            else:
+                self.stats["bytes_shm"] += size
+                self._pool.client.add(f"p/{name}/left", len(readers))
+                return ("shm", path, size, f"p/{name}")
+        blob = pp.to_blob(block.detach().cpu())
+        if len(blob) <= INLINE_BYTES:
+            return blob
+        store = self._pool.client
+        pp.store_put(store, f"p/{name}", blob)
+        self.stats["bytes_put"] += len(blob)
+        store.add(f"p/{name}/left", len(readers))
+        return (f"p/{name}", len(blob))
 
     def zeros(self, spec: DTensorSpec) -> Handle:
         return self.from_blocks([None] * spec.mesh.size(), spec)  # each worker makes its own

@@ -35,6 +35,7 @@ from .worker import worker_command, worker_env
 HEARTBEAT_TIMEOUT_VAR = "DTORCH_PROCESS_HEARTBEAT_TIMEOUT"
 HEARTBEAT_TIMEOUT_S = 15.0
 HEARTBEAT_MIN_S = 1.0  # two missed ticks: anything shorter would flag healthy workers
+BATCH_LIMIT = 6 << 20  # larger record batches go to the store by key (the store caps values at 8 MiB)
 
 
 def heartbeat_timeout(value: float | None = None) -> float:
@@ -83,6 +84,7 @@ class Pool:
         self.describe = lambda seq, kind: f"{kind} #{seq}"
         self._owner = threading.get_ident()
         self._tls = threading.local()
+        self._batches = 0
 
     @property
     def client(self) -> dist.TCPStore:
@@ -122,8 +124,16 @@ class Pool:
         self.wait(lambda: self.store.check(keys), f"{world} workers to join (generation {gen})", wait_s)
         self.gen = gen
 
-    def push(self, rank: int, blob: bytes) -> None:
+    def push(self, rank: int, blob: bytes) -> int:
+        """Queue a batch of records for worker ``rank``; the bytes pushed. A batch larger than one queue
+        message (the store caps values at 8 MiB) goes to the store by key and the queue gets its name."""
+        if len(blob) > BATCH_LIMIT:
+            self._batches += 1
+            name = f"b/{self._batches}"
+            pp.store_put(self.client, name, blob)
+            blob = pickle.dumps([("batch", name, len(blob))])
         self.client.queue_push(f"q/{rank}", blob)
+        return len(blob)
 
     # -- waiting and health ------------------------------------------------------------------------
     def wait(self, done, what: str, timeout: float | None = None) -> None:

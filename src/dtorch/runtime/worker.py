@@ -128,23 +128,29 @@ class Worker:
     # -- setup -------------------------------------------------------------------------------
     def join(self) -> None:
         """(Re-)join the current process group generation the controller published."""
-        cfg = self.cfg = pickle.loads(self.store.get("cfg"))
+        cfg = pickle.loads(self.store.get("cfg"))
+        self.shm = pp.shm_reachable(cfg.get("shm"))
+        # who this worker is, for the controller's fault messages (a hung worker is named by these)
+        self.store.set(f"info/{self.rank}", pickle.dumps(dict(self.identity(cfg), shm=self.shm is not None)))
+        # the process groups get their own store connection: sharing ours with gloo's rendezvous
+        # corrupted it (crashes in gloo's address parsing when groups were made under load)
+        self.form(cfg, dist.PrefixStore(f"g{cfg['gen']}/", self.store.clone()))
+        self.store.set(f"ready/{cfg['gen']}/{self.rank}", str(os.getpid()))
+
+    def identity(self, cfg) -> dict:
+        where = f"cuda:{self.device_index}" if cfg["cuda"] else "cpu"
+        return {"pid": os.getpid(), "host": socket.gethostname(), "device": where}
+
+    def form(self, cfg, pg_store) -> None:
+        """Join process-group generation ``cfg["gen"]`` (leaving the previous one) through ``pg_store``."""
+        self.cfg = cfg
         if dist.is_initialized():
             dist.destroy_process_group()
         self.groups.clear()
         if cfg["cuda"]:
             torch.cuda.set_device(self.device_index)  # NCCL works on the current device
-        # who this worker is, for the controller's fault messages (a hung worker is named by these)
-        where = f"cuda:{self.device_index}" if cfg["cuda"] else "cpu"
-        self.shm = pp.shm_reachable(cfg.get("shm"))
-        self.store.set(f"info/{self.rank}", pickle.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                                          "device": where, "shm": self.shm is not None}))
-        # the process groups get their own store connection: sharing ours with gloo's rendezvous
-        # corrupted it (crashes in gloo's address parsing when groups were made under load)
-        pg_store = dist.PrefixStore(f"g{cfg['gen']}/", self.store.clone())
         dist.init_process_group(cfg["backend"], store=pg_store, rank=self.rank, world_size=cfg["world"],
                                 timeout=datetime.timedelta(seconds=cfg["timeout"]))
-        self.store.set(f"ready/{cfg['gen']}/{self.rank}", str(os.getpid()))
 
     def device(self, device_type: str) -> torch.device:
         # "cuda" meshes run on the CPU when the controller simulates GPUs (no GPU, or same-device mode)
