@@ -8,8 +8,9 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import dtorch, pytest, hypothesis" >/dev/null 2>&1 || [ pyproject.toml -nt .venv/.installed ]; then
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+if ! .venv/bin/python -c "import dtorch, pytest, hypothesis, importlib.util as u; assert u.find_spec('ray')" >/dev/null 2>&1 || [ pyproject.toml -nt .venv/.installed ]; then
+  # the ray extra too: the tests run the ray backend against a local Ray
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,ray]"
   touch .venv/.installed
 fi
 cmd=${1:-demo}

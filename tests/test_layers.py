@@ -21,7 +21,7 @@ RUNTIME_SURFACE = {"dtorch.runtime", "dtorch.runtime.interface", "dtorch.runtime
 ABOVE_RUNTIME = ("dtorch.graph", "dtorch.tensor", "dtorch.ops", "dtorch.nn", "dtorch.models", "dtorch.autograd",
                  "dtorch.optim", "dtorch.cli", "dtorch.visualize", "dtorch.redistribute")
 PROCESS_BACKEND = ("dtorch.runtime.process", "dtorch.runtime.process_plan", "dtorch.runtime.process_pool",
-                   "dtorch.runtime.worker")
+                   "dtorch.runtime.worker", "dtorch.runtime.ray_backend", "dtorch.runtime.ray_worker")
 
 
 def _module_name(path: Path) -> str:

@@ -60,3 +60,27 @@ def blocks_ref():
     g = dtorch.Graph(backend="inprocess")
     g.runtime = BlocksRuntime()
     return g
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray instance for the ray-backend tests (2 CPUs, as in CI); skipped, saying why, only where
+    Ray is not installed or cannot start."""
+    ray = pytest.importorskip("ray", reason="the ray backend's tests need Ray: pip install 'dtorch[ray]'")
+    if ray.is_initialized():
+        yield ray
+        return
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"Ray cannot start on this machine: {exc}")
+    yield ray
+    ray.shutdown()
+
+
+def ray_graph(**kwargs) -> dtorch.Graph:
+    from dtorch.runtime.ray_backend import RayRuntime
+
+    g = dtorch.Graph(backend="ray")
+    g.runtime = RayRuntime(**{"timeout": 60, **kwargs})
+    return g

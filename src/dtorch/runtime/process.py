@@ -193,8 +193,11 @@ class ProcessRuntime(Runtime):
         """Do "cuda" meshes run on GPUs (NCCL), or simulated on the workers' CPUs?"""
         return self.force_cuda or (torch.cuda.is_available() and not self.config.same_device)
 
+    def _make_pool(self, world: int):
+        return Pool(self.listen, self.spawn, self.timeout, max(60.0, 15.0 * world), self.heartbeat_timeout)
+
     def _start(self, world: int, cuda: bool) -> None:
-        pool = Pool(self.listen, self.spawn, self.timeout, max(60.0, 15.0 * world), self.heartbeat_timeout)
+        pool = self._make_pool(world)
         pool.describe = self._describe
         self._pool = pool
         try:

@@ -17,6 +17,8 @@ BACKENDS: dict[str, str] = {
     "process": "dtorch.runtime.process:ProcessRuntime",
     # plain per-device blocks in a loop, every block checked against its spec: the seam's reference
     "reference": "dtorch.runtime.reference:ReferenceRuntime",
+    # one Ray actor per device (a Ray cluster's nodes and GPUs), torch.distributed between them
+    "ray": "dtorch.runtime.ray_backend:RayRuntime",
 }
 
 # command-line entry points that belong to a backend: `dtorch NAME ARGS` -> "module:function", called with

@@ -187,10 +187,7 @@ class Worker:
 
     def report(self, rec, exc: BaseException) -> None:
         self.failed = True
-        seq = rec[1] if rec[0] in _NUMBERED else None  # the controller knows what op #seq was
-        kind = rec[0] if seq is not None or len(rec) < 3 else f"{rec[0]} {rec[2]!r}"
-        text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-        self.store.set(f"err/{self.rank}", pickle.dumps((seq, kind, text, traceback.format_exc())))
+        self.store.set(f"err/{self.rank}", pickle.dumps(failure(rec, exc)))
         self.store.add("nfault", 1)
 
     def leave(self) -> None:
@@ -245,13 +242,17 @@ class Worker:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def op_stats(self, req, collectives=False):
+    def statistics(self, collectives: bool) -> dict:
+        """What ``worker_stats`` reports, after the posted transfers completed."""
         self.settle()
         stats = {"blocks": len(self.t), "bytes": sum(x.numel() * x.element_size() for x in self.t.values()),
                  "defs": len(self.defs)}
         if collectives:
             stats["collectives"] = dict(self.calls)
-        self.store.set(f"st/{req}/{self.rank}", pickle.dumps(stats))
+        return stats
+
+    def op_stats(self, req, collectives=False):
+        self.store.set(f"st/{req}/{self.rank}", pickle.dumps(self.statistics(collectives)))
         self.store.add(f"st/{req}", 1)
 
     def op_sync(self, tok):
@@ -543,6 +544,15 @@ class Worker:
                 (waits if any(op.op is dist.irecv for op in ops) else self.sends).extend(works)
         incoming = _Incoming(waits, recvs, out, after.dtype)
         return incoming if waits else incoming.finish()
+
+
+def failure(rec, exc: BaseException) -> tuple:
+    """(op number or None, record kind, the exception in one line, its traceback): what the controller
+    needs to name the op a record belonged to (it knows what op #seq was)."""
+    seq = rec[1] if rec[0] in _NUMBERED else None
+    kind = rec[0] if seq is not None or len(rec) < 3 else f"{rec[0]} {rec[2]!r}"
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    return seq, kind, text, traceback.format_exc()
 
 
 def _run_p2p(ops) -> None:

@@ -1,0 +1,403 @@
+"""The ray backend: one Ray actor per device, torch.distributed between the actors.
+
+The controller is the process backend's (``ProcessRuntime``: handles, op records, plans, batching); this
+module swaps its transport for Ray's:
+
+* workers are Ray actors (``ray_worker.DeviceActor``): CPU actors for "cpu" meshes, which reserve a
+  fraction of a CPU each (a 4-device mesh runs on a 2-core machine), GPU actors through a placement group,
+  one GPU each, for "cuda" meshes when the cluster has GPUs;
+* batches of op records are actor calls, made without waiting (Ray keeps one caller's calls to an actor
+  in order);
+* data between controller and actors goes through Ray's object store: blocks to place are ``ray.put`` and
+  passed as call arguments, fetched blocks come back as the call's result (no TCPStore, no pickled copy);
+* faults come from Ray's supervision: a dead actor fails its calls (``ActorDiedError``), which the
+  controller sees at the next op or wait, and names the device and the op; an op that raises on an actor
+  comes back in the call's answers. Either way every actor is killed, the tensors on them are lost and the
+  next operation starts new actors.
+
+Ray: the program's own when it already called ``ray.init`` (``ray.is_initialized()``); else
+``ray.init(address=...)`` with ``address=`` / ``RAY_ADDRESS`` (an existing cluster: "auto" or HOST:PORT);
+else a local Ray that this backend starts, and stops again at shutdown.
+
+Configuration (environment; the process backend's DTORCH_PROCESS_TIMEOUT, DTORCH_PROCESS_SYNC and
+DTORCH_PROCESS_MAX_WORKERS apply too):
+  RAY_ADDRESS                the cluster to join when Ray is not initialized yet
+  DTORCH_RAY_CPUS_PER_DEVICE Ray CPUs a "cpu" device actor reserves (default 0.01: scheduling only)
+  DTORCH_RAY_THREADS         torch threads per actor (default: this machine's cores / devices)
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import time
+import warnings
+
+import torch
+
+from ..errors import DeviceUnavailableError, RuntimeBackendError
+from . import process_plan as pp
+from .process import INLINE_BYTES, ProcessRuntime
+from .process_pool import WorkerError
+
+try:
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+except ImportError:  # pragma: no cover  (the message is the point)
+    ray = None
+
+__all__ = ["RayRuntime"]
+
+CPUS_PER_DEVICE = 0.01
+POLL_S = 0.002
+
+
+def _need_ray():
+    if ray is None:
+        raise RuntimeBackendError("the ray backend needs Ray: pip install 'dtorch[ray]' (or pip install ray), "
+                                  "or choose another backend (DTORCH_BACKEND=process runs one process per device "
+                                  "without Ray)")
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r} must be a positive number")
+    return value
+
+
+class RayRuntime(ProcessRuntime):
+    name = "ray"
+
+    def __init__(self, *, address: str | None = None, workers: int | None = None, timeout: float | None = None,
+                 max_workers: int | None = None, cpus_per_device: float | None = None):
+        _need_ray()
+        super().__init__(workers=workers, timeout=timeout, max_workers=max_workers)
+        self.shm = False  # Ray's object store is the data plane
+        self.stats["bytes_object_store"] = 0
+        self.cpus_per_device = cpus_per_device or _env_float("DTORCH_RAY_CPUS_PER_DEVICE", CPUS_PER_DEVICE)
+        self.started_ray = False
+        if not ray.is_initialized():
+            address = address or os.environ.get("RAY_ADDRESS") or None
+            # a local Ray is this backend's own: quiet, and stopped at shutdown
+            ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                     **({} if address else {"configure_logging": False}))
+            self.started_ray = address is None
+        self.gpus = int(ray.cluster_resources().get("GPU", 0))
+        # "cuda" meshes: one GPU actor per device when the cluster has GPUs, though this process may have none
+        self.force_cuda = self.gpus > 0 and not self.config.same_device
+
+    def _real_gpus(self) -> bool:
+        return self.force_cuda
+
+    def _make_pool(self, world: int):
+        return RayPool(self.timeout, max(60.0, 15.0 * world), self.cpus_per_device, self._last_op)
+
+    def _last_op(self):
+        return next(reversed(self._ops), None)
+
+    # -- data plane: Ray's object store ----------------------------------------------------------------
+    def _stage(self, name: str, block: torch.Tensor, readers: list):
+        data = pp.as_bytes(block.detach().cpu())
+        if data.numel() <= INLINE_BYTES:
+            return data.numpy().tobytes()
+        ref = ray.put(data.numpy())  # one copy into the object store; every reader's node maps or pulls it
+        self.stats["bytes_object_store"] += data.numel()
+        for r in readers:
+            self._pool.attach(r, name, ref)
+        return ("ray", name)
+
+    def _request(self, h, spec, coords, whole: bool = False) -> tuple:
+        self._ensure(spec.mesh)
+        hid = self._id(h)
+        req = next(self._ids)
+        seq = self._note(("get", spec))
+        ranks = [int(spec.mesh.mesh[c]) for c in coords]
+        for r in ranks:
+            self._buf[r].append(("get", seq, hid, req, False))
+        self._counted(len(ranks))
+        self.flush()  # the get is the last record of its batch: the call's result holds the block
+        pool = self._pool
+        return req, [(r, pool.last[r]) for r in ranks], pool, None
+
+    def _collect(self, req: int, ranks, pool, spec) -> list:
+        answers = self._answers(pool, [ref for _, ref in ranks], f"the blocks of {spec}")
+        out = []
+        with warnings.catch_warnings():  # Ray maps results read-only; assembling (or local_blocks) copies
+            warnings.simplefilter("ignore", UserWarning)
+            for answer in answers:
+                dtype, shape, data = answer[("get", req)]
+                self.stats["bytes_object_store"] += data.nbytes
+                out.append(pp.from_bytes(torch.from_numpy(data), dtype, shape))
+        return out
+
+    def local_blocks(self, h, spec) -> list[torch.Tensor]:
+        return [b.clone() for b in super().local_blocks(h, spec)]
+
+    def _answers(self, pool: "RayPool", refs, what: str) -> list:
+        try:
+            return pool.results(refs, what)
+        except WorkerError as exc:
+            with self._lock:
+                if pool is self._pool:
+                    self._teardown(str(exc))
+            raise
+
+    # -- waits ---------------------------------------------------------------------------------------
+    def _everyone(self, record) -> "RayPool":
+        """Queue ``record`` for every actor and push; the pool (None when no actor runs)."""
+        pool = self._pool
+        if pool is not None:
+            self._queue_frees()
+            for r in range(self._world):
+                self._buf[r].append(record)
+            self.flush()
+        return pool
+
+    def sync(self) -> None:
+        with self._lock:
+            pool = self._everyone(("sync", 0))
+            if pool is not None:
+                self._answers(pool, [pool.last[r] for r in range(self._world)],
+                              "the device actors to finish their queued work")
+
+    def worker_stats(self, collectives: bool = False) -> dict:
+        with self._lock:
+            req = next(self._ids)
+            pool = self._everyone(("stats", req, collectives))
+            if pool is None:
+                return {}
+            answers = self._answers(pool, [pool.last[r] for r in range(self._world)], "device actor statistics")
+            return {r: a[("stats", req)] for r, a in enumerate(answers)}
+
+    def shutdown(self) -> None:
+        with self._lock:
+            pool = self._pool
+            if pool is not None:
+                clean = True
+                try:
+                    self._everyone(("exit",))
+                except Exception:  # noqa: BLE001
+                    clean = False
+                self._pool = None
+                pool.stop(clean=clean)
+                self._lost = "the backend was shut down"
+                self._epoch += 1
+                self._reset()
+            if self.started_ray and ray.is_initialized():
+                self.started_ray = False
+                ray.shutdown()
+
+
+class RayPool:
+    """The device actors of one ray-backend runtime: start, grow, call, watch, stop.
+
+    Every call's ObjectRef stays ``outstanding`` until its result was looked at: a failed call (the actor
+    died) or an answer carrying an error is a fault. ``last[rank]`` is the latest call to that actor; since
+    an actor runs its calls in order, waiting for it waits for everything queued before."""
+
+    shm = None  # no same-host file transport: Ray's object store carries the data
+
+    def __init__(self, timeout: float, start_timeout: float, cpus_per_device: float, last_op):
+        self.timeout = timeout
+        self.start_timeout = start_timeout
+        self.cpus_per_device = cpus_per_device
+        self.last_op = last_op
+        self.actors: dict = {}
+        self.groups: list = []  # placement groups of GPU actors
+        self.info: dict = {}  # rank -> what the actor said about itself
+        self.outstanding: dict = {}  # ObjectRef -> (rank, the last op queued before it)
+        self.last: dict = {}
+        self.arriving: dict = {}  # rank -> [(key, ObjectRef)] of blocks its next call places
+        self.rendezvous = None
+        self.world = 0
+        self.gen = -1
+        self.cuda = False
+        self.describe = lambda seq, kind: f"{kind} #{seq}"
+        self._next_check = 0.0
+
+    # -- membership ----------------------------------------------------------------------------------
+    def resize(self, world: int, backend: str, cuda: bool, reform) -> None:
+        """``world`` actors join process-group generation gen+1 (the running ones keep their blocks)."""
+        if self.world and cuda != self.cuda:
+            raise DeviceUnavailableError(
+                "the ray backend cannot move running CPU device actors onto GPUs: use a new dtorch.Graph for "
+                "the cuda mesh (or put the cuda mesh first)")
+        self.cuda = cuda
+        actor_cls = _actor_class()
+        new = range(self.world, world)
+        if cuda and len(new):
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            group = placement_group([{"GPU": 1, "CPU": self.cpus_per_device}] * len(new), strategy="PACK")
+            self.groups.append(group)
+            self._wait_ready([group.ready()], f"a placement group of {len(new)} GPUs "
+                             f"(the cluster has {int(ray.cluster_resources().get('GPU', 0))})", self.start_timeout)
+            for n, r in enumerate(new):
+                strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=n)
+                self.actors[r] = actor_cls.options(num_gpus=1, num_cpus=self.cpus_per_device,
+                                                   scheduling_strategy=strategy).remote(r)
+        else:
+            for r in new:
+                self.actors[r] = actor_cls.options(num_cpus=self.cpus_per_device).remote(r)
+        self.world = world
+        if self.rendezvous is None:
+            self.rendezvous = self._wait_ready([self.actors[0].host_rendezvous.remote(self.timeout)],
+                                               "the first device actor to start", self.start_timeout)[0]
+        gen = self.gen + 1
+        threads = int(os.environ.get("DTORCH_RAY_THREADS") or max(1, (os.cpu_count() or 1) // world))
+        cfg = {"gen": gen, "world": world, "backend": backend, "cuda": cuda, "timeout": self.timeout,
+               "rendezvous": self.rendezvous, "threads": threads}
+        blob = pickle.dumps([("reform", cfg)])
+        refs = [self.call(r, blob) for r in range(world)]
+        for r, answer in enumerate(self.results(refs, f"{world} device actors to join (generation {gen})",
+                                                self.start_timeout)):
+            self.info[r] = answer["info"]
+        self.gen = gen
+
+    def _wait_ready(self, refs, what: str, timeout: float) -> list:
+        try:
+            return ray.get(refs, timeout=timeout)
+        except GetTimeoutError:
+            raise WorkerError(f"dtorch ray backend: timed out after {timeout:.0f} s waiting for {what}; is the Ray "
+                              "cluster short of resources? (`ray status` shows them)") from None
+        except RayActorError as exc:
+            raise WorkerError(f"dtorch ray backend: a device actor died while starting: {_first_line(exc)}") from None
+
+    # -- calls -----------------------------------------------------------------------------------------
+    def attach(self, rank: int, key: str, ref) -> None:
+        """The next call to ``rank`` carries ``ref`` (a block a put record names by ``key``)."""
+        self.arriving.setdefault(rank, []).append((key, ref))
+
+    def call(self, rank: int, blob: bytes):
+        arriving = self.arriving.pop(rank, ())
+        keys = tuple(k for k, _ in arriving)
+        ref = self.actors[rank].run.remote(blob, keys, *(v for _, v in arriving))
+        self.outstanding[ref] = (rank, self.last_op())
+        self.last[rank] = ref
+        return ref
+
+    def push(self, rank: int, blob: bytes) -> int:
+        self.call(rank, blob)  # Ray moves a large batch through its object store itself
+        return len(blob)
+
+    # -- waiting and health ----------------------------------------------------------------------------
+    def results(self, refs, what: str, timeout: float | None = None) -> list:
+        """The answers of these calls; watches every actor meanwhile; never longer than ``timeout``."""
+        timeout = self.timeout if timeout is None else timeout
+        start = time.perf_counter()
+        pending = list(refs)
+        delay = POLL_S
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=delay)
+            self.check(force=True)
+            if time.perf_counter() - start > timeout:
+                raise WorkerError(f"dtorch ray backend: timed out after {timeout:.0f} s waiting for {what}. "
+                                  "Raise DTORCH_PROCESS_TIMEOUT if the work is just long.")
+            delay = min(0.05, delay * 2)
+        answers = ray.get(list(refs))  # all ready and looked at by check(): no failure is left in them
+        return [a or {} for a in answers]
+
+    def check(self, now: float | None = None, force: bool = False) -> None:
+        """Raise WorkerError when an actor died or an op failed on one (seen in the calls that finished)."""
+        now = time.perf_counter() if now is None else now
+        if not force and now < self._next_check:
+            return
+        self._next_check = now + 0.05
+        if not self.outstanding:
+            return
+        done, _ = ray.wait(list(self.outstanding), num_returns=len(self.outstanding), timeout=0, fetch_local=False)
+        faults = self._faults(done)
+        if faults:
+            time.sleep(0.3)  # let the peers' calls fail or report too: the root cause leads the message
+            done, _ = ray.wait(list(self.outstanding), num_returns=len(self.outstanding), timeout=0,
+                               fetch_local=False)
+            raise WorkerError(self._fault_report(faults + self._faults(done)))
+
+    def _faults(self, done) -> list:
+        """(kind, rank, text) of each fault among the finished calls ``done``: 0 a dead actor, 1 a failed op."""
+        done = set(done)
+        faults = []
+        dead = set()
+        for ref in [ref for ref in self.outstanding if ref in done]:  # in call order
+            rank, last = self.outstanding.pop(ref)
+            try:
+                answer = ray.get(ref)
+            except RayActorError as exc:
+                if rank not in dead:  # its first failed call holds the op it was running
+                    dead.add(rank)
+                    op = "" if last is None else f" while running the ops queued up to #{last} ({self.describe(last, 'op')})"
+                    faults.append((0, rank, f"{self.who(rank)} died{op}: {_first_line(exc)}"))
+                continue
+            if answer and "err" in answer:
+                seq, kind, text, _tb = answer["err"]
+                faults.append((1, rank, f"{self.who(rank)} failed running {self.describe(seq, kind)}:\n    {text}"))
+        return faults
+
+    def _fault_report(self, faults) -> str:
+        # a dead actor makes its peers' collectives fail too: the death is the news, their errors follow
+        lines, dead = [], set()
+        for kind, rank, text in sorted(faults, key=lambda f: f[:2]):  # stable: a rank's first death stays first
+            if kind == 0 and rank in dead:
+                continue
+            dead.add(rank) if kind == 0 else None
+            lines.append(text)
+        return ("dtorch ray backend: " + "\n".join(dict.fromkeys(lines)) +
+                "\nThe backend's device actors were stopped; tensors on them are lost (the next operation starts "
+                "new actors).")
+
+    def who(self, r: int) -> str:
+        info = self.info.get(r, {})
+        parts = [f"device id {r}"] + [f"{k} {info[k]}" for k in ("pid", "host") if k in info]
+        if info.get("device", "cpu") != "cpu":
+            parts.append(info["device"])
+        return f"device actor {r} ({', '.join(parts)})"
+
+    def shm_ranks(self) -> set:
+        return set()
+
+    # -- stopping --------------------------------------------------------------------------------------
+    def stop(self, clean: bool, grace: float = 5.0) -> None:
+        """Clean: the actors got an exit record; give them ``grace`` to finish it. Then kill every actor."""
+        if clean and self.last:
+            ray.wait(list(self.last.values()), num_returns=len(self.last), timeout=grace, fetch_local=False)
+        for actor in self.actors.values():
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001  (already gone)
+                pass
+        from ray.util.placement_group import remove_placement_group
+
+        for group in self.groups:
+            try:
+                remove_placement_group(group)
+            except Exception:  # noqa: BLE001
+                pass
+        self.actors.clear()
+        self.groups.clear()
+        self.outstanding.clear()
+        self.last.clear()
+        self.arriving.clear()
+
+
+_ACTOR = None
+
+
+def _actor_class():
+    global _ACTOR
+    if _ACTOR is None:
+        from .ray_worker import DeviceActor
+
+        _ACTOR = ray.remote(DeviceActor)
+    return _ACTOR
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
