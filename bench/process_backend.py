@@ -1,9 +1,13 @@
-"""TP=2 Llama forward: dtorch's process backend (2 worker processes, one controller) against PyTorch
-DTensor tensor parallel (``torch.distributed.tensor.parallel`` on 2 gloo processes), same model, same
-weights, same thread count per process, one command.
+"""TP=2 and TP=4 Llama forward: dtorch's process backend (TP worker processes, one controller) against
+PyTorch DTensor tensor parallel (``torch.distributed.tensor.parallel`` on TP gloo processes), same
+model, same weights, same thread count per process, one command.
 
-    .venv/bin/python bench/process_backend.py                    # defaults below
-    .venv/bin/python bench/process_backend.py --hidden 256 --layers 2 --seq 64 --iters 5
+    .venv/bin/python bench/process_backend.py                    # TP=2 and TP=4, defaults below
+    .venv/bin/python bench/process_backend.py --tp 2 --hidden 256 --layers 2 --seq 64 --iters 5
+
+The two systems run in alternating rounds (DTensor's ranks wait on a store key while dtorch runs, and
+dtorch's workers wait on their queues while DTensor runs), so both see the same load on a shared
+machine; the medians are over every round's forwards.
 
 Reports per forward: wall time of each system, their ratio, and for dtorch the controller's own time
 (issuing every op without waiting) against the wall time, per op and as a ratio. dtorch's forward
@@ -13,6 +17,7 @@ ends when every worker is done (``sync``); fetching the logits to the controller
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -27,19 +32,31 @@ import transformers
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", type=int, nargs="+", default=[2, 4], help="tensor-parallel sizes to run (default: 2 4)")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=4, help="forwards per round")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (DTensor, then dtorch)")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="torch threads per worker")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads per process (default: cores / TP, at least 1)")
     ap.add_argument("--dtensor-rank", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--dtensor-world", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    for tp in args.tp:
+        if tp < 1 or args.heads % tp:
+            ap.error(f"--tp {tp}: the tensor-parallel size must divide --heads {args.heads}")
+    return args
+
+
+def threads_for(args, tp: int) -> int:
+    return args.threads or max(1, (os.cpu_count() or 2) // tp)
 
 
 def hf_model(args) -> transformers.LlamaForCausalLM:
@@ -56,70 +73,30 @@ def token_ids(args) -> torch.Tensor:
     return torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
 
 
-def timed(fn, args) -> list[float]:
-    for _ in range(args.warmup):
-        fn()
+def timed(fn, n: int) -> list[float]:
     out = []
-    for _ in range(args.iters):
+    for _ in range(n):
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
     return out
 
 
-# -- dtorch, process backend ---------------------------------------------------------------------------
-
-
-def bench_dtorch(args, hf):
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))  # read by the workers when they start
-    import dtorch
-    from dtorch.models.llama import LlamaForCausalLM
-
-    graph = dtorch.Graph(backend="process")
-    dtorch.Graph.set_default_graph(graph)
-    mesh = dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["tp"])
-    model = LlamaForCausalLM(hf.config, mesh)
-    model.load_state_dict(hf.state_dict())
-    ids = dtorch.Tensor(token_ids(args), device_mesh=mesh)
-    rt = graph.runtime
-    issue, wall, fetch, ops = [], [], [], []
-    logits = None
-    for n in range(args.warmup + args.iters):
-        graph.sync()
-        before = rt.stats["ops"]
-        t0 = time.perf_counter()
-        out = model(ids)  # returns as soon as every op is queued
-        t1 = time.perf_counter()
-        graph.sync()
-        t2 = time.perf_counter()
-        logits = out.to_torch()  # 4 bytes x batch x seq x vocab through the controller's store
-        t3 = time.perf_counter()
-        if n >= args.warmup:
-            issue.append(t1 - t0)
-            wall.append(t2 - t0)
-            fetch.append(t3 - t2)
-            ops.append(rt.stats["ops"] - before)
-    rt.shutdown()
-    return {"wall": statistics.median(wall), "controller": statistics.median(issue), "fetch": statistics.median(fetch),
-            "ops": int(statistics.median(ops)), "logits": logits}
-
-
-# -- PyTorch DTensor tensor parallel -----------------------------------------------------------------------
+# -- PyTorch DTensor tensor parallel (TP processes, started by the bench) ---------------------------------
 
 
 def dtensor_worker(args) -> None:
-    import datetime
-
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    torch.set_num_threads(args.threads)
+    tp = args.dtensor_world
+    torch.set_num_threads(threads_for(args, tp))
     rank = args.dtensor_rank
-    store = dist.TCPStore("127.0.0.1", args.port, is_master=False, timeout=datetime.timedelta(seconds=120))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    store = dist.TCPStore("127.0.0.1", args.port, is_master=False, timeout=datetime.timedelta(seconds=1800))
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg/", store), rank=rank, world_size=tp)
+    mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
     model = hf_model(args)
     plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}  # vocab over tp, gathered, like dtorch's
     for i in range(args.layers):
@@ -129,33 +106,154 @@ def dtensor_worker(args) -> None:
             plan[f"model.layers.{i}.{name}"] = RowwiseParallel()
     parallelize_module(model, mesh, plan)
     ids = token_ids(args)
+    fwd = lambda: model(ids).logits  # noqa: E731
     with torch.no_grad():
-        times = timed(lambda: model(ids).logits, args)
-        logits = model(ids).logits
+        timed(fwd, args.warmup)
+        store.add("ready", 1)
+        for k in range(args.rounds):
+            store.wait([f"go/{k}"])  # idle (no CPU) while dtorch runs its round
+            times = timed(fwd, args.iters)
+            dist.barrier()  # the round ends when every rank is done
+            if rank == 0:
+                store.set(f"done/{k}", json.dumps(times))
+        logits = fwd()
     if rank == 0:
         torch.save(logits, args.out)
-        print(json.dumps({"wall": statistics.median(times)}), flush=True)
     dist.barrier()
     os._exit(0)  # gloo processes can abort at interpreter exit; nothing is left to tear down
 
 
-def bench_dtensor(args):
-    import torch.distributed as dist
+class DTensorRanks:
+    """TP DTensor processes that run one round of forwards per ``round(k)`` and wait in between."""
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "logits.pt")
-        base = [sys.executable, os.path.abspath(__file__)] + sys.argv[1:] + ["--port", str(store.port), "--out", out]
-        procs = [subprocess.Popen(base + ["--dtensor-rank", str(r)], stdout=subprocess.PIPE, text=True)
-                 for r in range(2)]
+    def __init__(self, args, tp: int, tmp: str):
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=1800))
+        self.out = os.path.join(tmp, f"logits-{tp}.pt")
+        argv = [a for a in sys.argv[1:]]
+        base = [sys.executable, os.path.abspath(__file__)] + argv + [
+            "--port", str(self.store.port), "--out", self.out, "--dtensor-world", str(tp)]
+        self.procs = [subprocess.Popen(base + ["--dtensor-rank", str(r)]) for r in range(tp)]
+        self.tp = tp
+
+    def wait_ready(self) -> None:
+        while int(self.store.add("ready", 0)) < self.tp:
+            self._alive()
+            time.sleep(0.05)
+
+    def round(self, k: int) -> list[float]:
+        self.store.set(f"go/{k}", "1")
+        while not self.store.check([f"done/{k}"]):
+            self._alive()
+            time.sleep(0.002)
+        return json.loads(self.store.get(f"done/{k}"))
+
+    def finish(self) -> torch.Tensor:
         try:
-            res = json.loads(procs[0].communicate(timeout=1800)[0])
-            procs[1].wait(timeout=60)
+            for p in self.procs:
+                p.wait(timeout=300)
+            return torch.load(self.out)
         finally:
-            for p in procs:
+            for p in self.procs:
                 p.kill()
-        res["logits"] = torch.load(out)
-    return res
+
+    def _alive(self) -> None:
+        bad = [p.returncode for p in self.procs if p.poll() not in (None, 0)]
+        if bad:
+            raise RuntimeError(f"a DTensor rank exited with code {bad[0]}")
+
+
+# -- dtorch, process backend ---------------------------------------------------------------------------
+
+
+class DtorchTP:
+    def __init__(self, args, tp: int, hf):
+        os.environ["OMP_NUM_THREADS"] = str(threads_for(args, tp))  # read by the workers when they start
+        import dtorch
+        from dtorch.models.llama import LlamaForCausalLM
+
+        self.graph = dtorch.Graph(backend="process")
+        dtorch.Graph.set_default_graph(self.graph)
+        mesh = dtorch.init_device_mesh("cpu", (tp,), mesh_dim_names=["tp"])
+        self.model = LlamaForCausalLM(hf.config, mesh)
+        self.model.load_state_dict(hf.state_dict())
+        self.ids = dtorch.Tensor(token_ids(args), device_mesh=mesh)
+        self.rt = self.graph.runtime
+        self.wall, self.issue, self.fetch, self.ops = [], [], [], []
+        self.logits = None
+        for _ in range(args.warmup):
+            self.forward(record=False)
+
+    def forward(self, record=True) -> None:
+        rt, graph = self.rt, self.graph
+        graph.sync()
+        before = rt.stats["ops"]
+        t0 = time.perf_counter()
+        out = self.model(self.ids)  # returns as soon as every op is queued
+        t1 = time.perf_counter()
+        graph.sync()
+        t2 = time.perf_counter()
+        if record:
+            self.issue.append(t1 - t0)
+            self.wall.append(t2 - t0)
+            self.ops.append(rt.stats["ops"] - before)
+            if not self.fetch:  # 4 bytes x batch x seq x vocab to the controller, once
+                self.logits = out.to_torch()
+                self.fetch.append(time.perf_counter() - t2)
+
+    def close(self) -> None:
+        self.rt.shutdown()
+
+
+# -- driver -------------------------------------------------------------------------------------------
+
+
+def run_tp(args, tp: int, hf, expected, tmp: str) -> dict:
+    threads = threads_for(args, tp)
+    ids = token_ids(args)
+    torch.set_num_threads(threads)
+    with torch.no_grad():
+        timed(lambda: hf(ids), args.warmup)
+        single = statistics.median(timed(lambda: hf(ids), args.iters * 2))
+    ranks = DTensorRanks(args, tp, tmp)
+    try:
+        ours = DtorchTP(args, tp, hf)
+        ranks.wait_ready()
+        dt = []
+        for k in range(args.rounds):
+            dt += ranks.round(k)
+            for _ in range(args.iters):
+                ours.forward()
+        dt_logits = ranks.finish()
+    finally:
+        for p in ranks.procs:
+            p.kill()
+    ours.close()
+    for name, logits in (("dtorch", ours.logits), ("DTensor", dt_logits)):
+        err = (logits - expected).abs().max().item()
+        assert err < 1e-3, f"{name} TP={tp} logits differ from Hugging Face's by {err}"
+    med = statistics.median
+    return {"tp": tp, "threads": threads, "hf": single, "dtensor": med(dt), "dtorch": med(ours.wall),
+            "controller": med(ours.issue), "fetch": ours.fetch[0], "ops": int(med(ours.ops))}
+
+
+def report(args, r: dict) -> None:
+    ms = lambda s: f"{s * 1e3:8.1f} ms"  # noqa: E731
+    tp = r["tp"]
+    n = args.rounds * args.iters
+    print(f"TP={tp}: Llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, batch {args.batch} x seq "
+          f"{args.seq}; {r['threads']} torch thread(s) per process, {os.cpu_count()} cores; median of {n} "
+          f"({args.rounds} alternating rounds)")
+    print(f"  Hugging Face, 1 process             {ms(r['hf'])}")
+    print(f"  PyTorch DTensor TP={tp}, {tp} processes  {ms(r['dtensor'])}")
+    print(f"  dtorch process backend TP={tp}        {ms(r['dtorch'])}   ({r['ops']} ops per forward; "
+          f"fetching the logits to the controller takes {ms(r['fetch']).strip()} more)")
+    print(f"  dtorch / DTensor wall time          {r['dtorch'] / r['dtensor']:8.2f}x")
+    print(f"  dtorch controller time              {ms(r['controller'])}   "
+          f"({r['controller'] / r['ops'] * 1e6:.0f} us per op)")
+    print(f"  controller time / wall time         {r['controller'] / r['dtorch']:8.2f}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -165,27 +263,11 @@ def main(argv=None) -> int:
         dtensor_worker(args)
         return 0
     hf = hf_model(args)
-    ids = token_ids(args)
-    torch.set_num_threads(args.threads)
     with torch.no_grad():
-        single = statistics.median(timed(lambda: hf(ids), args))
-        expected = hf(ids).logits
-    dt = bench_dtensor(args)
-    ours = bench_dtorch(args, hf)
-    for name, res in (("dtorch", ours), ("DTensor", dt)):
-        err = (res["logits"] - expected).abs().max().item()
-        assert err < 1e-3, f"{name} logits differ from Hugging Face's by {err}"
-    ms = lambda s: f"{s * 1e3:8.1f} ms"  # noqa: E731
-    print(f"Llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, batch {args.batch} x seq {args.seq}; "
-          f"{args.threads} torch thread(s) per process, {os.cpu_count()} cores; median of {args.iters}")
-    print(f"  Hugging Face, 1 process            {ms(single)}")
-    print(f"  PyTorch DTensor TP=2, 2 processes   {ms(dt['wall'])}")
-    print(f"  dtorch process backend TP=2         {ms(ours['wall'])}   ({ours['ops']} ops per forward; "
-          f"fetching the logits to the controller takes {ms(ours['fetch']).strip()} more)")
-    print(f"  dtorch / DTensor wall time          {ours['wall'] / dt['wall']:8.2f}x")
-    print(f"  dtorch controller time              {ms(ours['controller'])}   "
-          f"({ours['controller'] / ours['ops'] * 1e6:.0f} us per op)")
-    print(f"  controller time / wall time         {ours['controller'] / ours['wall']:8.2f}")
+        expected = hf(token_ids(args)).logits
+    with tempfile.TemporaryDirectory() as tmp:
+        for tp in args.tp:
+            report(args, run_tp(args, tp, hf, expected, tmp))
     return 0
 
 

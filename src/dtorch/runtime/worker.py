@@ -14,6 +14,7 @@ Run by the controller (``--rank``), or on another node by ``dtorch worker --cont
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import faulthandler
 import importlib
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from . import process_plan as pp
-from .blocks import cut_shard, reduce_list
+from .blocks import cut_shard, reduce_dim, reduce_list
 from .cow import private_copy, writable
 from .interface import read_file_block
 from .kernels import get_kernel
@@ -47,6 +48,7 @@ _NATIVE = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.co
 _HALF = (torch.float16, torch.bfloat16)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _NUMBERED = ("put", "zeros", "fread", "get", "k", "w", "s", "r")  # records whose second field is the op's number
+SHM_COLLECTIVE_MAX = 32 << 20  # bytes per member up to which same-host all_reduce/all_gather go through /dev/shm
 
 
 def connect(address: str, timeout_s: float) -> dist.TCPStore:
@@ -105,6 +107,58 @@ class _Blocks(dict):
         return default
 
 
+class _Slots:
+    """all_reduce and all_gather among workers of one host through shared memory. Gloo moves a 512 KiB
+    all_reduce over loopback TCP in 0.6 ms between 2 processes and 6 ms among 4 (measured, docs/benchmarks.md);
+    here each member copies its block into its slot of a file every member maps, one barrier, and reads
+    the others' slots. Two sets of slots alternate, so the next exchange's barrier is what tells a member
+    that every other has read this exchange's slots before it writes them again."""
+
+    __slots__ = ("pg", "path", "m", "j", "cap", "limit", "buf", "n")
+
+    def __init__(self, pg, path: str, m: int, j: int):
+        self.pg, self.path, self.m, self.j = pg, path, m, j  # j: this member's group rank (slot index)
+        self.cap, self.limit, self.buf, self.n = 0, SHM_COLLECTIVE_MAX, None, 0
+
+    def exchange(self, b: torch.Tensor, top: int):
+        """Every member's bytes as a [m, top] uint8 view (group rank order), ``b`` (at most ``top`` bytes, the
+        members' largest) being this member's; valid until this group's exchange after next. None if the
+        slots cannot grow to ``top`` (no room in /dev/shm): every member then uses torch.distributed."""
+        if top > self.cap and not self.grow(top):
+            return None
+        slots = self.buf[self.n & 1]
+        self.n += 1
+        slots[self.j, : b.numel()] = b
+        dist.barrier(group=self.pg)
+        return slots[:, :top]
+
+    def grow(self, top: int) -> bool:
+        cap = max(1 << 16, 1 << (top - 1).bit_length())
+        if cap > self.limit:
+            return False
+        path, size = f"{self.path}-{cap}", 2 * self.m * cap
+        ok = 1
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, size)  # room now, not a SIGBUS at the first write past it
+            finally:
+                os.close(fd)
+            buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8).view(2, self.m, cap)
+        except OSError:
+            ok = 0
+        flag = torch.tensor([ok])
+        dist.all_reduce(flag, dist.ReduceOp.MIN, group=self.pg)  # also: every member has mapped the file
+        if self.j == 0:
+            with contextlib.suppress(OSError):
+                os.unlink(path)  # the mappings keep the pages
+        if not flag.item():
+            self.limit = cap // 2
+            return False
+        self.buf, self.cap, self.n = buf, cap, 0
+        return True
+
+
 class Worker:
     def __init__(self, store: dist.TCPStore, rank: int, device_index: int, parent_pid: int | None):
         self.store = store
@@ -124,6 +178,7 @@ class Worker:
         self.leaving = False  # got the exit record: the controller closing its store now is no fault
         self.cfg: dict = {}
         self.shm = None  # the controller's shared-memory directory, when this worker sees it (same host)
+        self.slots: dict = {}  # sorted ranks -> (process group, its _Slots or None: not all on this host)
 
     # -- setup -------------------------------------------------------------------------------
     def join(self) -> None:
@@ -412,6 +467,17 @@ class Worker:
         if m == 1:
             return x
         op = before.placements[i].reduce_op
+        n = x.numel() * x.element_size()
+        sh = self.shared(ranks, x, n)
+        got = sh.exchange(pp.as_bytes(x), n) if sh is not None else None
+        if got is not None:
+            # the terms in mesh order, reduced by the in-process backend's function: its bits, any dtype
+            order = sorted(ranks)
+            if list(ranks) != order:
+                got = got[[order.index(r) for r in ranks]]
+            self.calls["all_reduce"] += 1
+            self.calls["shm"] += 1  # (of which through shared memory)
+            return reduce_dim(op, got.view(x.dtype).reshape(m, *x.shape), 0).squeeze(0)
         if not self.native(x.dtype, op, m, before.mesh, i):
             return reduce_list(op, self.all_gather(x, [tuple(x.shape)] * m, ranks))
         y = x.to(self.acc_dtype(x.dtype, op), memory_format=torch.contiguous_format, copy=True)
@@ -448,6 +514,27 @@ class Worker:
     def group(self, ranks):
         return self.groups[tuple(sorted(ranks))]
 
+    def shared(self, ranks, x, nbytes: int):
+        """The group's shared-memory slots, or None: torch.distributed moves it (a block on a GPU, an
+        empty or very large one, or a member on another host). What decides is the same on every member
+        (``nbytes`` is the members' largest); whether all members see this host's shared-memory
+        directory is agreed once per group, by its first such call."""
+        if x.device.type != "cpu" or not 0 < nbytes <= SHM_COLLECTIVE_MAX:
+            return None
+        key = tuple(sorted(ranks))
+        pg = self.groups[key]
+        hit = self.slots.get(key)
+        if hit is None or hit[0] is not pg:  # new, or the groups were re-formed since
+            on = self.shm is not None and os.environ.get("DTORCH_PROCESS_SHM", "1") not in ("0", "false")
+            flag = torch.tensor([int(on)])
+            dist.all_reduce(flag, dist.ReduceOp.MIN, group=pg)
+            slots = None
+            if flag.item():
+                path = os.path.join(self.shm, f"coll-{self.cfg.get('gen', 0)}-{'-'.join(map(str, key))}")
+                slots = _Slots(pg, path, len(key), key.index(self.rank))
+            hit = self.slots[key] = (pg, slots)
+        return hit[1]
+
     def all_gather(self, x, shapes, ranks) -> list:
         """Every member's block, in mesh order (gloo gathers equal sizes: pad to the largest, trim)."""
         if len(ranks) == 1:
@@ -457,6 +544,13 @@ class Worker:
         if top == 0:
             return [x.new_empty(s) for s in shapes]
         buf = pp.as_bytes(x)
+        sh = self.shared(ranks, x, top)
+        got = sh.exchange(buf, top) if sh is not None else None
+        if got is not None:  # views of the slots: the callers copy out (cat, reduce) right away
+            self.calls["all_gather"] += 1
+            self.calls["shm"] += 1
+            pos = {r: n for n, r in enumerate(sorted(ranks))}
+            return [pp.from_bytes(got[pos[r], :n], x.dtype, s) for r, n, s in zip(ranks, sizes, shapes)]
         if buf.numel() < top:
             buf = torch.cat([buf, buf.new_zeros(top - buf.numel())])
         outs = [buf.new_empty(top) for _ in ranks]
