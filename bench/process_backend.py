@@ -4,6 +4,7 @@ model, same weights, same thread count per process, one command.
 
     .venv/bin/python bench/process_backend.py                    # TP=2 and TP=4, defaults below
     .venv/bin/python bench/process_backend.py --tp 2 --hidden 256 --layers 2 --seq 64 --iters 5
+    .venv/bin/python bench/process_backend.py --floor            # and what no TP system can go below
 
 The two systems run in alternating rounds (DTensor's ranks wait on a store key while dtorch runs, and
 dtorch's workers wait on their queues while DTensor runs), so both see the same load on a shared
@@ -13,6 +14,11 @@ Reports per forward: wall time of each system, their ratio, and for dtorch the c
 (issuing every op without waiting) against the wall time, per op and as a ratio. dtorch's forward
 ends when every worker is done (``sync``); fetching the logits to the controller is reported apart
 (DTensor's logits stay on its ranks). Logits are checked against Hugging Face's single-process forward.
+
+``--floor`` adds, after the rounds: each rank's local forward alone (a plain Llama of one rank's share:
+heads, MLP width and logits / TP; TP such processes at once, no communication; the slowest rank), and
+the forward's collectives alone on gloo (2 all_reduces of the hidden states per layer, the logits'
+all_gather), as DTensor runs them.
 """
 from __future__ import annotations
 
@@ -44,7 +50,11 @@ def parse(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads per process (default: cores / TP, at least 1)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also measure the floor: each rank's local compute alone (TP processes at once, no "
+                         "communication) and the forward's collectives alone on gloo")
     ap.add_argument("--dtensor-rank", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--floor-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dtensor-world", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -121,6 +131,76 @@ def dtensor_worker(args) -> None:
         torch.save(logits, args.out)
     dist.barrier()
     os._exit(0)  # gloo processes can abort at interpreter exit; nothing is left to tear down
+
+
+def local_model(args, tp: int) -> transformers.LlamaForCausalLM:
+    """One tensor-parallel rank's share of the model as a plain Llama: heads / TP, MLP width / TP, vocab / TP
+    output columns (embedding and norms whole, as both systems keep them on every rank)."""
+    cfg = transformers.LlamaConfig(hidden_size=args.hidden,
+                                   intermediate_size=int(args.hidden * 2.6875) // 8 * 8 // tp,
+                                   num_hidden_layers=args.layers, num_attention_heads=args.heads // tp,
+                                   num_key_value_heads=args.heads // tp, head_dim=args.hidden // args.heads,
+                                   vocab_size=args.vocab, max_position_embeddings=max(args.seq, 64),
+                                   rms_norm_eps=1e-6)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.lm_head = torch.nn.Linear(args.hidden, args.vocab // tp, bias=False)
+    return model
+
+
+def floor_worker(args) -> None:
+    """The floor's rank: its local forward (no communication) while the other ranks run theirs, then the
+    forward's collectives alone (2 all_reduces of the hidden states per layer and the logits' all_gather)."""
+    import torch.distributed as dist
+
+    tp, rank = args.dtensor_world, args.floor_rank
+    torch.set_num_threads(threads_for(args, tp))
+    store = dist.TCPStore("127.0.0.1", args.port, is_master=False, timeout=datetime.timedelta(seconds=1800))
+    model, ids = local_model(args, tp), token_ids(args)
+    with torch.no_grad():
+        timed(lambda: model(ids), args.warmup)
+        store.add("ready", 1)
+        store.wait(["go"])
+        compute = statistics.median(timed(lambda: model(ids), args.rounds * args.iters))
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg/", store), rank=rank, world_size=tp)
+    hidden = torch.randn(args.batch, args.seq, args.hidden)
+    logits = torch.randn(args.batch, args.seq, args.vocab // tp)
+
+    def collectives():
+        for _ in range(2 * args.layers):
+            dist.all_reduce(hidden)
+        parts = [torch.empty_like(logits) for _ in range(tp)]
+        dist.all_gather(parts, logits)
+        torch.cat(parts, dim=-1)
+
+    timed(collectives, args.warmup)
+    comm = statistics.median(timed(collectives, args.rounds * args.iters))
+    store.set(f"floor/{rank}", json.dumps([compute, comm]))
+    dist.barrier()
+    os._exit(0)
+
+
+def measure_floor(args, tp: int) -> tuple[float, float]:
+    """(slowest rank's local compute, the collectives alone) per forward, in seconds."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=1800))
+    base = [sys.executable, os.path.abspath(__file__)] + sys.argv[1:] + [
+        "--port", str(store.port), "--dtensor-world", str(tp)]
+    procs = [subprocess.Popen(base + ["--floor-rank", str(r)]) for r in range(tp)]
+    try:
+        while int(store.add("ready", 0)) < tp:
+            time.sleep(0.05)
+        store.set("go", "1")
+        res = [json.loads(store.get(f"floor/{r}")) for r in range(tp)]  # (get waits for the key)
+        for p in procs:
+            p.wait(timeout=300)
+    finally:
+        for p in procs:
+            p.kill()
+    return max(r[0] for r in res), statistics.median(r[1] for r in res)
 
 
 class DTensorRanks:
@@ -231,12 +311,13 @@ def run_tp(args, tp: int, hf, expected, tmp: str) -> dict:
         for p in ranks.procs:
             p.kill()
     ours.close()
+    floor = measure_floor(args, tp) if args.floor else None
     for name, logits in (("dtorch", ours.logits), ("DTensor", dt_logits)):
         err = (logits - expected).abs().max().item()
         assert err < 1e-3, f"{name} TP={tp} logits differ from Hugging Face's by {err}"
     med = statistics.median
     return {"tp": tp, "threads": threads, "hf": single, "dtensor": med(dt), "dtorch": med(ours.wall),
-            "controller": med(ours.issue), "fetch": ours.fetch[0], "ops": int(med(ours.ops))}
+            "controller": med(ours.issue), "fetch": ours.fetch[0], "ops": int(med(ours.ops)), "floor": floor}
 
 
 def report(args, r: dict) -> None:
@@ -254,6 +335,12 @@ def report(args, r: dict) -> None:
     print(f"  dtorch controller time              {ms(r['controller'])}   "
           f"({r['controller'] / r['ops'] * 1e6:.0f} us per op)")
     print(f"  controller time / wall time         {r['controller'] / r['dtorch']:8.2f}", flush=True)
+    if r["floor"]:
+        compute, comm = r["floor"]
+        print(f"  floor: each rank's local forward    {ms(compute)}   (the slowest of {tp} ranks run at once, no "
+              "communication)")
+        print(f"  floor: the collectives alone, gloo  {ms(comm)}   ({2 * args.layers} all_reduces of the hidden "
+              "states, 1 all_gather of the logits)", flush=True)
 
 
 def main(argv=None) -> int:
@@ -261,6 +348,9 @@ def main(argv=None) -> int:
     args = parse(argv)
     if args.dtensor_rank is not None:
         dtensor_worker(args)
+        return 0
+    if args.floor_rank is not None:
+        floor_worker(args)
         return 0
     hf = hf_model(args)
     with torch.no_grad():
