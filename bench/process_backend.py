@@ -83,6 +83,19 @@ def token_ids(args) -> torch.Tensor:
     return torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
 
 
+def cpu_seconds(pids) -> float:
+    """User + system CPU time of these processes (every thread) so far; 0 where /proc is missing."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            return 0.0
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def timed(fn, n: int) -> list[float]:
     out = []
     for _ in range(n):
@@ -302,10 +315,19 @@ def run_tp(args, tp: int, hf, expected, tmp: str) -> dict:
         ours = DtorchTP(args, tp, hf)
         ranks.wait_ready()
         dt = []
+        dt_pids = [p.pid for p in ranks.procs]
+        our_pids = [os.getpid()] + [p.pid for p in ours.rt._pool.procs.values()]
+        cpu = {"dtensor": 0.0, "dtorch": 0.0}  # CPU time of every process of each system, in its rounds
         for k in range(args.rounds):
+            c0 = cpu_seconds(dt_pids)
             dt += ranks.round(k)
+            c1 = cpu_seconds(dt_pids)
+            c2 = cpu_seconds(our_pids)
             for _ in range(args.iters):
                 ours.forward()
+            c3 = cpu_seconds(our_pids)
+            cpu["dtensor"] += c1 - c0
+            cpu["dtorch"] += c3 - c2
         dt_logits = ranks.finish()
     finally:
         for p in ranks.procs:
@@ -317,7 +339,8 @@ def run_tp(args, tp: int, hf, expected, tmp: str) -> dict:
         assert err < 1e-3, f"{name} TP={tp} logits differ from Hugging Face's by {err}"
     med = statistics.median
     return {"tp": tp, "threads": threads, "hf": single, "dtensor": med(dt), "dtorch": med(ours.wall),
-            "controller": med(ours.issue), "fetch": ours.fetch[0], "ops": int(med(ours.ops)), "floor": floor}
+            "controller": med(ours.issue), "fetch": ours.fetch[0], "ops": int(med(ours.ops)), "floor": floor,
+            "cpu": {k: v / (args.rounds * args.iters) for k, v in cpu.items()}}
 
 
 def report(args, r: dict) -> None:
@@ -332,6 +355,9 @@ def report(args, r: dict) -> None:
     print(f"  dtorch process backend TP={tp}        {ms(r['dtorch'])}   ({r['ops']} ops per forward; "
           f"fetching the logits to the controller takes {ms(r['fetch']).strip()} more)")
     print(f"  dtorch / DTensor wall time          {r['dtorch'] / r['dtensor']:8.2f}x")
+    if r["cpu"]["dtensor"]:
+        print(f"  CPU time per forward, all processes {ms(r['cpu']['dtorch'])} dtorch (controller and workers), "
+              f"{ms(r['cpu']['dtensor']).strip()} DTensor: {r['cpu']['dtorch'] / r['cpu']['dtensor']:.2f}x")
     print(f"  dtorch controller time              {ms(r['controller'])}   "
           f"({r['controller'] / r['ops'] * 1e6:.0f} us per op)")
     print(f"  controller time / wall time         {r['controller'] / r['dtorch']:8.2f}", flush=True)
