@@ -31,3 +31,15 @@ def run(graph, name_kernel, t, device_args=None, **kwargs):
     """Run one of these kernels on ``t`` through the runtime (out spec = in spec) and wrap the result."""
     h = graph.runtime.run_local(name_kernel, [t._h], [t.spec], [t.spec], kwargs, device_args)[0]
     return type(t)._make(t.spec, h, graph)
+
+
+@kernel("test_no_room_in_dev_shm")
+def no_room_in_dev_shm(x):
+    """From now on this worker's /dev/shm writes fail as on a full /dev/shm (a container's is often 64 MB)."""
+    from dtorch.runtime import process_plan as pp
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    pp.shm_write = pp.shm_write_at = full
+    return x.clone()

@@ -1,7 +1,8 @@
-"""The process backend's same-host data plane: large blocks to and from workers on this host travel as
-files in a shared-memory directory, the store carries only control records. Values equal torch's (uneven
-shapes, shards and replicas), nothing is left in /dev/shm after use, shutdown or a worker killed in the
-middle of a 256 MB transfer.
+"""The process backend's data plane: large blocks to and from workers on this host travel as files in a
+shared-memory directory; to workers elsewhere (``DTORCH_PROCESS_SHM=0`` here) and where /dev/shm has no
+room, through a gloo group of two per worker (torch.distributed send/recv); the store carries only control
+records. Values equal torch's (uneven shapes, shards and replicas), nothing is left in /dev/shm after use,
+shutdown or a worker killed in the middle of a 256 MB transfer.
 
     .venv/bin/pytest -q tests/runtime/test_process_dataplane.py
 """
@@ -104,7 +105,8 @@ def test_contiguous_offsets_locate_the_blocks(placements):
             assert torch.equal(flat[off // 4: off // 4 + n], block.reshape(-1)), (shape, placements, coord)
 
 
-def test_store_path_gives_the_same_values(trio):
+def test_torch_distributed_path_gives_the_same_values(trio):
+    """The path of workers on other hosts: blocks through each worker's gloo pair with the controller."""
     x = torch.randn(7, INLINE_BYTES // 4 + 5, dtype=torch.float64)
     with using(trio):
         rt = trio.runtime
@@ -119,8 +121,8 @@ def test_store_path_gives_the_same_values(trio):
             rt.shm = True
 
 
-def test_a_full_dev_shm_falls_back_to_the_store(trio, monkeypatch):
-    """A block that does not fit in /dev/shm (a container's is often 64 MB) is placed through the store."""
+def test_a_full_dev_shm_falls_back_to_torch_distributed(trio, monkeypatch):
+    """A block that does not fit in /dev/shm (a container's is often 64 MB) is placed through the pair."""
     def full(path, t):
         with open(path, "wb") as f:
             f.write(b"partial")
@@ -226,3 +228,65 @@ def test_workers_remove_the_directory_of_a_killed_controller(tmp_path):
     finally:
         ctl.kill()
         ctl.communicate()
+
+
+@pytest.mark.parametrize("placements", [[Shard(0)], [Shard(1)]], ids=["into the global file", "a file per block"])
+def test_a_fetch_that_does_not_fit_in_dev_shm_comes_through_torch_distributed(placements):
+    """Workers whose /dev/shm writes fail send their blocks through their pair instead (both fetch forms:
+    straight into the global value's file, a file per block); the values are torch's."""
+    from dtorch.runtime.kernels import get_kernel
+
+    from . import process_kernels
+
+    g = process_graph(workers=2)
+    try:
+        with using(g):
+            rt = g.runtime
+            x = torch.randn(5, INLINE_BYTES // 4 + 7)
+            d = dtorch.Tensor(x, device_mesh=PAIR, placements=placements)
+            d = process_kernels.run(g, get_kernel("test_no_room_in_dev_shm"), d)
+            before = dict(rt.stats)
+            assert torch.equal((d * 3).to_torch(), x * 3)
+            assert rt.stats["bytes_fetched"] - before["bytes_fetched"] == x.numel() * 4
+            assert [b.shape for b in d.local_blocks()] == [b.shape for b in dtorch.Tensor(
+                x, device_mesh=PAIR, placements=placements).local_blocks()]
+            rt.sync()
+            assert os.listdir(rt._pool.shm[0]) == ["token"]  # no partial files left
+    finally:
+        g.runtime.shutdown()
+
+
+def test_worker_killed_during_a_256mb_transfer_over_torch_distributed():
+    """The same on the path of workers on other hosts (each worker's gloo pair with the controller): the
+    dead worker is named within 5 s, no worker is left, the next tensor works on new workers."""
+    x = torch.randn(64 << 20)  # 256 MB of float32
+    g = process_graph(workers=2)
+    g.runtime.shm = False
+    try:
+        with using(g):
+            d = dtorch.Tensor(x, device_mesh=PAIR, placements=[Shard(0)])
+            g.runtime.sync()
+            pids = worker_pids(g)
+            fut = d.to_torch_async()  # 128 MB from each worker through its pair
+            time.sleep(0.05)
+            os.kill(pids[1], signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(WorkerError, match=rf"worker 1 \(device id 1, pid {pids[1]}\) died: killed by signal SIGKILL"):
+                fut.get()
+            assert time.monotonic() - t0 < 5
+            assert wait_gone(pids, 5) == []
+
+            d = dtorch.Tensor(x, device_mesh=PAIR, placements=[Replicate()])  # 256 MB sent to each worker
+            pids = worker_pids(g)
+            os.kill(pids[0], signal.SIGKILL)
+            t0 = time.monotonic()
+            with pytest.raises(WorkerError, match=rf"worker 0 \(device id 0, pid {pids[0]}\) died"):
+                g.runtime.sync()
+            assert time.monotonic() - t0 < 5
+            assert wait_gone(pids, 5) == []
+
+            z = dtorch.Tensor(torch.arange(7.0), device_mesh=PAIR, placements=[Shard(0)])
+            assert torch.equal((z * 3).to_torch(), torch.arange(7.0) * 3)
+            assert set(worker_pids(g)).isdisjoint(pids)
+    finally:
+        g.runtime.shutdown()

@@ -8,10 +8,13 @@ worker has run anything. A mesh's device id is a worker's rank; what each worker
 or a redistribution primitive is a pure function of the specs (``process_plan``), sent once per plan.
 
 Transport: control records go through the store. Controller<->worker data: workers on this host get
-large blocks as files in a shared-memory directory (``process_plan.shm_*``: the record carries the name),
-workers elsewhere through the store (in 4 MiB chunks);
+large blocks as files in a shared-memory directory (``process_plan.shm_*``: the record carries the name);
+workers elsewhere (and any block /dev/shm has no room for) through a gloo group of two per worker, the
+controller and that worker (``_open_pairs``): torch.distributed send/recv, so the store carries control only;
 worker<->worker data goes through torch.distributed collectives and send/recv (gloo on CPU, NCCL on
-CUDA). Partial terms reduce with torch.distributed's all_reduce / reduce_scatter (half floats in
+CUDA), except all_reduce and all_gather among workers of the controller's host, which exchange blocks
+through shared-memory slots and reduce in mesh order with the in-process backend's function, its bits
+(``worker._Slots``). Otherwise Partial terms reduce with torch.distributed's all_reduce / reduce_scatter (half floats in
 float32, integer avg in int64). Where any order gives the same bits (two terms, max/min, integers) the
 results equal the in-process backend's bit for bit; float sums/avgs over more than two terms add in
 the collective's order, so they may differ from the in-process backend's mesh-order sums in the last
@@ -27,7 +30,7 @@ Configuration (environment):
   DTORCH_PROCESS_TIMEOUT  seconds one wait may take (default 300); DTORCH_PROCESS_SYNC=1 waits after
                           every op, so a failing op raises where it was issued (debugging)
   DTORCH_PROCESS_SHM      1 (default): large blocks to and from workers on this host go through /dev/shm;
-                          0: through the store
+                          0: through torch.distributed (the path of workers on other hosts)
   DTORCH_PROCESS_HEARTBEAT_TIMEOUT  seconds a worker's heartbeat may stand still before it counts as
                           hung and the workers are stopped (default 15)
 """
@@ -36,6 +39,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import contextlib
+import datetime
 import functools
 import itertools
 import os
@@ -46,6 +50,7 @@ import weakref
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ..errors import DeviceUnavailableError, RuntimeBackendError
 from ..mesh import DeviceMesh
@@ -53,6 +58,7 @@ from ..placement import Replicate, Shard
 from ..spec import DTensorSpec
 from . import process_plan as pp
 from .blocks import assemble, cut_global
+from .process_plan import INLINE_BYTES
 from .devices import mesh_problems, read_device_config, simulation_device
 from .._lru import LRU
 from .interface import Executable, Runtime
@@ -62,7 +68,6 @@ __all__ = ["ProcessRuntime", "WorkerError"]
 
 FLUSH_RECORDS = 64  # records buffered before a push
 FLUSH_AFTER_S = 0.002  # ... or this long after the first one
-INLINE_BYTES = 256 << 10  # blocks up to this size travel inside the op record
 _TAG_SPAN = 1 << 24
 PLAN_IDS = 4096  # plan ids the workers hold at most (a decode loop makes new ones every step)
 
@@ -128,8 +133,8 @@ class ProcessRuntime(Runtime):
         self._pool: Pool | None = None
         self._epoch = 0
         self._lost = None  # why the previous epoch's tensors are gone
-        # bytes_pushed: op records (inline blocks included); bytes_put: larger blocks placed through the store
-        # bytes_shm: blocks moved through shared memory (both ways); bytes_fetched: blocks fetched through the store
+        # bytes_pushed: op records (inline blocks included); bytes_put: larger blocks placed through torch.distributed
+        # bytes_shm: blocks moved through shared memory (both ways); bytes_fetched: fetched through torch.distributed
         self.stats = {"ops": 0, "records": 0, "flushes": 0, "bytes_pushed": 0, "bytes_put": 0, "bytes_shm": 0,
                       "bytes_fetched": 0}
         self._sink: list = []  # (id, ranks, epoch) of dead handles, appended by Handle.__del__
@@ -154,6 +159,11 @@ class ProcessRuntime(Runtime):
         self._world = 0
         self._cuda = False
         self._shm_ranks: set = set()  # workers that see the pool's shared-memory directory
+        # rank -> a two-member gloo group (controller 0, worker 1): large blocks to and from workers that do
+        # not see the shared-memory directory (other hosts, DTORCH_PROCESS_SHM=0, a full /dev/shm)
+        self._pairs: dict = {}
+        self._posted: list = []  # (send work, its bytes) of blocks placed through a pair, until complete
+        self._pair_tag = 0
 
     # -- devices ---------------------------------------------------------------------------------
     def devices(self, mesh) -> tuple:
@@ -227,8 +237,21 @@ class ProcessRuntime(Runtime):
         self._shm_ranks = self._pool.shm_ranks() if self._pool.shm else set()
         for r in range(world):
             self._buf.setdefault(r, [])
+        self._open_pairs(range(old, world))
         # the plans stay defined: running workers keep theirs across a re-form, and no plan names a new rank
         self._groups.clear()
+
+    def _open_pairs(self, ranks) -> None:
+        """A gloo group of two (this controller, the worker) per new worker: the data plane wherever shared
+        memory is not (the store then carries control only). Each side's constructor waits for the other."""
+        for r in ranks:
+            self._pool.push(r, pickle.dumps([("pair", self._pool.gen)]))
+            store = dist.PrefixStore(f"pair/{self._pool.gen}/{r}/", self._pool.client.clone())
+            self._pairs[r] = dist.ProcessGroupGloo(store, 0, 2, datetime.timedelta(seconds=self.timeout))
+
+    def _next_pair_tag(self) -> int:
+        self._pair_tag = (self._pair_tag + 1) % _TAG_SPAN
+        return self._pair_tag
 
     # -- records ---------------------------------------------------------------------------------
     def _new(self, ranks: tuple) -> Handle:
@@ -341,6 +364,8 @@ class ProcessRuntime(Runtime):
                 self._buf[r] = []
             self.stats["flushes"] += 1
             self.stats["records"] += self._nrec
+            if self._posted:  # blocks placed through a pair: their bytes are ours until sent
+                self._posted = [p for p in self._posted if not p[0].is_completed()]
             self._nrec = 0
             try:
                 pool.check()  # a dead worker surfaces at the next op, not only at the next wait
@@ -384,7 +409,7 @@ class ProcessRuntime(Runtime):
 
     def _stage(self, name: str, block: torch.Tensor, readers: list):
         """What a put record carries for ``block``, which the workers ``readers`` read: small blocks inline;
-        larger ones a file in shared memory (workers on this host) or the store (elsewhere)."""
+        larger ones a file in shared memory (workers on this host), else a gloo send to each reader."""
         size = pp.nbytes(tuple(block.shape), block.dtype)
         if size > INLINE_BYTES and self.shm and self._shm_ranks.issuperset(readers):
             path = os.path.join(self._pool.shm[0], f"p-{name}")
@@ -397,14 +422,14 @@ class ProcessRuntime(Runtime):
                 self.stats["bytes_shm"] += size
                 self._pool.client.add(f"p/{name}/left", len(readers))
                 return ("shm", path, size, f"p/{name}")
-        blob = pp.to_blob(block.detach().cpu())
-        if len(blob) <= INLINE_BYTES:
-            return blob
-        store = self._pool.client
-        pp.store_put(store, f"p/{name}", blob)
-        self.stats["bytes_put"] += len(blob)
-        store.add(f"p/{name}/left", len(readers))
-        return (f"p/{name}", len(blob))
+        data = pp.as_bytes(block.detach().cpu())
+        if size <= INLINE_BYTES:
+            return data.numpy().tobytes()
+        tag = self._next_pair_tag()
+        for r in readers:  # posted now, received when the worker reaches the record
+            self._posted.append((self._pairs[r].send([data], 1, tag), data))
+            self.stats["bytes_put"] += size
+        return ("pg", size, tag)
 
     def zeros(self, spec: DTensorSpec) -> Handle:
         return self.from_blocks([None] * spec.mesh.size(), spec)  # each worker makes its own
@@ -443,9 +468,10 @@ class ProcessRuntime(Runtime):
                 out = os.path.join(self._pool.shm[0], f"o-{req}")
                 with open(out, "wb") as f:
                     f.truncate(pp.nbytes(spec.shape, spec.dtype))
+        tag = self._next_pair_tag()
         for n, r in enumerate(ranks):
             how = (out, offsets[n]) if out else shm and r in self._shm_ranks
-            self._buf[r].append(("get", seq, hid, req, how))
+            self._buf[r].append(("get", seq, hid, req, how, tag))
         self._counted(len(ranks))
         self.flush()
         return req, ranks, self._pool, out
@@ -457,7 +483,13 @@ class ProcessRuntime(Runtime):
             return self._assemble(spec, coords, blocks)
         size = pp.nbytes(spec.shape, spec.dtype)
         self.stats["bytes_shm"] += size
-        return pp.shm_take(out, size, spec.dtype, spec.shape)
+        full = pp.shm_take(out, size, spec.dtype, spec.shape)
+        flat = pp.as_bytes(full)  # (the mapping is private: these writes stay here)
+        for coord, block in zip(coords, blocks):
+            if block is not None:  # a worker that could not write into the file (/dev/shm full) sent it
+                offset = pp.contiguous_offset(spec, coord)
+                flat[offset: offset + block.numel() * block.element_size()] = pp.as_bytes(block)
+        return full
 
     def _collect(self, req: int, ranks, pool: Pool, spec: DTensorSpec) -> list:
         key = f"g/{req}"
@@ -473,19 +505,37 @@ class ProcessRuntime(Runtime):
         heads = store.multi_get([f"{key}/{r}" for r in ranks])
         out = []
         for r, head in zip(ranks, heads):
-            dtype, shape, *shm = pickle.loads(head)
-            if shm == ["direct"]:  # written into the global value's file (``_request``)
+            dtype, shape, how, *where = pickle.loads(head)
+            if how == "direct":  # written into the global value's file (``_request``)
                 out.append(None)
-            elif shm:  # a file in the shared-memory directory
-                path, size = shm
+            elif how == "shm":  # a file in the shared-memory directory
+                path, size = where
                 out.append(pp.shm_take(path, size, dtype, shape))
                 self.stats["bytes_shm"] += size
-            else:
-                size = pp.nbytes(shape, dtype)
-                out.append(pp.from_blob(pp.store_take(store, f"{key}/{r}", size), dtype, shape))
-                self.stats["bytes_fetched"] += size
+            elif how == "inline":
+                out.append(pp.from_blob(where[0], dtype, shape))
+            else:  # sent through our gloo pair
+                buf = torch.empty(pp.nbytes(shape, dtype), dtype=torch.uint8)
+                self._pair_recv(pool, r, buf, where[0], spec)
+                out.append(pp.from_bytes(buf, dtype, shape))
+                self.stats["bytes_fetched"] += buf.numel()
             store.delete_key(f"{key}/{r}")
         return out
+
+    def _pair_recv(self, pool: Pool, r: int, buf: torch.Tensor, tag: int, spec) -> None:
+        """Receive worker ``r``'s block; a worker that dies meanwhile is named, as in every wait."""
+        try:
+            self._pairs[r].recv([buf], 1, tag).wait(datetime.timedelta(seconds=self.timeout))
+        except Exception as exc:  # noqa: BLE001  (gloo raises RuntimeError on a closed connection or timeout)
+            try:
+                pool.check(force=True)
+                raise WorkerError(f"dtorch process backend: receiving the blocks of {spec} from {pool.who(r)} "
+                                  f"failed: {exc}") from None
+            except WorkerError as err:
+                with self._lock:
+                    if pool is self._pool:
+                        self._teardown(str(err))
+                raise err from None
 
     def _assemble(self, spec: DTensorSpec, coords, blocks) -> torch.Tensor:
         """The global value from the (CPU) blocks of ``coords``: partial terms reduce in the one documented

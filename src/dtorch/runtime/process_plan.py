@@ -66,6 +66,9 @@ def grid_coords(spec: DTensorSpec) -> tuple:
 
 # -- tensors <-> bytes -----------------------------------------------------------------------------
 
+INLINE_BYTES = 256 << 10  # blocks up to this size travel inside an op record (or a fetch's answer)
+
+
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of ``t``'s values (collectives and the store move bytes of any dtype)."""

@@ -178,6 +178,7 @@ class Worker:
         self.leaving = False  # got the exit record: the controller closing its store now is no fault
         self.cfg: dict = {}
         self.shm = None  # the controller's shared-memory directory, when this worker sees it (same host)
+        self.pair = None  # a gloo group of two with the controller: blocks that do not go through self.shm
         self.slots: dict = {}  # sorted ranks -> (process group, its _Slots or None: not all on this host)
 
     # -- setup -------------------------------------------------------------------------------
@@ -314,6 +315,11 @@ class Worker:
         self.settle()
         self.store.add(f"s/{tok}", 1)
 
+    def op_pair(self, gen):
+        """Join the controller's gloo group of two for this worker (``ProcessRuntime._open_pairs``)."""
+        store = dist.PrefixStore(f"pair/{gen}/{self.rank}/", self.store.clone())
+        self.pair = dist.ProcessGroupGloo(store, 1, 2, datetime.timedelta(seconds=self.cfg["timeout"]))
+
     def op_put(self, seq, hid, dtype, shape, device_type, data):
         if isinstance(data, tuple) and data[0] == "shm":  # a file in the shared-memory directory
             _, path, size, name = data
@@ -323,13 +329,12 @@ class Worker:
                 self.store.delete_key(f"{name}/left")
             self.t[hid] = block.to(self.device(device_type))
             return
-        if isinstance(data, tuple):  # a large block, in the store under ``name`` for ``readers`` workers
-            name, size = data
-            raw = pp.store_take(self.store, name, size, delete=False)
-            if self.store.add(f"{name}/left", -1) == 0:
-                pp.store_drop(self.store, name, size)
-                self.store.delete_key(f"{name}/left")
-            data = raw
+        if isinstance(data, tuple):  # a large block the controller sent through our pair
+            _, size, tag = data
+            buf = torch.empty(size, dtype=torch.uint8)
+            self.pair.recv([buf], 0, tag).wait()
+            self.t[hid] = pp.from_bytes(buf, dtype, shape).to(self.device(device_type))
+            return
         self.t[hid] = pp.from_blob(data, dtype, shape).to(self.device(device_type))
 
     def op_fread(self, seq, hid, dtype, shape, device_type, where):
@@ -338,21 +343,36 @@ class Worker:
     def op_zeros(self, seq, hid, dtype, shape, device_type):
         self.t[hid] = torch.zeros(shape, dtype=dtype, device=self.device(device_type))
 
-    def op_get(self, seq, hid, req, shm=False):
+    def op_get(self, seq, hid, req, shm=False, tag=0):
+        """Our block of a fetch: into shared memory when the controller asked and there is room, else
+        inline (small) or through our pair (the header in the store says which)."""
         x = self.t[hid]
         key = f"g/{req}/{self.rank}"
-        if isinstance(shm, tuple):  # into the controller's file of the global value, at our block's offset
-            path, offset = shm
-            pp.shm_write_at(path, offset, x)
-            self.store.set(key, pickle.dumps((x.dtype, tuple(x.shape), "direct")))
-        elif shm and self.shm:  # a file of its own: the controller maps it and unlinks it
-            path = os.path.join(self.shm, f"g-{req}-{self.rank}")
-            size = pp.shm_write(path, x)
-            self.store.set(key, pickle.dumps((x.dtype, tuple(x.shape), path, size)))
-        else:
-            pp.store_put(self.store, key, pp.to_blob(x))
-            self.store.set(key, pickle.dumps((x.dtype, tuple(x.shape))))
+        head = (x.dtype, tuple(x.shape))
+        sent = None
+        try:
+            if isinstance(shm, tuple):  # into the controller's file of the global value, at our block's offset
+                path, offset = shm
+                pp.shm_write_at(path, offset, x)
+                sent = head + ("direct",)
+            elif shm and self.shm:  # a file of its own: the controller maps it and unlinks it
+                path = os.path.join(self.shm, f"g-{req}-{self.rank}")
+                try:
+                    sent = head + ("shm", path, pp.shm_write(path, x))
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                    raise
+        except OSError:  # /dev/shm is full (a container's is often 64 MB): the pair carries it
+            pass
+        data = None
+        if sent is None:
+            data = pp.as_bytes(x.detach().cpu())
+            sent = head + (("inline", data.numpy().tobytes()) if data.numel() <= pp.INLINE_BYTES else ("pg", tag))
+        self.store.set(key, pickle.dumps(sent))
         self.store.add(f"g/{req}", 1)
+        if sent[2] == "pg":  # the controller receives once every block's header is in
+            self.pair.send([data], 0, tag).wait()
 
     def op_batch(self, name, size):  # a batch too large for one queue message
         self.run(pickle.loads(pp.store_take(self.store, name, size)))
