@@ -84,9 +84,9 @@ class RayRuntime(ProcessRuntime):
         self.started_ray = False
         if not ray.is_initialized():
             address = address or os.environ.get("RAY_ADDRESS") or None
-            # a local Ray is this backend's own: quiet, and stopped at shutdown
-            ray.init(address=address, include_dashboard=False, log_to_driver=False,
-                     **({} if address else {"configure_logging": False}))
+            # quiet (Ray's logging handlers would hold on to this process's stderr); a local Ray is this
+            # backend's own, stopped at shutdown
+            ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
             self.started_ray = address is None
         self.gpus = int(ray.cluster_resources().get("GPU", 0))
         # "cuda" meshes: one GPU actor per device when the cluster has GPUs, though this process may have none
@@ -97,6 +97,9 @@ class RayRuntime(ProcessRuntime):
 
     def _make_pool(self, world: int):
         return RayPool(self.timeout, max(60.0, 15.0 * world), self.cpus_per_device, self._last_op)
+
+    def _open_pairs(self, ranks) -> None:
+        pass  # Ray's object store is the data plane everywhere
 
     def _last_op(self):
         return next(reversed(self._ops), None)
