@@ -71,7 +71,8 @@ def ray_cluster():
         yield ray
         return
     try:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        # a Ray of our own even where a cluster runs on this machine (`ray start`), which ray.init would join
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     except Exception as exc:  # noqa: BLE001
         pytest.skip(f"Ray cannot start on this machine: {exc}")
     yield ray

@@ -171,28 +171,36 @@ def _kill_when(pred, pid, timeout=20.0):
     os.kill(pid, signal.SIGKILL)
 
 
-def test_worker_killed_during_a_256mb_transfer():
-    """Fetch and place of 256 MB with a worker SIGKILLed mid-way: the dead worker is named within 5 s,
-    no worker process and no /dev/shm file is left, and the next tensor works on new workers."""
+@pytest.mark.parametrize("path", ["shm", "torch.distributed"])
+def test_worker_killed_during_a_256mb_transfer(path):
+    """Fetch and place of 256 MB with a worker SIGKILLed mid-way, through shared memory or through the
+    workers' gloo pairs (the path of workers on other hosts): the dead worker is named within 5 s, no
+    worker process and no /dev/shm file is left, and the next tensor works on new workers."""
     x = torch.randn(64 << 20)  # 256 MB of float32
     others = set(shm_files())  # other tests' pools, still running
     g = process_graph(workers=2)
+    g.runtime.shm = path == "shm"
     try:
         with using(g):
             d = dtorch.Tensor(x, device_mesh=PAIR, placements=[Shard(0)])
             g.runtime.sync()
             pids = worker_pids(g)
             shm = g.runtime._pool.shm[0]
-            # fetch: kill worker 1 once the workers write into the global value's file (128 MB each)
+            # fetch: kill worker 1 once the workers write their 128 MB (into the global value's file, or
+            # a send to the controller)
             fut = d.to_torch_async()
-            _kill_when(lambda: writing(shm), pids[1])
+            if path == "shm":
+                _kill_when(lambda: writing(shm), pids[1])
+            else:
+                time.sleep(0.05)
+                os.kill(pids[1], signal.SIGKILL)
             t0 = time.monotonic()
             with pytest.raises(WorkerError, match=rf"worker 1 \(device id 1, pid {pids[1]}\) died: killed by signal SIGKILL"):
                 fut.get()
             assert time.monotonic() - t0 < 5
             assert wait_gone(pids, 5) == [] and set(shm_files()) == others
 
-            # place: kill worker 0 while the workers take the 256 MB just written
+            # place: kill worker 0 while the workers take the 256 MB just written (or sent)
             d = dtorch.Tensor(x, device_mesh=PAIR, placements=[Replicate()])
             pids = worker_pids(g)
             os.kill(pids[0], signal.SIGKILL)
@@ -255,38 +263,3 @@ def test_a_fetch_that_does_not_fit_in_dev_shm_comes_through_torch_distributed(pl
     finally:
         g.runtime.shutdown()
 
-
-def test_worker_killed_during_a_256mb_transfer_over_torch_distributed():
-    """The same on the path of workers on other hosts (each worker's gloo pair with the controller): the
-    dead worker is named within 5 s, no worker is left, the next tensor works on new workers."""
-    x = torch.randn(64 << 20)  # 256 MB of float32
-    g = process_graph(workers=2)
-    g.runtime.shm = False
-    try:
-        with using(g):
-            d = dtorch.Tensor(x, device_mesh=PAIR, placements=[Shard(0)])
-            g.runtime.sync()
-            pids = worker_pids(g)
-            fut = d.to_torch_async()  # 128 MB from each worker through its pair
-            time.sleep(0.05)
-            os.kill(pids[1], signal.SIGKILL)
-            t0 = time.monotonic()
-            with pytest.raises(WorkerError, match=rf"worker 1 \(device id 1, pid {pids[1]}\) died: killed by signal SIGKILL"):
-                fut.get()
-            assert time.monotonic() - t0 < 5
-            assert wait_gone(pids, 5) == []
-
-            d = dtorch.Tensor(x, device_mesh=PAIR, placements=[Replicate()])  # 256 MB sent to each worker
-            pids = worker_pids(g)
-            os.kill(pids[0], signal.SIGKILL)
-            t0 = time.monotonic()
-            with pytest.raises(WorkerError, match=rf"worker 0 \(device id 0, pid {pids[0]}\) died"):
-                g.runtime.sync()
-            assert time.monotonic() - t0 < 5
-            assert wait_gone(pids, 5) == []
-
-            z = dtorch.Tensor(torch.arange(7.0), device_mesh=PAIR, placements=[Shard(0)])
-            assert torch.equal((z * 3).to_torch(), torch.arange(7.0) * 3)
-            assert set(worker_pids(g)).isdisjoint(pids)
-    finally:
-        g.runtime.shutdown()

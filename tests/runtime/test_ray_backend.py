@@ -11,9 +11,11 @@ All against a local Ray (``ray.init(num_cpus=2)``, the ``ray_cluster`` fixture),
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -286,8 +288,14 @@ def test_ray_that_dtorch_started_is_stopped_at_shutdown(tmp_path):
     """)
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)
-    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=180)
+    # Ray's own directory, short (Ray's sockets live there): ray.init must not find a cluster that runs on
+    # this machine (it would join it), and what this Ray leaves is this test's to remove
+    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="dtr", dir="/tmp")
+    try:
+        run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=180)
+    finally:
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
     assert run.returncode == 0, run.stderr[-3000:]
     import json
 

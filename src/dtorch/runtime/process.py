@@ -781,10 +781,7 @@ class ProcessRuntime(Runtime):
             if pool is None:
                 return
             try:
-                pool.client.set("stop", "1")  # queued work can no longer be observed: workers skip it
-                for r in range(self._world):
-                    self._buf[r].append(("exit",))
-                self.flush()
+                self._farewell(pool)
                 clean = True
             except Exception:  # noqa: BLE001
                 clean = False
@@ -793,6 +790,13 @@ class ProcessRuntime(Runtime):
             self._lost = "the backend was shut down"
             self._epoch += 1
             self._reset()
+
+    def _farewell(self, pool) -> None:
+        """Tell every worker to exit once it reaches the end of its queue."""
+        pool.client.set("stop", "1")  # queued work can no longer be observed: workers skip it
+        for r in range(self._world):
+            self._buf[r].append(("exit",))
+        self.flush()
 
     def __del__(self):
         try:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 import time
 import warnings
 
@@ -178,20 +179,12 @@ class RayRuntime(ProcessRuntime):
             answers = self._answers(pool, [pool.last[r] for r in range(self._world)], "device actor statistics")
             return {r: a[("stats", req)] for r, a in enumerate(answers)}
 
+    def _farewell(self, pool) -> None:
+        self._everyone(("exit",))
+
     def shutdown(self) -> None:
         with self._lock:
-            pool = self._pool
-            if pool is not None:
-                clean = True
-                try:
-                    self._everyone(("exit",))
-                except Exception:  # noqa: BLE001
-                    clean = False
-                self._pool = None
-                pool.stop(clean=clean)
-                self._lost = "the backend was shut down"
-                self._epoch += 1
-                self._reset()
+            super().shutdown()
             if self.started_ray and ray.is_initialized():
                 self.started_ray = False
                 ray.shutdown()
@@ -223,6 +216,7 @@ class RayPool:
         self.cuda = False
         self.describe = lambda seq, kind: f"{kind} #{seq}"
         self._next_check = 0.0
+        self._lock = threading.Lock()  # ``outstanding``: a to_torch_async thread waits while the caller runs on
 
     # -- membership ----------------------------------------------------------------------------------
     def resize(self, world: int, backend: str, cuda: bool, reform) -> None:
@@ -282,7 +276,8 @@ class RayPool:
         arriving = self.arriving.pop(rank, ())
         keys = tuple(k for k, _ in arriving)
         ref = self.actors[rank].run.remote(blob, keys, *(v for _, v in arriving))
-        self.outstanding[ref] = (rank, self.last_op())
+        with self._lock:
+            self.outstanding[ref] = (rank, self.last_op())
         self.last[rank] = ref
         return ref
 
@@ -313,15 +308,19 @@ class RayPool:
         if not force and now < self._next_check:
             return
         self._next_check = now + 0.05
-        if not self.outstanding:
-            return
-        done, _ = ray.wait(list(self.outstanding), num_returns=len(self.outstanding), timeout=0, fetch_local=False)
-        faults = self._faults(done)
+        faults = self._finished_faults()
         if faults:
             time.sleep(0.3)  # let the peers' calls fail or report too: the root cause leads the message
-            done, _ = ray.wait(list(self.outstanding), num_returns=len(self.outstanding), timeout=0,
-                               fetch_local=False)
-            raise WorkerError(self._fault_report(faults + self._faults(done)))
+            raise WorkerError(self._fault_report(faults + self._finished_faults()))
+
+    def _finished_faults(self) -> list:
+        with self._lock:
+            calls = list(self.outstanding)
+        if not calls:
+            return []
+        done, _ = ray.wait(calls, num_returns=len(calls), timeout=0, fetch_local=False)
+        with self._lock:
+            return self._faults(done)
 
     def _faults(self, done) -> list:
         """(kind, rank, text) of each fault among the finished calls ``done``: 0 a dead actor, 1 a failed op."""

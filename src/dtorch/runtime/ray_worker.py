@@ -65,7 +65,11 @@ class DeviceActor(Worker):
             dist.destroy_process_group()
 
     def identity(self, cfg) -> dict:
-        return {"pid": os.getpid(), "host": socket.gethostname(), "device": "cuda:0" if cfg["cuda"] else "cpu"}
+        if not cfg["cuda"]:
+            return {"pid": os.getpid(), "host": socket.gethostname(), "device": "cpu"}
+        import ray
+
+        return {"pid": os.getpid(), "host": socket.gethostname(), "device": f"cuda:0 (Ray GPU {ray.get_gpu_ids()})"}
 
     # -- records whose transport differs from the process backend's ------------------------------------
     def op_reform(self, cfg):
