@@ -101,8 +101,9 @@ def cut_global(full: torch.Tensor, spec: DTensorSpec) -> list:
     return out
 
 
-def assemble(blocks, spec: DTensorSpec, device=None) -> torch.Tensor:
-    """The global value from every device's block (mesh order) as a new tensor on ``device``.
+def assemble(blocks, spec: DTensorSpec, device=None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The global value from every device's block (mesh order) as a new tensor on ``device`` (``out``:
+    written into that new, empty tensor of the global shape instead).
 
     Partial terms reduce one mesh dim at a time, the outer mesh dim first (the documented order), each
     group with ``reduce_list`` on ``device``. Devices that differ only on Replicate mesh dims must hold
@@ -125,7 +126,8 @@ def assemble(blocks, spec: DTensorSpec, device=None) -> torch.Tensor:
                 continue  # a group no device in the result reads
             blocks[members[0]] = reduce_list(p.reduce_op, [blocks[g].to(device) for g in members])
         settled[i] = True
-    out = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+    if out is None:
+        out = torch.empty(spec.shape, dtype=spec.dtype, device=device)
     for block, coord in zip(blocks, coords):
         if all(c == 0 or isinstance(p, Shard) for c, p in zip(coord, pl)):  # one replica each
             out[tuple(slice(o, o + n) for o, n in spec.local_box(coord))] = block

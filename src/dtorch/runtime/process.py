@@ -503,7 +503,7 @@ class ProcessRuntime(Runtime):
             raise
         store.delete_key(key)
         heads = store.multi_get([f"{key}/{r}" for r in ranks])
-        out = []
+        out, recvs = [], []
         for r, head in zip(ranks, heads):
             dtype, shape, how, *where = pickle.loads(head)
             if how == "direct":  # written into the global value's file (``_request``)
@@ -514,28 +514,34 @@ class ProcessRuntime(Runtime):
                 self.stats["bytes_shm"] += size
             elif how == "inline":
                 out.append(pp.from_blob(where[0], dtype, shape))
-            else:  # sent through our gloo pair
+            else:  # sent through our gloo pair: every receive is posted before any is waited on
                 buf = torch.empty(pp.nbytes(shape, dtype), dtype=torch.uint8)
-                self._pair_recv(pool, r, buf, where[0], spec)
+                recvs.append((r, self._pairs[r].recv([buf], 1, where[0])))
                 out.append(pp.from_bytes(buf, dtype, shape))
                 self.stats["bytes_fetched"] += buf.numel()
             store.delete_key(f"{key}/{r}")
+        for r, work in recvs:
+            self._pair_wait(pool, r, work, spec)
         return out
 
-    def _pair_recv(self, pool: Pool, r: int, buf: torch.Tensor, tag: int, spec) -> None:
-        """Receive worker ``r``'s block; a worker that dies meanwhile is named, as in every wait."""
+    def _pair_wait(self, pool: Pool, r: int, work, spec) -> None:
+        """Wait for worker ``r``'s block, watching the workers as in every wait: gloo may not notice a
+        sender that died mid-transfer until its own timeout."""
         try:
-            self._pairs[r].recv([buf], 1, tag).wait(datetime.timedelta(seconds=self.timeout))
-        except Exception as exc:  # noqa: BLE001  (gloo raises RuntimeError on a closed connection or timeout)
             try:
+                pool.wait(work.is_completed, f"the blocks of {spec} from {pool.who(r)}")
+                work.wait()  # raises what the transfer raised
+            except WorkerError:
+                raise
+            except Exception as exc:  # noqa: BLE001  (gloo: RuntimeError on a closed connection)
                 pool.check(force=True)
                 raise WorkerError(f"dtorch process backend: receiving the blocks of {spec} from {pool.who(r)} "
                                   f"failed: {exc}") from None
-            except WorkerError as err:
-                with self._lock:
-                    if pool is self._pool:
-                        self._teardown(str(err))
-                raise err from None
+        except WorkerError as err:
+            with self._lock:
+                if pool is self._pool:
+                    self._teardown(str(err))
+            raise
 
     def _assemble(self, spec: DTensorSpec, coords, blocks) -> torch.Tensor:
         """The global value from the (CPU) blocks of ``coords``: partial terms reduce in the one documented
@@ -544,7 +550,7 @@ class ProcessRuntime(Runtime):
         # replicas were not fetched: every device takes the block of its index-0 replica
         flat = [got[tuple(0 if isinstance(p, Replicate) else x for x, p in zip(c, spec.placements))]
                 for c in spec.mesh.coordinates()]
-        return assemble(flat, spec, torch.device("cpu"))
+        return assemble(flat, spec, torch.device("cpu"), out=pp.empty_result(spec.shape, spec.dtype))
 
     def to_global(self, h: Handle, spec: DTensorSpec) -> torch.Tensor:
         coords = pp.grid_coords(spec)
