@@ -526,11 +526,22 @@ class ProcessRuntime(Runtime):
 
     def _pair_wait(self, pool: Pool, r: int, work, spec) -> None:
         """Wait for worker ``r``'s block, watching the workers as in every wait: gloo may not notice a
-        sender that died mid-transfer until its own timeout."""
+        sender that died mid-transfer until its own timeout (and its work's is_completed() does not move
+        until someone waits), so a thread waits and this one watches."""
+        done = concurrent.futures.Future()
+
+        def receive():
+            try:
+                work.wait()
+                done.set_result(None)
+            except BaseException as exc:  # noqa: BLE001  (delivered below)
+                done.set_exception(exc)
+
+        threading.Thread(target=receive, name="dtorch-recv", daemon=True).start()
         try:
             try:
-                pool.wait(work.is_completed, f"the blocks of {spec} from {pool.who(r)}")
-                work.wait()  # raises what the transfer raised
+                pool.wait(done.done, f"the blocks of {spec} from {pool.who(r)}")
+                done.result()  # raises what the transfer raised
             except WorkerError:
                 raise
             except Exception as exc:  # noqa: BLE001  (gloo: RuntimeError on a closed connection)
