@@ -5,6 +5,7 @@ model, same weights, same thread count per process, one command.
     .venv/bin/python bench/process_backend.py                    # TP=2 and TP=4, defaults below
     .venv/bin/python bench/process_backend.py --tp 2 --hidden 256 --layers 2 --seq 64 --iters 5
     .venv/bin/python bench/process_backend.py --floor            # and what no TP system can go below
+    .venv/bin/python bench/process_backend.py --ray              # and dtorch's ray backend (TP Ray actors)
 
 The two systems run in alternating rounds (DTensor's ranks wait on a store key while dtorch runs, and
 dtorch's workers wait on their queues while DTensor runs), so both see the same load on a shared
@@ -50,6 +51,8 @@ def parse(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads per process (default: cores / TP, at least 1)")
+    ap.add_argument("--ray", action="store_true",
+                    help="also dtorch's ray backend (one Ray actor per device, a local Ray), in the same rounds")
     ap.add_argument("--floor", action="store_true",
                     help="also measure the floor: each rank's local compute alone (TP processes at once, no "
                          "communication) and the forward's collectives alone on gloo")
@@ -262,12 +265,13 @@ class DTensorRanks:
 
 
 class DtorchTP:
-    def __init__(self, args, tp: int, hf):
-        os.environ["OMP_NUM_THREADS"] = str(threads_for(args, tp))  # read by the workers when they start
+    def __init__(self, args, tp: int, hf, backend: str = "process"):
+        # read by the workers / device actors when they start
+        os.environ["OMP_NUM_THREADS"] = os.environ["DTORCH_RAY_THREADS"] = str(threads_for(args, tp))
         import dtorch
         from dtorch.models.llama import LlamaForCausalLM
 
-        self.graph = dtorch.Graph(backend="process")
+        self.graph = dtorch.Graph(backend=backend)
         dtorch.Graph.set_default_graph(self.graph)
         mesh = dtorch.init_device_mesh("cpu", (tp,), mesh_dim_names=["tp"])
         self.model = LlamaForCausalLM(hf.config, mesh)
@@ -284,7 +288,8 @@ class DtorchTP:
         graph.sync()
         before = rt.stats["ops"]
         t0 = time.perf_counter()
-        out = self.model(self.ids)  # returns as soon as every op is queued
+        with graph:  # tensors the forward makes (positions) live with the model's (the default is per Graph)
+            out = self.model(self.ids)  # returns as soon as every op is queued
         t1 = time.perf_counter()
         graph.sync()
         t2 = time.perf_counter()
@@ -295,6 +300,13 @@ class DtorchTP:
             if not self.fetch:  # 4 bytes x batch x seq x vocab to the controller, once
                 self.logits = out.to_torch()
                 self.fetch.append(time.perf_counter() - t2)
+
+    def pids(self) -> list[int]:
+        """This process and the workers (the process backend's children, or the ray backend's actors)."""
+        pool = self.rt._pool
+        workers = [p.pid for p in pool.procs.values()] if hasattr(pool, "procs") else [
+            i["pid"] for i in pool.info.values()]
+        return [os.getpid()] + workers
 
     def close(self) -> None:
         self.rt.shutdown()
@@ -311,36 +323,44 @@ def run_tp(args, tp: int, hf, expected, tmp: str) -> dict:
         timed(lambda: hf(ids), args.warmup)
         single = statistics.median(timed(lambda: hf(ids), args.iters * 2))
     ranks = DTensorRanks(args, tp, tmp)
+    ray_tp = None
     try:
         ours = DtorchTP(args, tp, hf)
+        ray_tp = DtorchTP(args, tp, hf, backend="ray") if args.ray else None
         ranks.wait_ready()
         dt = []
         dt_pids = [p.pid for p in ranks.procs]
-        our_pids = [os.getpid()] + [p.pid for p in ours.rt._pool.procs.values()]
-        cpu = {"dtensor": 0.0, "dtorch": 0.0}  # CPU time of every process of each system, in its rounds
+        # CPU time of every process of each system, in its rounds (the ray backend's: controller and actors,
+        # not Ray's own daemons)
+        cpu = {"dtensor": 0.0, "dtorch": 0.0, "ray": 0.0}
         for k in range(args.rounds):
             c0 = cpu_seconds(dt_pids)
             dt += ranks.round(k)
-            c1 = cpu_seconds(dt_pids)
-            c2 = cpu_seconds(our_pids)
-            for _ in range(args.iters):
-                ours.forward()
-            c3 = cpu_seconds(our_pids)
-            cpu["dtensor"] += c1 - c0
-            cpu["dtorch"] += c3 - c2
+            cpu["dtensor"] += cpu_seconds(dt_pids) - c0
+            for key, system in (("dtorch", ours), ("ray", ray_tp)):
+                if system is None:
+                    continue
+                c0 = cpu_seconds(system.pids())
+                for _ in range(args.iters):
+                    system.forward()
+                cpu[key] += cpu_seconds(system.pids()) - c0
         dt_logits = ranks.finish()
     finally:
         for p in ranks.procs:
             p.kill()
     ours.close()
+    if ray_tp is not None:
+        ray_tp.close()
     floor = measure_floor(args, tp) if args.floor else None
-    for name, logits in (("dtorch", ours.logits), ("DTensor", dt_logits)):
+    checked = [("dtorch", ours.logits), ("DTensor", dt_logits)] + ([("ray", ray_tp.logits)] if ray_tp else [])
+    for name, logits in checked:
         err = (logits - expected).abs().max().item()
         assert err < 1e-3, f"{name} TP={tp} logits differ from Hugging Face's by {err}"
     med = statistics.median
     return {"tp": tp, "threads": threads, "hf": single, "dtensor": med(dt), "dtorch": med(ours.wall),
             "controller": med(ours.issue), "fetch": ours.fetch[0], "ops": int(med(ours.ops)), "floor": floor,
-            "cpu": {k: v / (args.rounds * args.iters) for k, v in cpu.items()}}
+            "cpu": {k: v / (args.rounds * args.iters) for k, v in cpu.items()},
+            "ray": (med(ray_tp.wall), med(ray_tp.issue), ray_tp.fetch[0]) if ray_tp else None}
 
 
 def report(args, r: dict) -> None:
@@ -361,6 +381,13 @@ def report(args, r: dict) -> None:
     print(f"  dtorch controller time              {ms(r['controller'])}   "
           f"({r['controller'] / r['ops'] * 1e6:.0f} us per op)")
     print(f"  controller time / wall time         {r['controller'] / r['dtorch']:8.2f}", flush=True)
+    if r["ray"]:
+        wall, issue, fetch = r["ray"]
+        print(f"  dtorch ray backend TP={tp}            {ms(wall)}   (fetching the logits takes {ms(fetch).strip()} "
+              f"more; controller {ms(issue).strip()})")
+        print(f"  ray / process backend wall time     {wall / r['dtorch']:8.2f}x;  ray / DTensor {wall / r['dtensor']:.2f}x")
+        print(f"  CPU time per forward, ray backend   {ms(r['cpu']['ray'])} (controller and actors): "
+              f"{r['cpu']['ray'] / r['cpu']['dtorch']:.2f}x the process backend's", flush=True)
     if r["floor"]:
         compute, comm = r["floor"]
         print(f"  floor: each rank's local forward    {ms(compute)}   (the slowest of {tp} ranks run at once, no "

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import threading
 import time
 import warnings
@@ -197,8 +198,6 @@ class RayPool:
     died) or an answer carrying an error is a fault. ``last[rank]`` is the latest call to that actor; since
     an actor runs its calls in order, waiting for it waits for everything queued before."""
 
-    shm = None  # no same-host file transport: Ray's object store carries the data
-
     def __init__(self, timeout: float, start_timeout: float, cpus_per_device: float, last_op):
         self.timeout = timeout
         self.start_timeout = start_timeout
@@ -217,6 +216,9 @@ class RayPool:
         self.describe = lambda seq, kind: f"{kind} #{seq}"
         self._next_check = 0.0
         self._lock = threading.Lock()  # ``outstanding``: a to_torch_async thread waits while the caller runs on
+        # a directory in /dev/shm: device actors on this node run all_reduce/all_gather through files in it
+        # (the process backend's shared-memory collectives); data to and from the controller stays Ray's
+        self.shm = pp.shm_dir()
 
     # -- membership ----------------------------------------------------------------------------------
     def resize(self, world: int, backend: str, cuda: bool, reform) -> None:
@@ -250,7 +252,7 @@ class RayPool:
         gen = self.gen + 1
         threads = int(os.environ.get("DTORCH_RAY_THREADS") or max(1, (os.cpu_count() or 1) // world))
         cfg = {"gen": gen, "world": world, "backend": backend, "cuda": cuda, "timeout": self.timeout,
-               "rendezvous": self.rendezvous, "threads": threads}
+               "rendezvous": self.rendezvous, "threads": threads, "shm": self.shm}
         blob = pickle.dumps([("reform", cfg)])
         refs = [self.call(r, blob) for r in range(world)]
         for r, answer in enumerate(self.results(refs, f"{world} device actors to join (generation {gen})",
@@ -362,7 +364,7 @@ class RayPool:
         return f"device actor {r} ({', '.join(parts)})"
 
     def shm_ranks(self) -> set:
-        return set()
+        return set()  # the controller's blocks go through Ray's object store, never through self.shm
 
     # -- stopping --------------------------------------------------------------------------------------
     def stop(self, clean: bool, grace: float = 5.0) -> None:
@@ -381,6 +383,8 @@ class RayPool:
                 remove_placement_group(group)
             except Exception:  # noqa: BLE001
                 pass
+        if self.shm:
+            shutil.rmtree(self.shm[0], ignore_errors=True)
         self.actors.clear()
         self.groups.clear()
         self.outstanding.clear()

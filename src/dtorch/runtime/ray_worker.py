@@ -78,6 +78,7 @@ class DeviceActor(Worker):
         if self.store is None:
             self.store = connect(cfg["rendezvous"], cfg["timeout"])
         torch.set_num_threads(cfg["threads"])
+        self.shm = pp.shm_reachable(cfg.get("shm"))  # on the controller's node: collectives through /dev/shm
         self.form(cfg, dist.PrefixStore(f"g{cfg['gen']}/", self.store))
         self.answers["info"] = self.identity(cfg)
 
