@@ -165,7 +165,7 @@ def test_a_mesh_larger_than_the_backend_allows(monkeypatch, capsys):
     with dtorch.Graph(backend="process"):  # no worker starts: the flags are refused first
         assert llama_cli.main(SMALL) == 2  # dp2 x tp2 x pp2 x ulysses2 = 16 devices
     assert ("the mesh has 16 devices (--dp x --tp x --pp x --ulysses-cp x --ring-cp) but the process backend allows "
-            "8 worker processes") in capsys.readouterr().err
+            "8 workers") in capsys.readouterr().err
     monkeypatch.setenv("DTORCH_DTENSOR_IN_SAME_DEVICE", "1")
     monkeypatch.setenv("DTORCH_NUM_GPU_WHEN_ENABLE_DTENSOR_IN_SAME_DEVICE", "4")
     with dtorch.Graph():

@@ -153,21 +153,23 @@ def _mesh_problems(mesh) -> list[str]:
 
     graph = dtorch.default_graph()
     out = [] if graph.satisfy(mesh) else [mesh_problems(mesh, getattr(graph.runtime, "config", None) or read_device_config())]
-    limit = getattr(graph.runtime, "max_workers", None)  # the process backend: one worker process per device
+    limit = getattr(graph.runtime, "max_workers", None)  # the process and ray backends: a worker per device
     if limit is not None and mesh.size() > limit:
         out.append(f"the mesh has {mesh.size()} devices (--dp x --tp x --pp x --ulysses-cp x --ring-cp) but the "
-                   f"process backend allows {limit} worker processes; use smaller sizes or raise "
+                   f"{graph.backend} backend allows {limit} workers; use smaller sizes or raise "
                    "DTORCH_PROCESS_MAX_WORKERS")
     return out
 
 
 def _where(mesh) -> tuple[str, str]:
     """(where the devices are, for the banner; what they are: "16 simulated cpu devices"), true to the
-    backend: the process backend runs one worker process per device."""
+    backend: the process backend runs one worker process per device, the ray backend one Ray actor."""
     graph = dtorch.default_graph()
     n, kind = mesh.size(), mesh.device_type
     if graph.backend == "process":
         return "one worker process per device (process backend)", f"{n} {kind} devices, one worker process each"
+    if graph.backend == "ray":
+        return "one Ray actor per device (ray backend)", f"{n} {kind} devices, one Ray actor each"
     config = getattr(graph.runtime, "config", None)
     if kind == "cpu" or (config is not None and config.same_device):
         return "every device simulated in this process", f"{n} simulated {kind} devices"
