@@ -23,10 +23,9 @@ MESH_2D = DeviceMesh("cpu", [[2, 0], [3, 1]], mesh_dim_names=["a", "b"])  # ever
 
 
 @pytest.fixture(scope="module")
-def shm():
-    g = process_graph(workers=4)
-    yield g
-    g.runtime.shutdown()
+def shm(proc):
+    """The default process Graph (conftest's ``proc``): its workers exchange through shared memory."""
+    return proc
 
 
 @pytest.fixture(scope="module")
