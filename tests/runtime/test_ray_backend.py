@@ -339,3 +339,36 @@ def test_operator_suites_on_the_ray_backend(ray_cluster):
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files], cwd=REPO,
                          env=env, capture_output=True, text=True, timeout=1400)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+def test_ray_that_dtorch_started_stays_while_another_graph_uses_it(tmp_path):
+    """Two ray Graphs on the Ray dtorch started: shutting one down leaves the other's actors running; Ray
+    stops with the last one."""
+    script = textwrap.dedent("""
+        import json, torch, ray, dtorch
+        from dtorch import DeviceMesh, Shard
+        mesh = DeviceMesh("cpu", [0, 1])
+        a, b = dtorch.Graph(backend="ray"), dtorch.Graph(backend="ray")
+        with a:
+            x = dtorch.Tensor(torch.arange(4.0), device_mesh=mesh, placements=[Shard(0)])
+        with b:
+            y = dtorch.Tensor(torch.arange(4.0), device_mesh=mesh, placements=[Shard(0)])
+        a.runtime.shutdown()
+        up = ray.is_initialized()
+        ok = bool(torch.equal((y * 2).to_torch(), torch.arange(4.0) * 2))
+        b.runtime.shutdown()
+        print(json.dumps({"up_after_first": up, "second_works": ok, "down_after_last": not ray.is_initialized()}))
+    """)
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="dtr", dir="/tmp")
+    try:
+        run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=180)
+    finally:
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    import json
+
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {"up_after_first": True, "second_works": True,
+                                                                "down_after_last": True}

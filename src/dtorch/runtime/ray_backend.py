@@ -33,6 +33,7 @@ import shutil
 import threading
 import time
 import warnings
+import weakref
 
 import torch
 
@@ -83,13 +84,9 @@ class RayRuntime(ProcessRuntime):
         self.shm = False  # Ray's object store is the data plane
         self.stats["bytes_object_store"] = 0
         self.cpus_per_device = cpus_per_device or _env_float("DTORCH_RAY_CPUS_PER_DEVICE", CPUS_PER_DEVICE)
-        self.started_ray = False
-        if not ray.is_initialized():
-            address = address or os.environ.get("RAY_ADDRESS") or None
-            # quiet (Ray's logging handlers would hold on to this process's stderr); a local Ray is this
-            # backend's own, stopped at shutdown
-            ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
-            self.started_ray = address is None
+        self.address = address
+        _connect(address)
+        _USERS.add(self)
         self.gpus = int(ray.cluster_resources().get("GPU", 0))
         # "cuda" meshes: one GPU actor per device when the cluster has GPUs, though this process may have none
         self.force_cuda = self.gpus > 0 and not self.config.same_device
@@ -98,6 +95,7 @@ class RayRuntime(ProcessRuntime):
         return self.force_cuda
 
     def _make_pool(self, world: int):
+        _connect(self.address)  # again, if another runtime's shutdown stopped the Ray dtorch had started
         return RayPool(self.timeout, max(60.0, 15.0 * world), self.cpus_per_device, self._last_op)
 
     def _open_pairs(self, ranks) -> None:
@@ -186,9 +184,25 @@ class RayRuntime(ProcessRuntime):
     def shutdown(self) -> None:
         with self._lock:
             super().shutdown()
-            if self.started_ray and ray.is_initialized():
-                self.started_ray = False
-                ray.shutdown()
+        _USERS.discard(self)
+        # the Ray that dtorch started stops with the last runtime that has actors on it
+        if _STARTED["local"] and not any(rt._pool is not None for rt in list(_USERS)) and ray.is_initialized():
+            _STARTED["local"] = False
+            ray.shutdown()
+
+
+_STARTED = {"local": False}  # did dtorch start this process's Ray (ray.init with no address)?
+_USERS: "weakref.WeakSet[RayRuntime]" = weakref.WeakSet()
+
+
+def _connect(address: str | None) -> None:
+    """The program's Ray if it has one; else join ``address`` / RAY_ADDRESS; else start a local one."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    # quiet: Ray's logging handlers would hold on to this process's stderr
+    ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    _STARTED["local"] = address is None
 
 
 class RayPool:
