@@ -7,6 +7,7 @@ two torchrun agents and a controller on a 2-core machine).
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -46,14 +47,16 @@ def test_identity_comes_from_torchruns_environment():
 
 
 def _free_port_pair() -> int:
-    """A port P with P+1 free too (torchrun's store on P, the controller on P+1)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
+    """A port P with P+1 free too (torchrun's store on P, the controller on P+1), below Linux's ephemeral
+    range (32768-60999): a port handed out there can be taken by any outgoing connection (another test's
+    gloo sockets) before the controller binds it."""
+    rng = random.Random()
+    for _ in range(200):
+        p = rng.randrange(20000, 32000)
         try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", p + 1))
+            for q in (p, p + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", q))
             return p
         except OSError:
             continue
