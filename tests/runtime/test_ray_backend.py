@@ -10,6 +10,7 @@ All against a local Ray (``ray.init(num_cpus=2)``, the ``ray_cluster`` fixture),
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -253,7 +254,24 @@ def test_shutdown_leaves_no_actors(ray_cluster):
     assert states() == ["DEAD"] * 3
 
 
-def test_ray_that_dtorch_started_is_stopped_at_shutdown(tmp_path):
+def without_ray(script: str) -> dict:
+    """Run ``script`` in a fresh interpreter where Ray is not started (so dtorch starts it); the JSON object
+    its last line prints."""
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)
+    # Ray's own directory, short (Ray's sockets live there): ray.init must not find a cluster that runs on
+    # this machine (it would join it), and what this Ray leaves is this test's to remove
+    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="dtr", dir="/tmp")
+    try:
+        run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=180)
+    finally:
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_ray_that_dtorch_started_is_stopped_at_shutdown():
     """Without ray.init by the program, the backend starts a local Ray and stops it again: no Ray processes
     that dtorch started are left (run in a fresh interpreter: this one's Ray is the tests')."""
     script = textwrap.dedent("""
@@ -286,20 +304,7 @@ def test_ray_that_dtorch_started_is_stopped_at_shutdown(tmp_path):
             time.sleep(0.2)
         print(json.dumps({"ok": ok, "initialized": ray.is_initialized(), "started": len(started), "left": mine()}))
     """)
-    env = dict(os.environ)
-    env.pop("RAY_ADDRESS", None)
-    # Ray's own directory, short (Ray's sockets live there): ray.init must not find a cluster that runs on
-    # this machine (it would join it), and what this Ray leaves is this test's to remove
-    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="dtr", dir="/tmp")
-    try:
-        run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                             timeout=180)
-    finally:
-        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
-    assert run.returncode == 0, run.stderr[-3000:]
-    import json
-
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out = without_ray(script)
     assert out["ok"] and out["started"] > 0
     assert not out["initialized"] and out["left"] == [], out
 
@@ -341,7 +346,7 @@ def test_operator_suites_on_the_ray_backend(ray_cluster):
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
 
 
-def test_ray_that_dtorch_started_stays_while_another_graph_uses_it(tmp_path):
+def test_ray_that_dtorch_started_stays_while_another_graph_uses_it():
     """Two ray Graphs on the Ray dtorch started: shutting one down leaves the other's actors running; Ray
     stops with the last one."""
     script = textwrap.dedent("""
@@ -359,16 +364,5 @@ def test_ray_that_dtorch_started_stays_while_another_graph_uses_it(tmp_path):
         b.runtime.shutdown()
         print(json.dumps({"up_after_first": up, "second_works": ok, "down_after_last": not ray.is_initialized()}))
     """)
-    env = dict(os.environ)
-    env.pop("RAY_ADDRESS", None)
-    env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="dtr", dir="/tmp")
-    try:
-        run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                             timeout=180)
-    finally:
-        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
-    assert run.returncode == 0, run.stderr[-3000:]
-    import json
-
-    assert json.loads(run.stdout.strip().splitlines()[-1]) == {"up_after_first": True, "second_works": True,
+    assert without_ray(script) == {"up_after_first": True, "second_works": True,
                                                                 "down_after_last": True}
