@@ -17,7 +17,7 @@ module swaps its transport for Ray's:
 
 Ray: the program's own when it already called ``ray.init`` (``ray.is_initialized()``); else
 ``ray.init(address=...)`` with ``address=`` / ``RAY_ADDRESS`` (an existing cluster: "auto" or HOST:PORT);
-else a local Ray that this backend starts, and stops again at shutdown.
+else a local Ray that this backend starts, and stops when the last runtime on it shuts down.
 
 Configuration (environment; the process backend's DTORCH_PROCESS_TIMEOUT, DTORCH_PROCESS_SYNC and
 DTORCH_PROCESS_MAX_WORKERS apply too):
