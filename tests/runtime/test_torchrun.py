@@ -63,16 +63,22 @@ def _free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
+def _controller(tmp_path, source: str, port: int, env: dict, timeout_s: int) -> subprocess.Popen:
+    """A controller process running ``source`` that waits for 4 workers to join at ``port + 1``."""
+    script = tmp_path / "controller.py"
+    script.write_text(source)
+    return subprocess.Popen([sys.executable, str(script)], cwd=REPO, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True,
+                            env=dict(env, DTORCH_BACKEND="process", DTORCH_PROCESS_SPAWN="0", DTORCH_PROCESS_WORKERS="4",
+                                     DTORCH_PROCESS_LISTEN=f"127.0.0.1:{port + 1}",
+                                     DTORCH_PROCESS_TIMEOUT=str(timeout_s)))
+
+
 @pytest.mark.slow
 def test_two_torchrun_nodes_run_llama_across_both(tmp_path):
     port = _free_port_pair()
-    script = tmp_path / "controller.py"
-    script.write_text(CONTROLLER)
     env = dict(os.environ, PYTHONPATH=REPO)
-    ctl = subprocess.Popen([sys.executable, str(script)], cwd=REPO, text=True, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, start_new_session=True,
-                           env=dict(env, DTORCH_BACKEND="process", DTORCH_PROCESS_SPAWN="0", DTORCH_PROCESS_WORKERS="4",
-                                    DTORCH_PROCESS_LISTEN=f"127.0.0.1:{port + 1}", DTORCH_PROCESS_TIMEOUT="120"))
+    ctl = _controller(tmp_path, CONTROLLER, port, env, 120)
     nodes = [subprocess.Popen([TORCHRUN, "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "2",
                                "--master-addr", "127.0.0.1", "--master-port", str(port),
                                "-m", "dtorch.runtime.worker", "--torchrun", "--connect-timeout", "60"],
@@ -105,13 +111,8 @@ def test_a_torchrun_world_unlike_the_controllers_is_named(tmp_path):
     """torchrun made 2 workers, the controller waits for 4: the worker says so, the controller raises it
     at once instead of waiting for its timeout."""
     port = _free_port_pair()
-    script = tmp_path / "controller.py"
-    script.write_text(MISMATCH)
     env = dict(os.environ, PYTHONPATH=REPO)
-    ctl = subprocess.Popen([sys.executable, str(script)], cwd=REPO, text=True, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, start_new_session=True,
-                           env=dict(env, DTORCH_BACKEND="process", DTORCH_PROCESS_SPAWN="0", DTORCH_PROCESS_WORKERS="4",
-                                    DTORCH_PROCESS_LISTEN=f"127.0.0.1:{port + 1}", DTORCH_PROCESS_TIMEOUT="60"))
+    ctl = _controller(tmp_path, MISMATCH, port, env, 60)
     worker = subprocess.Popen([sys.executable, "-m", "dtorch.runtime.worker", "--torchrun", "--connect-timeout", "30"],
                               cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                               env=dict(env, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",

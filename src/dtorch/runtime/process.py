@@ -244,10 +244,13 @@ class ProcessRuntime(Runtime):
     def _open_pairs(self, ranks) -> None:
         """A gloo group of two (this controller, the worker) per new worker: the data plane wherever shared
         memory is not (the store then carries control only). Each side's constructor waits for the other."""
+        pool = self._pool
         for r in ranks:
-            self._pool.push(r, pickle.dumps([("pair", self._pool.gen)]))
-            store = dist.PrefixStore(f"pair/{self._pool.gen}/{r}/", self._pool.client.clone())
-            self._pairs[r] = dist.ProcessGroupGloo(store, 0, 2, datetime.timedelta(seconds=self.timeout))
+            pool.push(r, pickle.dumps([("pair", pool.gen)]))
+            store = dist.PrefixStore(f"pair/{pool.gen}/{r}/", pool.client.clone())
+            self._pairs[r] = watched(
+                pool, lambda: dist.ProcessGroupGloo(store, 0, 2, datetime.timedelta(seconds=self.timeout)),
+                f"{pool.who(r)} to open its data connection", pool.start_timeout)
 
     def _next_pair_tag(self) -> int:
         self._pair_tag = (self._pair_tag + 1) % _TAG_SPAN
@@ -525,29 +528,9 @@ class ProcessRuntime(Runtime):
         return out
 
     def _pair_wait(self, pool: Pool, r: int, work, spec) -> None:
-        """Wait for worker ``r``'s block, watching the workers as in every wait: gloo may not notice a
-        sender that died mid-transfer until its own timeout (and its work's is_completed() does not move
-        until someone waits), so a thread waits and this one watches."""
-        done = concurrent.futures.Future()
-
-        def receive():
-            try:
-                work.wait()
-                done.set_result(None)
-            except BaseException as exc:  # noqa: BLE001  (delivered below)
-                done.set_exception(exc)
-
-        threading.Thread(target=receive, name="dtorch-recv", daemon=True).start()
+        """Wait for worker ``r``'s block, watching the workers as in every wait (``watched``)."""
         try:
-            try:
-                pool.wait(done.done, f"the blocks of {spec} from {pool.who(r)}")
-                done.result()  # raises what the transfer raised
-            except WorkerError:
-                raise
-            except Exception as exc:  # noqa: BLE001  (gloo: RuntimeError on a closed connection)
-                pool.check(force=True)
-                raise WorkerError(f"dtorch process backend: receiving the blocks of {spec} from {pool.who(r)} "
-                                  f"failed: {exc}") from None
+            watched(pool, work.wait, f"the blocks of {spec} from {pool.who(r)}")
         except WorkerError as err:
             with self._lock:
                 if pool is self._pool:
@@ -856,6 +839,28 @@ class _Executable(Executable):
         if rt.sync_every_op:
             rt.sync()
         return outs
+
+def watched(pool: Pool, fn, what: str, timeout: float | None = None):
+    """``fn()`` (a blocking gloo call) in a thread while this one watches the workers, as every wait does:
+    gloo may not notice a peer that died mid-transfer until its own timeout, and a gloo work's
+    is_completed() does not move until someone waits on it. Its result; a dead or hung worker, a timeout
+    or what ``fn`` raised is a WorkerError."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def call():
+        try:
+            done.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001  (delivered below)
+            done.set_exception(exc)
+
+    threading.Thread(target=call, name="dtorch-gloo-wait", daemon=True).start()
+    pool.wait(done.done, what, timeout)
+    try:
+        return done.result()
+    except Exception as exc:  # noqa: BLE001  (gloo: RuntimeError on a closed connection)
+        pool.check(force=True)  # a dead worker is the news, when there is one
+        raise WorkerError(f"dtorch process backend: waiting for {what} failed: {exc}") from None
+
 
 @atexit.register
 def _shutdown_all() -> None:
