@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -24,6 +25,7 @@ from dtorch import DeviceMesh, Replicate, Shard
 from dtorch.errors import OpError, RuntimeBackendError
 from dtorch.runtime.kernels import get_kernel
 from dtorch.runtime.process import WorkerError
+from dtorch.runtime.process_pool import Pool
 
 from . import process_kernels
 from .conftest import process_graph, using
@@ -89,6 +91,52 @@ def test_killed_worker_raises_quickly_and_stops_the_others():
             z = dtorch.Tensor(torch.arange(4.0), device_mesh=PAIR, placements=[Shard(0)])
             assert torch.equal((z * 2).to_torch(), torch.arange(4.0) * 2)
             assert set(worker_pids(g)).isdisjoint(pids)
+    finally:
+        g.runtime.shutdown()
+
+
+def test_worker_killed_during_a_sync_is_named_and_the_next_sync_works():
+    """``sync`` blocks on the store (``Pool.wait_key``); a worker that dies meanwhile never sets the key."""
+    g = process_graph(workers=2)
+    try:
+        with using(g):
+            x = dtorch.Tensor(torch.arange(8.0), device_mesh=PAIR, placements=[Shard(0)])
+            queue_sleeps(g, x, 20, 0.1)
+            pids = worker_pids(g)
+            killer = threading.Timer(0.5, os.kill, (pids[0], signal.SIGKILL))
+            killer.start()
+            t0 = time.monotonic()
+            with pytest.raises(WorkerError, match=rf"worker 0 \(device id 0, pid {pids[0]}\) died"):
+                g.sync()
+            assert time.monotonic() - t0 < 5
+            killer.join()
+            assert wait_gone(pids, 5) == []
+            z = dtorch.Tensor(torch.arange(4.0), device_mesh=PAIR, placements=[Shard(0)])
+            y = z * 2
+            g.sync()  # a new pool: its own waiter
+            assert torch.equal(y.to_torch(), torch.arange(4.0) * 2)
+    finally:
+        g.runtime.shutdown()
+
+
+def test_sync_sleeps_until_the_workers_finish(monkeypatch):
+    """While the workers work, the controller wakes only for the health checks (every 50 ms): polling the
+    store every 2 ms took cores from the workers (docs/benchmarks.md, "Process backend")."""
+    g = process_graph(workers=2)
+    try:
+        with using(g):
+            x = dtorch.Tensor(torch.arange(8.0), device_mesh=PAIR, placements=[Shard(0)])
+            x.to_torch()
+            wakes = []
+            check = Pool.check
+            monkeypatch.setattr(Pool, "check", lambda self, *a, **k: (wakes.append(1), check(self, *a, **k))[1])
+            y = queue_sleeps(g, x, 1, 1.0)
+            t0 = time.monotonic()
+            g.sync()
+            took = time.monotonic() - t0
+            assert took >= 0.9
+            assert len(wakes) <= took / 0.05 * 1.5 + 3, f"{len(wakes)} wake-ups in {took:.2f} s"
+            assert torch.equal(y.to_torch(), torch.arange(8.0))
     finally:
         g.runtime.shutdown()
 

@@ -696,15 +696,16 @@ class ProcessRuntime(Runtime):
             tok = next(self._ids)
             self._queue_frees()
             for r in range(self._world):
-                self._buf[r].append(("sync", tok))
+                self._buf[r].append(("sync", tok, self._world))
             self.flush()
             key = f"s/{tok}"
             try:
-                pool.wait(lambda: int(pool.client.add(key, 0)) >= self._world, "the workers to finish their queued work")
+                pool.wait_key(f"{key}/all", "the workers to finish their queued work")
             except WorkerError as exc:
                 self._teardown(str(exc))
                 raise
             pool.client.delete_key(key)
+            pool.client.delete_key(f"{key}/all")
 
     def empty_cache(self) -> None:
         with self._lock:
@@ -725,11 +726,11 @@ class ProcessRuntime(Runtime):
             req = next(self._ids)
             self._queue_frees()
             for r in range(self._world):
-                self._buf[r].append(("stats", req, collectives))
+                self._buf[r].append(("stats", req, collectives, self._world))
             self.flush()
             key = f"st/{req}"
             try:
-                pool.wait(lambda: int(pool.client.add(key, 0)) >= self._world, "worker statistics")
+                pool.wait_key(f"{key}/all", "worker statistics")
             except WorkerError as exc:
                 self._teardown(str(exc))
                 raise
@@ -737,6 +738,7 @@ class ProcessRuntime(Runtime):
             for r in range(self._world):
                 pool.client.delete_key(f"{key}/{r}")
             pool.client.delete_key(key)
+            pool.client.delete_key(f"{key}/all")
             return out
 
     def _describe(self, seq, kind) -> str:
@@ -854,7 +856,7 @@ def watched(pool: Pool, fn, what: str, timeout: float | None = None):
             done.set_exception(exc)
 
     threading.Thread(target=call, name="dtorch-gloo-wait", daemon=True).start()
-    pool.wait(done.done, what, timeout)
+    pool.wait(done.done, what, timeout, lambda s: concurrent.futures.wait([done], s))
     try:
         return done.result()
     except Exception as exc:  # noqa: BLE001  (gloo: RuntimeError on a closed connection)

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from . import process_plan as pp
+from . import shm_barrier
 from .blocks import cut_shard, reduce_dim, reduce_list
 from .cow import private_copy, writable
 from .interface import read_file_block
@@ -112,13 +113,15 @@ class _Slots:
     all_reduce over loopback TCP in 0.6 ms between 2 processes and 6 ms among 4 (measured, docs/benchmarks.md);
     here each member copies its block into its slot of a file every member maps, one barrier, and reads
     the others' slots. Two sets of slots alternate, so the next exchange's barrier is what tells a member
-    that every other has read this exchange's slots before it writes them again."""
+    that every other has read this exchange's slots before it writes them again. The barrier is on words
+    at the head of the same file (``shm_barrier``) where the platform allows, else gloo's."""
 
-    __slots__ = ("pg", "path", "m", "j", "cap", "limit", "buf", "n")
+    __slots__ = ("pg", "path", "m", "j", "timeout", "cap", "limit", "buf", "n", "barrier")
 
-    def __init__(self, pg, path: str, m: int, j: int):
+    def __init__(self, pg, path: str, m: int, j: int, timeout: float):
         self.pg, self.path, self.m, self.j = pg, path, m, j  # j: this member's group rank (slot index)
-        self.cap, self.limit, self.buf, self.n = 0, SHM_COLLECTIVE_MAX, None, 0
+        self.timeout = timeout
+        self.cap, self.limit, self.buf, self.n, self.barrier = 0, SHM_COLLECTIVE_MAX, None, 0, None
 
     def exchange(self, b: torch.Tensor, top: int):
         """Every member's bytes as a [m, top] uint8 view (group rank order), ``b`` (at most ``top`` bytes, the
@@ -129,14 +132,18 @@ class _Slots:
         slots = self.buf[self.n & 1]
         self.n += 1
         slots[self.j, : b.numel()] = b
-        dist.barrier(group=self.pg)
+        if self.barrier is not None:
+            self.barrier.wait()
+        else:
+            dist.barrier(group=self.pg)
         return slots[:, :top]
 
     def grow(self, top: int) -> bool:
         cap = max(1 << 16, 1 << (top - 1).bit_length())
         if cap > self.limit:
             return False
-        path, size = f"{self.path}-{cap}", 2 * self.m * cap
+        head = shm_barrier.header_bytes(self.m) if shm_barrier.AVAILABLE else 0
+        path, size = f"{self.path}-{cap}", head + 2 * self.m * cap
         ok = 1
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -144,7 +151,8 @@ class _Slots:
                 os.posix_fallocate(fd, 0, size)  # room now, not a SIGBUS at the first write past it
             finally:
                 os.close(fd)
-            buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8).view(2, self.m, cap)
+            whole = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+            buf = whole[head:].view(2, self.m, cap)  # (the view keeps the mapping, the barrier's words too)
         except OSError:
             ok = 0
         flag = torch.tensor([ok])
@@ -156,6 +164,8 @@ class _Slots:
             self.limit = cap // 2
             return False
         self.buf, self.cap, self.n = buf, cap, 0
+        if head:
+            self.barrier = shm_barrier.Barrier(whole.data_ptr(), self.m, self.j, self.timeout)
         return True
 
 
@@ -307,13 +317,19 @@ class Worker:
             stats["collectives"] = dict(self.calls)
         return stats
 
-    def op_stats(self, req, collectives=False):
+    def op_stats(self, req, collectives, world):
         self.store.set(f"st/{req}/{self.rank}", pickle.dumps(self.statistics(collectives)))
-        self.store.add(f"st/{req}", 1)
+        self.counted(f"st/{req}", world)
 
-    def op_sync(self, tok):
+    def op_sync(self, tok, world):
         self.settle()
-        self.store.add(f"s/{tok}", 1)
+        self.counted(f"s/{tok}", world)
+
+    def counted(self, key: str, world: int) -> None:
+        """One more of the ``world`` workers answered under ``key``; the last one wakes the controller
+        (``Pool.wait_key``)."""
+        if self.store.add(key, 1) == world:
+            self.store.set(f"{key}/all", b"")
 
     def op_pair(self, gen):
         """Join the controller's gloo group of two for this worker (``ProcessRuntime._open_pairs``)."""
@@ -551,7 +567,7 @@ class Worker:
             slots = None
             if flag.item():
                 path = os.path.join(self.shm, f"coll-{self.cfg.get('gen', 0)}-{'-'.join(map(str, key))}")
-                slots = _Slots(pg, path, len(key), key.index(self.rank))
+                slots = _Slots(pg, path, len(key), key.index(self.rank), self.cfg.get("timeout", 1800))
             hit = self.slots[key] = (pg, slots)
         return hit[1]
 
