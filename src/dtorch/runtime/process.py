@@ -13,8 +13,8 @@ workers elsewhere (and any block /dev/shm has no room for) through a gloo group 
 controller and that worker (``_open_pairs``): torch.distributed send/recv, so the store carries control only;
 worker<->worker data goes through torch.distributed collectives and send/recv (gloo on CPU, NCCL on
 CUDA), except all_reduce and all_gather among workers of the controller's host, which exchange blocks
-through shared-memory slots and reduce in mesh order with the in-process backend's function, its bits
-(``worker._Slots``). Otherwise Partial terms reduce with torch.distributed's all_reduce / reduce_scatter (half floats in
+through shared-memory slots (met at a futex barrier, ``shm_barrier``) and reduce in mesh order with the
+in-process backend's function, its bits (``worker._Slots``). Otherwise Partial terms reduce with torch.distributed's all_reduce / reduce_scatter (half floats in
 float32, integer avg in int64). Where any order gives the same bits (two terms, max/min, integers) the
 results equal the in-process backend's bit for bit; float sums/avgs over more than two terms add in
 the collective's order, so they may differ from the in-process backend's mesh-order sums in the last
