@@ -11,6 +11,9 @@ from __future__ import annotations
 import glob
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -63,7 +66,7 @@ def test_large_blocks_go_through_shared_memory_and_equal_torch(trio, placements)
         assert rt.stats["bytes_pushed"] - before["bytes_pushed"] < 64 << 10
         rt.sync()
         # every file was taken and unlinked: only the pool's directory and its token remain
-        assert os.listdir(rt._pool.shm[0]) == ["token"]
+        assert sorted(os.listdir(rt._pool.shm[0])) == ["lock", "token"]
 
 
 def test_in_place_writes_stay_private(trio):
@@ -137,7 +140,7 @@ def test_a_full_dev_shm_falls_back_to_torch_distributed(trio, monkeypatch):
         assert torch.equal((d - 1).to_torch(), x - 1)
         assert rt.stats["bytes_put"] > before["bytes_put"]
         rt.sync()
-        assert os.listdir(rt._pool.shm[0]) == ["token"]  # the partial file is gone
+        assert sorted(os.listdir(rt._pool.shm[0])) == ["lock", "token"]  # the partial file is gone
 
 
 def test_shutdown_removes_the_shared_memory_directory():
@@ -151,6 +154,45 @@ def test_shutdown_removes_the_shared_memory_directory():
     finally:
         g.runtime.shutdown()
     assert not os.path.exists(path)
+
+
+OWNER = textwrap.dedent("""
+    import sys, time
+    from dtorch.runtime import process_plan as pp
+    path, _ = pp.shm_dir()
+    open(path + "/o-1", "wb").write(bytes(1 << 20))  # a block in flight
+    print(path, flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_directory_whose_owner_was_killed_is_swept_by_the_next_pool(tmp_path):
+    """A controller killed outright (SIGKILL, the OOM killer) with its workers or Ray actors cannot remove
+    its directory; the next pool on the host does, and leaves the directories of live owners alone."""
+    script = tmp_path / "owner.py"
+    script.write_text(OWNER)
+    owners = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        dead, live = (p.stdout.readline().strip() for p in owners)
+        assert os.path.isfile(os.path.join(dead, "o-1")) and os.path.isdir(live)
+        owners[0].kill()
+        owners[0].wait(timeout=30)
+        assert os.path.isdir(dead)  # nobody removed it
+        mine = pp.shm_dir()
+        try:
+            assert not os.path.exists(dead)
+            assert os.path.isdir(live)
+            assert pp.shm_sweep() == []  # nor are a live pool's own directories swept
+            assert os.path.isdir(mine[0])
+        finally:
+            pp.shm_drop(mine)
+        assert not os.path.exists(mine[0])
+    finally:
+        for p in owners:
+            p.kill()
+            p.wait(timeout=30)
+    pp.shm_sweep()
+    assert not os.path.exists(live)
 
 
 def writing(shm: str) -> bool:
@@ -259,7 +301,7 @@ def test_a_fetch_that_does_not_fit_in_dev_shm_comes_through_torch_distributed(pl
             assert [b.shape for b in d.local_blocks()] == [b.shape for b in dtorch.Tensor(
                 x, device_mesh=PAIR, placements=placements).local_blocks()]
             rt.sync()
-            assert os.listdir(rt._pool.shm[0]) == ["token"]  # no partial files left
+            assert sorted(os.listdir(rt._pool.shm[0])) == ["lock", "token"]  # no partial files left
     finally:
         g.runtime.shutdown()
 

@@ -139,23 +139,73 @@ def store_drop(store, key: str, size: int) -> None:
 # The controller owns one directory in /dev/shm per pool (``shm_dir``); a block travels as a file in it,
 # the record carrying only its name and size. The reader maps the file privately (copy-on-write, no
 # copy) and unlinks it; the directory goes when the pool stops, faults included, so nothing is left.
+# A controller killed outright cannot remove it: its workers' watchdogs do (``worker._orphaned``), and
+# where none could (the ray backend's actors are killed with the driver; everything killed at once),
+# the next ``shm_dir`` on the host does: the owner holds a lock on the directory's ``lock`` file for
+# as long as it lives, and a lock nobody holds marks an orphan (pids would not: other containers).
 
 SHM_ROOT = "/dev/shm"
+_SHM_LOCKS: dict = {}  # directory -> the open file holding its lock, while this process owns it
 
 
 def shm_dir() -> tuple | None:
     """(directory, token) for this pool's files, or None where there is no /dev/shm."""
+    import fcntl
     import os
     import secrets
 
     if not os.path.isdir(SHM_ROOT) or not os.access(SHM_ROOT, os.W_OK):
         return None
+    shm_sweep()
     token = secrets.token_hex(8)
     path = os.path.join(SHM_ROOT, f"dtorch-{os.getpid()}-{token}")
-    os.mkdir(path, 0o700)
-    with open(os.path.join(path, "token"), "w") as f:
+    making = os.path.join(SHM_ROOT, f".making-dtorch-{token}")  # named as a pool's once locked (a sweep skips it)
+    os.mkdir(making, 0o700)
+    fd = os.open(os.path.join(making, "lock"), os.O_RDWR | os.O_CREAT, 0o600)  # (not inherited by workers)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    with open(os.path.join(making, "token"), "w") as f:
         f.write(token)
+    os.rename(making, path)
+    _SHM_LOCKS[path] = fd
     return path, token
+
+
+def shm_drop(where) -> None:
+    """Remove a pool's directory (``shm_dir``) with what is left in it, and let go of its lock."""
+    import os
+    import shutil
+
+    if where:
+        shutil.rmtree(where[0], ignore_errors=True)
+        fd = _SHM_LOCKS.pop(where[0], None)
+        if fd is not None:
+            os.close(fd)
+
+
+def shm_sweep() -> list[str]:
+    """Remove the pool directories whose owner died without removing them; the ones removed."""
+    import fcntl
+    import os
+    import shutil
+
+    gone = []
+    for name in os.listdir(SHM_ROOT):
+        path = os.path.join(SHM_ROOT, name)
+        if not name.startswith("dtorch-") or path in _SHM_LOCKS:
+            continue
+        try:
+            fd = os.open(os.path.join(path, "lock"), os.O_RDWR)
+        except OSError:
+            continue  # no lock file (made by an older dtorch) or just removed: not ours to judge
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its owner lives
+        finally:
+            os.close(fd)  # (a lock taken above goes with it; the directory goes next)
+        shutil.rmtree(path, ignore_errors=True)
+        gone.append(path)
+    return gone
 
 
 def shm_reachable(where) -> str | None:

@@ -277,8 +277,7 @@ class Pool:
         return out
 
     def drop_shm(self) -> None:
-        if self.shm:
-            shutil.rmtree(self.shm[0], ignore_errors=True)
+        pp.shm_drop(self.shm)
 
     # -- stopping ------------------------------------------------------------------------------
     def stop(self, clean: bool, grace: float = 5.0) -> None:

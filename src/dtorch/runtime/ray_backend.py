@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import shutil
 import threading
 import time
 import warnings
@@ -397,8 +396,7 @@ class RayPool:
                 remove_placement_group(group)
             except Exception:  # noqa: BLE001
                 pass
-        if self.shm:
-            shutil.rmtree(self.shm[0], ignore_errors=True)
+        pp.shm_drop(self.shm)
         self.actors.clear()
         self.groups.clear()
         self.outstanding.clear()
