@@ -8,6 +8,7 @@ shutdown or a worker killed in the middle of a 256 MB transfer.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import signal
@@ -256,6 +257,45 @@ def test_worker_killed_during_a_256mb_transfer(path):
             assert torch.equal((z * 3).to_torch(), torch.arange(7.0) * 3)
             assert set(worker_pids(g)).isdisjoint(pids)
     finally:
+        g.runtime.shutdown()
+    assert set(shm_files()) == others
+
+
+@pytest.mark.parametrize("path", ["shm", "torch.distributed"])
+def test_worker_hung_during_a_256mb_fetch(path):
+    """A worker that stops answering (SIGSTOP) in the middle of a 256 MB fetch is named after the heartbeat
+    timeout, through shared memory or through the gloo pairs (where the controller is blocked in a
+    receive); every worker is stopped, the hung one too, no /dev/shm file is left, new tensors work."""
+    x = torch.randn(64 << 20)
+    others = set(shm_files())
+    g = process_graph(workers=2, heartbeat_timeout_s=1.5)
+    g.runtime.shm = path == "shm"
+    pids: list = []
+    try:
+        with using(g):
+            d = dtorch.Tensor(x, device_mesh=PAIR, placements=[Shard(0)])
+            g.runtime.sync()
+            pids = worker_pids(g)
+            shm = g.runtime._pool.shm[0]
+            fut = d.to_torch_async()
+            if path == "shm":
+                deadline = time.monotonic() + 20
+                while not writing(shm) and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            else:
+                time.sleep(0.05)
+            os.kill(pids[1], signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(WorkerError, match=rf"worker 1 \(device id 1, pid {pids[1]}\) stopped answering"):
+                fut.get()
+            assert time.monotonic() - t0 < 10
+            assert wait_gone(pids, 5) == [] and set(shm_files()) == others
+            z = dtorch.Tensor(torch.arange(7.0), device_mesh=PAIR, placements=[Shard(0)])
+            assert torch.equal((z * 3).to_torch(), torch.arange(7.0) * 3)
+    finally:
+        for pid in pids:  # should the test fail before the backend killed it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         g.runtime.shutdown()
     assert set(shm_files()) == others
 
