@@ -10,6 +10,7 @@ All against a local Ray (``ray.init(num_cpus=2)``, the ``ray_cluster`` fixture),
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -187,6 +188,35 @@ def test_killed_actor_is_named_quickly_and_a_new_graph_goes_on(ray_cluster):
             z = dtorch.Tensor(torch.arange(6.0), device_mesh=PAIR, placements=[Shard(0)])  # new actors
             assert_identical((z * 2).to_torch(), torch.arange(6.0) * 2, "after the fault")
     finally:
+        g.runtime.shutdown()
+
+
+@pytest.mark.parametrize("rank", [1, 0])  # actor 0 also hosts the store the heartbeats tick in
+def test_hung_actor_is_named_after_the_heartbeat_timeout(ray_cluster, rank):
+    """An actor that stops answering (SIGSTOP) is not dead to Ray; its heartbeat stands still, and the
+    controller names it after DTORCH_PROCESS_HEARTBEAT_TIMEOUT, stops every actor, and goes on."""
+    g = ray_graph(workers=2, heartbeat_timeout_s=1.5)
+    pids: list = []
+    try:
+        with using(g):
+            x = dtorch.Tensor(torch.arange(8.0), device_mesh=PAIR, placements=[Shard(0)])
+            slow = process_kernels.run(g, get_kernel("test_sleep"), x, seconds=3.0)  # busy is not hung
+            assert torch.equal(slow.to_torch(), torch.arange(8.0))
+            pids = actor_pids(g)
+            y = x.redistribute(PAIR, [Replicate()])  # the gather needs both actors
+            os.kill(pids[rank], signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(RuntimeBackendError, match=rf"device actor {rank} \(device id {rank}, pid {pids[rank]}"
+                                                          r".*\) stopped answering: no heartbeat for 1.5 s"):
+                y.to_torch()
+            assert time.monotonic() - t0 < 10
+            assert wait_gone(pids, 10) == []
+            z = dtorch.Tensor(torch.arange(6.0), device_mesh=PAIR, placements=[Shard(0)])  # new actors
+            assert_identical((z * 2).to_torch(), torch.arange(6.0) * 2, "after the fault")
+    finally:
+        for pid in pids:  # should the test fail before the backend killed it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         g.runtime.shutdown()
 
 

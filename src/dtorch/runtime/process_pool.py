@@ -52,6 +52,36 @@ def heartbeat_timeout(value: float | None = None) -> float:
     return out
 
 
+class Heartbeats:
+    """Which workers' heartbeat counters stood still for ``timeout`` seconds. ``silent(now, read)`` reads
+    the counters (``read(rank)``) at most every quarter timeout (every second at most)."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self._seen: dict = {}  # rank -> (counter, when it last moved)
+        self._next = 0.0
+
+    def silent(self, now: float, ranks, read) -> list:
+        if now < self._next:
+            return []
+        self._next = now + min(1.0, self.timeout / 4)
+        out = []
+        for r in ranks:
+            beat = read(r)
+            if beat == 0:  # not started yet: starting and joining have their own timeouts
+                continue
+            last = self._seen.get(r)
+            if last is None or last[0] != beat:
+                self._seen[r] = (beat, now)
+            elif now - last[1] > self.timeout:
+                out.append(r)
+        return out
+
+    def message(self, who: str) -> str:
+        return (f"{who} stopped answering: no heartbeat for {self.timeout:g} s (the process is stopped or frozen, "
+                f"or its node is gone; {HEARTBEAT_TIMEOUT_VAR} sets this limit)")
+
+
 class WorkerError(RuntimeBackendError):
     """A worker died, raised, or stopped answering; the backend's workers were stopped."""
 
@@ -64,7 +94,7 @@ class Pool:
             raise ValueError(f"DTORCH_PROCESS_LISTEN={listen!r} must be HOST:PORT, e.g. 127.0.0.1:0 (0: a free port)")
         self.timeout = timeout
         self.start_timeout = start_timeout
-        self.heartbeat = heartbeat
+        self.beats = Heartbeats(heartbeat)
         self.spawn = spawn
         self.store = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=timeout))
@@ -78,10 +108,8 @@ class Pool:
         # same-host blocks travel as files here (removed in ``stop``, faults included)
         self.shm = pp.shm_dir()
         self._logs: dict = {}
-        self._beats: dict = {}
         self._info: dict = {}  # rank -> what the worker said about itself (pid, host, device)
         self._next_check = 0.0
-        self._next_beat = 0.0
         self.describe = lambda seq, kind: f"{kind} #{seq}"
         self._owner = threading.get_ident()
         self._tls = threading.local()
@@ -189,20 +217,7 @@ class Pool:
             raise WorkerError(self._fault_report(silent))
 
     def _silent(self, now: float) -> list:
-        if now < self._next_beat:
-            return []
-        self._next_beat = now + min(1.0, self.heartbeat / 4)
-        out = []
-        for r in range(self.world):
-            beat = int(self.client.add(f"hb/{r}", 0))
-            if beat == 0:  # not started yet: starting and joining have their own timeouts
-                continue
-            last = self._beats.get(r)
-            if last is None or last[0] != beat:
-                self._beats[r] = (beat, now)
-            elif now - last[1] > self.heartbeat:
-                out.append(r)
-        return out
+        return self.beats.silent(now, range(self.world), lambda r: int(self.client.add(f"hb/{r}", 0)))
 
     def who(self, r: int) -> str:
         """'worker 1 (device id 1, pid 4242, host node2, cuda:1)': everything known that finds the process."""
@@ -236,8 +251,7 @@ class Pool:
             if store.check([f"dead/{r}"]):
                 lines.append(f"{self.who(r)} died: {store.get(f'dead/{r}').decode()}")
         for r in silent:
-            lines.append(f"{self.who(r)} stopped answering: no heartbeat for {self.heartbeat:g} s (the process is "
-                         f"stopped or frozen, or its node is gone; {HEARTBEAT_TIMEOUT_VAR} sets this limit)")
+            lines.append(self.beats.message(self.who(r)))
         errors = []
         for r in range(self.world):
             if store.check([f"err/{r}"]):

@@ -19,8 +19,8 @@ Ray: the program's own when it already called ``ray.init`` (``ray.is_initialized
 ``ray.init(address=...)`` with ``address=`` / ``RAY_ADDRESS`` (an existing cluster: "auto" or HOST:PORT);
 else a local Ray that this backend starts, and stops when the last runtime on it shuts down.
 
-Configuration (environment; the process backend's DTORCH_PROCESS_TIMEOUT, DTORCH_PROCESS_SYNC and
-DTORCH_PROCESS_MAX_WORKERS apply too):
+Configuration (environment; the process backend's DTORCH_PROCESS_TIMEOUT, DTORCH_PROCESS_SYNC,
+DTORCH_PROCESS_HEARTBEAT_TIMEOUT and DTORCH_PROCESS_MAX_WORKERS apply too):
   RAY_ADDRESS                the cluster to join when Ray is not initialized yet
   DTORCH_RAY_CPUS_PER_DEVICE Ray CPUs a "cpu" device actor reserves (default 0.01: scheduling only)
   DTORCH_RAY_THREADS         torch threads per actor (default: this machine's cores / devices)
@@ -39,7 +39,8 @@ import torch
 from ..errors import DeviceUnavailableError, RuntimeBackendError
 from . import process_plan as pp
 from .process import INLINE_BYTES, ProcessRuntime
-from .process_pool import WorkerError
+from .process_pool import HEARTBEAT_TIMEOUT_S, Heartbeats, WorkerError
+from .worker import connect
 
 try:
     import ray
@@ -77,9 +78,11 @@ class RayRuntime(ProcessRuntime):
     name = "ray"
 
     def __init__(self, *, address: str | None = None, workers: int | None = None, timeout: float | None = None,
-                 max_workers: int | None = None, cpus_per_device: float | None = None):
+                 max_workers: int | None = None, cpus_per_device: float | None = None,
+                 heartbeat_timeout_s: float | None = None):
         _need_ray()
-        super().__init__(workers=workers, timeout=timeout, max_workers=max_workers)
+        super().__init__(workers=workers, timeout=timeout, max_workers=max_workers,
+                         heartbeat_timeout_s=heartbeat_timeout_s)
         self.shm = False  # Ray's object store is the data plane
         self.stats["bytes_object_store"] = 0
         self.cpus_per_device = cpus_per_device or _env_float("DTORCH_RAY_CPUS_PER_DEVICE", CPUS_PER_DEVICE)
@@ -95,7 +98,8 @@ class RayRuntime(ProcessRuntime):
 
     def _make_pool(self, world: int):
         _connect(self.address)  # again, if another runtime's shutdown stopped the Ray dtorch had started
-        return RayPool(self.timeout, max(60.0, 15.0 * world), self.cpus_per_device, self._last_op)
+        return RayPool(self.timeout, max(60.0, 15.0 * world), self.cpus_per_device, self._last_op,
+                       self.heartbeat_timeout)
 
     def _open_pairs(self, ranks) -> None:
         pass  # Ray's object store is the data plane everywhere
@@ -211,7 +215,8 @@ class RayPool:
     died) or an answer carrying an error is a fault. ``last[rank]`` is the latest call to that actor; since
     an actor runs its calls in order, waiting for it waits for everything queued before."""
 
-    def __init__(self, timeout: float, start_timeout: float, cpus_per_device: float, last_op):
+    def __init__(self, timeout: float, start_timeout: float, cpus_per_device: float, last_op,
+                 heartbeat: float = HEARTBEAT_TIMEOUT_S):
         self.timeout = timeout
         self.start_timeout = start_timeout
         self.cpus_per_device = cpus_per_device
@@ -228,6 +233,11 @@ class RayPool:
         self.cuda = False
         self.describe = lambda seq, kind: f"{kind} #{seq}"
         self._next_check = 0.0
+        # Ray names an actor that died, not one that hangs (stopped, frozen, its node unreachable): every
+        # actor ticks ``hb/<rank>`` in the rendezvous store, as process-backend workers do in theirs
+        self.beats = Heartbeats(heartbeat)
+        self._beat_values = None  # (when, {rank: counter}) as ``_read_beats`` last read them
+        self._beat_reader = None
         self._lock = threading.Lock()  # ``outstanding``: a to_torch_async thread waits while the caller runs on
         # a directory in /dev/shm: device actors on this node run all_reduce/all_gather through files in it
         # (the process backend's shared-memory collectives); data to and from the controller stays Ray's
@@ -327,6 +337,48 @@ class RayPool:
         if faults:
             time.sleep(0.3)  # let the peers' calls fail or report too: the root cause leads the message
             raise WorkerError(self._fault_report(faults + self._finished_faults()))
+        silent = self._silent(now)
+        if silent:
+            raise WorkerError(self._fault_report([(2, r, self.beats.message(self.who(r))) for r in silent]))
+
+    def _silent(self, now: float) -> list:
+        """Actors whose heartbeat stood still; actor 0 when the store that counts them (its own) has not
+        answered for the heartbeat timeout."""
+        if self.rendezvous is None or not self.world or self._beat_reader is False:
+            return []
+        if self._beat_reader is None:
+            try:
+                store = connect(self.rendezvous, self.start_timeout)
+            except Exception as exc:  # noqa: BLE001  (the work can go on without)
+                warnings.warn(f"dtorch ray backend: cannot reach the device actors' store at {self.rendezvous} "
+                              f"({_first_line(exc)}): an actor that hangs will not be named, only one that dies",
+                              stacklevel=2)
+                self._beat_reader = False
+                return []
+            self._beat_values = (now, {})
+            self._beat_reader = threading.Thread(target=self._read_beats, args=(store,), name="dtorch-heartbeats",
+                                                 daemon=True)
+            self._beat_reader.start()
+        when, values = self._beat_values
+        if now - when > self.beats.timeout:
+            return [0]
+        if now - when > 2 * self._beat_interval():
+            return []  # the store is late to answer: stale counters would make every actor look silent
+        return self.beats.silent(now, list(values), values.__getitem__)
+
+    def _beat_interval(self) -> float:
+        return min(1.0, self.beats.timeout / 4)
+
+    def _read_beats(self, store) -> None:
+        """Read the counters into ``_beat_values`` beside the caller's waits: a store whose host is stopped
+        blocks a read for good (no timeout applies to it), which only this thread then sits out."""
+        while self.actors:
+            try:
+                values = {r: int(store.add(f"hb/{r}", 0)) for r in range(self.world)}
+            except Exception:  # noqa: BLE001  (actor 0 is gone: the pool is being stopped)
+                return
+            self._beat_values = (time.perf_counter(), values)
+            time.sleep(self._beat_interval())
 
     def _finished_faults(self) -> list:
         with self._lock:
@@ -338,7 +390,8 @@ class RayPool:
             return self._faults(done)
 
     def _faults(self, done) -> list:
-        """(kind, rank, text) of each fault among the finished calls ``done``: 0 a dead actor, 1 a failed op."""
+        """(kind, rank, text) of each fault among the finished calls ``done``: 0 a dead actor, 1 a failed op
+        (2, from ``check``: an actor that stopped answering)."""
         done = set(done)
         faults = []
         dead = set()
@@ -397,7 +450,7 @@ class RayPool:
             except Exception:  # noqa: BLE001
                 pass
         pp.shm_drop(self.shm)
-        self.actors.clear()
+        self.actors.clear()  # (ends the heartbeat reader)
         self.groups.clear()
         self.outstanding.clear()
         self.last.clear()

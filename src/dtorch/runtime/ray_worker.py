@@ -17,6 +17,8 @@ import faulthandler
 import os
 import pickle
 import socket
+import threading
+import time
 
 import numpy as np
 import torch
@@ -77,6 +79,8 @@ class DeviceActor(Worker):
         self.settle()
         if self.store is None:
             self.store = connect(cfg["rendezvous"], cfg["timeout"])
+            threading.Thread(target=_beat, args=(self.store.clone(), self.rank), name="dtorch-heartbeat",
+                             daemon=True).start()
         torch.set_num_threads(cfg["threads"])
         self.shm = pp.shm_reachable(cfg.get("shm"))  # on the controller's node: collectives through /dev/shm
         self.form(cfg, dist.PrefixStore(f"g{cfg['gen']}/", self.store))
@@ -100,3 +104,14 @@ class DeviceActor(Worker):
 
     def op_stats(self, req, collectives=False):
         self.answers[("stats", req)] = self.statistics(collectives)
+
+
+def _beat(store: dist.TCPStore, rank: int) -> None:
+    """Tick ``hb/<rank>`` twice a second beside the work (``RayPool._silent`` names an actor whose tick stood
+    still: stopped, frozen, or on a node that is gone; Ray itself names only dead actors)."""
+    while True:
+        try:
+            store.add(f"hb/{rank}", 1)
+        except Exception:  # noqa: BLE001  (the store's host, actor 0, is gone: the pool is being stopped)
+            return
+        time.sleep(0.5)
