@@ -207,11 +207,16 @@ def writing(shm: str) -> bool:
     return False
 
 
-def _kill_when(pred, pid, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not pred() and time.monotonic() < deadline:
-        time.sleep(0.001)
-    os.kill(pid, signal.SIGKILL)
+def signal_mid_fetch(path: str, shm: str, pid: int, sig) -> None:
+    """Send ``sig`` to worker ``pid`` once the workers write the value being fetched (into its file in
+    ``shm``; or, on the torch.distributed path, shortly after the fetch began: a send to the controller)."""
+    if path == "shm":
+        deadline = time.monotonic() + 20
+        while not writing(shm) and time.monotonic() < deadline:
+            time.sleep(0.001)
+    else:
+        time.sleep(0.05)
+    os.kill(pid, sig)
 
 
 @pytest.mark.parametrize("path", ["shm", "torch.distributed"])
@@ -229,14 +234,9 @@ def test_worker_killed_during_a_256mb_transfer(path):
             g.runtime.sync()
             pids = worker_pids(g)
             shm = g.runtime._pool.shm[0]
-            # fetch: kill worker 1 once the workers write their 128 MB (into the global value's file, or
-            # a send to the controller)
+            # fetch: kill worker 1 once the workers write their 128 MB
             fut = d.to_torch_async()
-            if path == "shm":
-                _kill_when(lambda: writing(shm), pids[1])
-            else:
-                time.sleep(0.05)
-                os.kill(pids[1], signal.SIGKILL)
+            signal_mid_fetch(path, shm, pids[1], signal.SIGKILL)
             t0 = time.monotonic()
             with pytest.raises(WorkerError, match=rf"worker 1 \(device id 1, pid {pids[1]}\) died: killed by signal SIGKILL"):
                 fut.get()
@@ -278,13 +278,7 @@ def test_worker_hung_during_a_256mb_fetch(path):
             pids = worker_pids(g)
             shm = g.runtime._pool.shm[0]
             fut = d.to_torch_async()
-            if path == "shm":
-                deadline = time.monotonic() + 20
-                while not writing(shm) and time.monotonic() < deadline:
-                    time.sleep(0.001)
-            else:
-                time.sleep(0.05)
-            os.kill(pids[1], signal.SIGSTOP)
+            signal_mid_fetch(path, shm, pids[1], signal.SIGSTOP)
             t0 = time.monotonic()
             with pytest.raises(WorkerError, match=rf"worker 1 \(device id 1, pid {pids[1]}\) stopped answering"):
                 fut.get()
