@@ -238,6 +238,7 @@ class RayPool:
         self.beats = Heartbeats(heartbeat)
         self._beat_values = None  # (when, {rank: counter}) as ``_read_beats`` last read them
         self._beat_reader = None
+        self._stopping = threading.Event()
         self._lock = threading.Lock()  # ``outstanding``: a to_torch_async thread waits while the caller runs on
         # a directory in /dev/shm: device actors on this node run all_reduce/all_gather through files in it
         # (the process backend's shared-memory collectives); data to and from the controller stays Ray's
@@ -372,13 +373,13 @@ class RayPool:
     def _read_beats(self, store) -> None:
         """Read the counters into ``_beat_values`` beside the caller's waits: a store whose host is stopped
         blocks a read for good (no timeout applies to it), which only this thread then sits out."""
-        while self.actors:
+        while not self._stopping.is_set():
             try:
                 values = {r: int(store.add(f"hb/{r}", 0)) for r in range(self.world)}
             except Exception:  # noqa: BLE001  (actor 0 is gone: the pool is being stopped)
                 return
             self._beat_values = (time.perf_counter(), values)
-            time.sleep(self._beat_interval())
+            self._stopping.wait(self._beat_interval())
 
     def _finished_faults(self) -> list:
         with self._lock:
@@ -437,11 +438,17 @@ class RayPool:
         """Clean: the actors got an exit record; give them ``grace`` to finish it. Then kill every actor."""
         if clean and self.last:
             ray.wait(list(self.last.values()), num_returns=len(self.last), timeout=grace, fetch_local=False)
+        self._stopping.set()
         for actor in self.actors.values():
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001  (already gone)
                 pass
+        if self._beat_reader:
+            # gone before the interpreter finalizes: a thread that comes back from a torch.distributed call
+            # then can crash the process (SIGSEGV at exit, seen once). A read blocked on a stopped actor 0
+            # ends when the kill above closes its store.
+            self._beat_reader.join(timeout=10)
         from ray.util.placement_group import remove_placement_group
 
         for group in self.groups:
@@ -450,7 +457,7 @@ class RayPool:
             except Exception:  # noqa: BLE001
                 pass
         pp.shm_drop(self.shm)
-        self.actors.clear()  # (ends the heartbeat reader)
+        self.actors.clear()
         self.groups.clear()
         self.outstanding.clear()
         self.last.clear()
