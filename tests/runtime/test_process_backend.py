@@ -482,7 +482,8 @@ def test_operator_suites_on_the_process_backend():
                                                                                    "tests/test_graph.py"]
     env = dict(os.environ, DTORCH_BACKEND="process", DTORCH_PROCESS_WORKERS="4", DTORCH_PROCESS_TIMEOUT="60")
     faulthandler.dump_traceback_later(960, exit=True)  # longer than the per-test guard; the run has its own
-    run = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files], cwd=repo,
+    run = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                          *files], cwd=repo,
                          env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
 

@@ -371,7 +371,8 @@ def test_operator_suites_on_the_ray_backend(ray_cluster):
     env = dict(os.environ, DTORCH_BACKEND="ray", DTORCH_PROCESS_WORKERS="4", DTORCH_PROCESS_TIMEOUT="60",
                RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
     faulthandler.dump_traceback_later(1500, exit=True)  # longer than the per-test guard; the run has its own
-    run = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files], cwd=REPO,
+    run = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                          *files], cwd=REPO,
                          env=env, capture_output=True, text=True, timeout=1400)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
 
