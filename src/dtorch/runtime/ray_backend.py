@@ -27,6 +27,7 @@ DTORCH_PROCESS_HEARTBEAT_TIMEOUT and DTORCH_PROCESS_MAX_WORKERS apply too):
 """
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import threading
@@ -194,18 +195,31 @@ class RayRuntime(ProcessRuntime):
             ray.shutdown()
 
 
-_STARTED = {"local": False}  # did dtorch start this process's Ray (ray.init with no address)?
+_STARTED = {"local": False, "exit hook": False}  # local: did dtorch start this process's Ray (ray.init, no address)?
 _USERS: "weakref.WeakSet[RayRuntime]" = weakref.WeakSet()
 
 
 def _connect(address: str | None) -> None:
     """The program's Ray if it has one; else join ``address`` / RAY_ADDRESS; else start a local one."""
+    if not _STARTED["exit hook"]:
+        # registered after Ray's own (at ``import ray``), so it runs first at exit: the actors get their exit
+        # record and the heartbeat reader stops while Ray is still up (Ray's shutdown kills the actors)
+        atexit.register(_shutdown_at_exit)
+        _STARTED["exit hook"] = True
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS") or None
     # quiet: Ray's logging handlers would hold on to this process's stderr
     ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
     _STARTED["local"] = address is None
+
+
+def _shutdown_at_exit() -> None:
+    for rt in list(_USERS):
+        try:
+            rt.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 class RayPool:
