@@ -39,7 +39,7 @@ import torch
 
 from ..errors import DeviceUnavailableError, RuntimeBackendError
 from . import process_plan as pp
-from .process import INLINE_BYTES, ProcessRuntime
+from .process import INLINE_BYTES, ProcessRuntime, _shutdown_all
 from .process_pool import HEARTBEAT_TIMEOUT_S, Heartbeats, WorkerError
 from .worker import connect
 
@@ -204,7 +204,7 @@ def _connect(address: str | None) -> None:
     if not _STARTED["exit hook"]:
         # registered after Ray's own (at ``import ray``), so it runs first at exit: the actors get their exit
         # record and the heartbeat reader stops while Ray is still up (Ray's shutdown kills the actors)
-        atexit.register(_shutdown_at_exit)
+        atexit.register(_shutdown_all)
         _STARTED["exit hook"] = True
     if ray.is_initialized():
         return
@@ -212,14 +212,6 @@ def _connect(address: str | None) -> None:
     # quiet: Ray's logging handlers would hold on to this process's stderr
     ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
     _STARTED["local"] = address is None
-
-
-def _shutdown_at_exit() -> None:
-    for rt in list(_USERS):
-        try:
-            rt.shutdown()
-        except Exception:  # noqa: BLE001
-            pass
 
 
 class RayPool:
