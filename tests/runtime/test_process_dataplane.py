@@ -219,46 +219,56 @@ def signal_mid_fetch(path: str, shm: str, pid: int, sig) -> None:
     os.kill(pid, sig)
 
 
+@contextlib.contextmanager
+def fetch_under_way(path: str, **graph_kw):
+    """A Graph of 2 workers on data path ``path`` ("shm" or "torch.distributed": the workers' gloo pairs, the
+    path of workers on other hosts) with a fetch of 256 MB just begun: yields (graph, future, worker pids,
+    its /dev/shm directory, the other pools' /dev/shm directories). Afterwards the graph is shut down and
+    none of its /dev/shm files is left."""
+    others = set(shm_files())  # other tests' pools, still running
+    g = process_graph(workers=2, **graph_kw)
+    g.runtime.shm = path == "shm"
+    pids: list = []
+    try:
+        with using(g):
+            d = dtorch.Tensor(torch.randn(64 << 20), device_mesh=PAIR, placements=[Shard(0)])  # 256 MB float32
+            g.runtime.sync()
+            pids = worker_pids(g)
+            yield g, d.to_torch_async(), pids, g.runtime._pool.shm[0], others
+    finally:
+        for pid in pids:  # a stopped worker, should the test fail before the backend killed it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        g.runtime.shutdown()
+    assert set(shm_files()) == others
+
+
 @pytest.mark.parametrize("path", ["shm", "torch.distributed"])
 def test_worker_killed_during_a_256mb_transfer(path):
     """Fetch and place of 256 MB with a worker SIGKILLed mid-way, through shared memory or through the
-    workers' gloo pairs (the path of workers on other hosts): the dead worker is named within 5 s, no
-    worker process and no /dev/shm file is left, and the next tensor works on new workers."""
-    x = torch.randn(64 << 20)  # 256 MB of float32
-    others = set(shm_files())  # other tests' pools, still running
-    g = process_graph(workers=2)
-    g.runtime.shm = path == "shm"
-    try:
-        with using(g):
-            d = dtorch.Tensor(x, device_mesh=PAIR, placements=[Shard(0)])
+    workers' gloo pairs: the dead worker is named within 5 s, no worker process and no /dev/shm file is
+    left, and the next tensor works on new workers."""
+    with fetch_under_way(path) as (g, fut, pids, shm, others):
+        signal_mid_fetch(path, shm, pids[1], signal.SIGKILL)  # once the workers write their 128 MB
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match=rf"worker 1 \(device id 1, pid {pids[1]}\) died: killed by signal SIGKILL"):
+            fut.get()
+        assert time.monotonic() - t0 < 5
+        assert wait_gone(pids, 5) == [] and set(shm_files()) == others
+
+        # place: kill worker 0 while the workers take the 256 MB just written (or sent)
+        d = dtorch.Tensor(torch.randn(64 << 20), device_mesh=PAIR, placements=[Replicate()])
+        pids = worker_pids(g)
+        os.kill(pids[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match=rf"worker 0 \(device id 0, pid {pids[0]}\) died"):
             g.runtime.sync()
-            pids = worker_pids(g)
-            shm = g.runtime._pool.shm[0]
-            # fetch: kill worker 1 once the workers write their 128 MB
-            fut = d.to_torch_async()
-            signal_mid_fetch(path, shm, pids[1], signal.SIGKILL)
-            t0 = time.monotonic()
-            with pytest.raises(WorkerError, match=rf"worker 1 \(device id 1, pid {pids[1]}\) died: killed by signal SIGKILL"):
-                fut.get()
-            assert time.monotonic() - t0 < 5
-            assert wait_gone(pids, 5) == [] and set(shm_files()) == others
+        assert time.monotonic() - t0 < 5
+        assert wait_gone(pids, 5) == [] and set(shm_files()) == others
 
-            # place: kill worker 0 while the workers take the 256 MB just written (or sent)
-            d = dtorch.Tensor(x, device_mesh=PAIR, placements=[Replicate()])
-            pids = worker_pids(g)
-            os.kill(pids[0], signal.SIGKILL)
-            t0 = time.monotonic()
-            with pytest.raises(WorkerError, match=rf"worker 0 \(device id 0, pid {pids[0]}\) died"):
-                g.runtime.sync()
-            assert time.monotonic() - t0 < 5
-            assert wait_gone(pids, 5) == [] and set(shm_files()) == others
-
-            z = dtorch.Tensor(torch.arange(7.0), device_mesh=PAIR, placements=[Shard(0)])
-            assert torch.equal((z * 3).to_torch(), torch.arange(7.0) * 3)
-            assert set(worker_pids(g)).isdisjoint(pids)
-    finally:
-        g.runtime.shutdown()
-    assert set(shm_files()) == others
+        z = dtorch.Tensor(torch.arange(7.0), device_mesh=PAIR, placements=[Shard(0)])
+        assert torch.equal((z * 3).to_torch(), torch.arange(7.0) * 3)
+        assert set(worker_pids(g)).isdisjoint(pids)
 
 
 @pytest.mark.parametrize("path", ["shm", "torch.distributed"])
@@ -266,32 +276,15 @@ def test_worker_hung_during_a_256mb_fetch(path):
     """A worker that stops answering (SIGSTOP) in the middle of a 256 MB fetch is named after the heartbeat
     timeout, through shared memory or through the gloo pairs (where the controller is blocked in a
     receive); every worker is stopped, the hung one too, no /dev/shm file is left, new tensors work."""
-    x = torch.randn(64 << 20)
-    others = set(shm_files())
-    g = process_graph(workers=2, heartbeat_timeout_s=1.5)
-    g.runtime.shm = path == "shm"
-    pids: list = []
-    try:
-        with using(g):
-            d = dtorch.Tensor(x, device_mesh=PAIR, placements=[Shard(0)])
-            g.runtime.sync()
-            pids = worker_pids(g)
-            shm = g.runtime._pool.shm[0]
-            fut = d.to_torch_async()
-            signal_mid_fetch(path, shm, pids[1], signal.SIGSTOP)
-            t0 = time.monotonic()
-            with pytest.raises(WorkerError, match=rf"worker 1 \(device id 1, pid {pids[1]}\) stopped answering"):
-                fut.get()
-            assert time.monotonic() - t0 < 10
-            assert wait_gone(pids, 5) == [] and set(shm_files()) == others
-            z = dtorch.Tensor(torch.arange(7.0), device_mesh=PAIR, placements=[Shard(0)])
-            assert torch.equal((z * 3).to_torch(), torch.arange(7.0) * 3)
-    finally:
-        for pid in pids:  # should the test fail before the backend killed it
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-        g.runtime.shutdown()
-    assert set(shm_files()) == others
+    with fetch_under_way(path, heartbeat_timeout_s=1.5) as (g, fut, pids, shm, others):
+        signal_mid_fetch(path, shm, pids[1], signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match=rf"worker 1 \(device id 1, pid {pids[1]}\) stopped answering"):
+            fut.get()
+        assert time.monotonic() - t0 < 10
+        assert wait_gone(pids, 5) == [] and set(shm_files()) == others
+        z = dtorch.Tensor(torch.arange(7.0), device_mesh=PAIR, placements=[Shard(0)])
+        assert torch.equal((z * 3).to_torch(), torch.arange(7.0) * 3)
 
 
 def test_workers_remove_the_directory_of_a_killed_controller(tmp_path):
