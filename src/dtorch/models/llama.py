@@ -526,7 +526,8 @@ class LlamaForCausalLM(nn.Module):
         placements = [Replicate() if isinstance(p, Partial) or (isinstance(p, Shard) and p.dim == 2) else p
                       for p in logits.placements]
         target = Tensor(shifted.to(torch.long), device_mesh=logits.device_mesh, placements=placements)
-        loss = F.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100)
+        # in float32 whatever the model's dtype, as Hugging Face's loss upcasts the logits (they stay as computed)
+        loss = F.cross_entropy(logits.float().transpose(1, 2), target, ignore_index=-100)
         if labels.shape[1] != ids.shape[1]:  # (positions appended for an even cp split: cut off)
             logits = logits[:, :labels.shape[1]]
         return CausalLMOutput(loss=loss, logits=logits)
