@@ -378,16 +378,12 @@ _EXACT = {"rtol": 0, "atol": 0}
 for _n, _args in (("normal_", (0.5, 2.0)), ("uniform_", (-1.0, 3.0)), ("bernoulli_", (0.3,)), ("random_", (0, 9)),
                   ("exponential_", (1.5,)), ("geometric_", (0.4,)), ("cauchy_", ()), ("log_normal_", ())):
     SAMPLES[_n] = [Case(one(X, *_args), ref=_inplace_ref(_n), inplace=True, tol=_EXACT)]
-SAMPLES["bernoulli_"].append(Case(lambda: ((f(5, 6), pos(5, 6) / 1.5), {}), ref=_inplace_ref("bernoulli_"),
-                                  inplace=True, tol=_EXACT))  # a probability per element
-SAMPLES["normal_"].append(Case(lambda: ((f(5, 6),), {"generator": _gen()}), ref=_inplace_ref("normal_"), inplace=True,
-                               tol=_EXACT))
+# (an explicit generator= and bernoulli_'s probability tensor: tests/ops/test_random.py)
 SAMPLES["init.normal_"] = [Case(one(X, 0.0, 0.02), inplace=True, tol=_EXACT)]
 SAMPLES["init.uniform_"] = [Case(one(X, -0.5, 0.5), inplace=True, tol=_EXACT)]
 SAMPLES["init.constant_"] = [Case(one(X, 0.25), inplace=True, tol=_EXACT)]
 SAMPLES["init.kaiming_uniform_"] = [Case(one(X), inplace=True, tol=_EXACT),
-                                    Case(lambda: ((f(5, 6),), {"a": 5 ** 0.5, "generator": _gen()}), inplace=True,
-                                         tol=_EXACT)]
+                                    Case(one(X, a=5 ** 0.5, mode="fan_out"), inplace=True, tol=_EXACT)]
 for _n in ("new_empty", "new_zeros", "new_ones"):
     SAMPLES[_n] = [Case(one(X, (2, 3)), ref=lambda x, *a, _n=_n, **k: getattr(x, _n)(*a, **k), values=_n != "new_empty"),
                    Case(one(X, 4, dtype=torch.float64), ref=lambda x, *a, _n=_n, **k: getattr(x, _n)(*a, **k),
