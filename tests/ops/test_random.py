@@ -303,3 +303,26 @@ def test_modules_initialise_like_torch_in_sequence(mesh):
         for k, v in r.state_dict().items():
             assert torch.equal(o.state_dict()[k], v), f"{type(o).__name__}.{k}"
     assert torch.equal(torch.randn(3), after)
+
+
+def test_bad_arguments_raise_torchs_errors_and_leave_the_target():
+    p = nn.Parameter(dtorch.Tensor(torch.ones(5), device_mesh=MESH3, placements=[Shard(0)]))
+    with pytest.raises(ValueError, match="Fan in and fan out"):
+        torch.nn.init.xavier_uniform_(p)  # (torch's own check, before any draw)
+    with pytest.raises(ValueError, match="Fan in and fan out"):
+        torch.nn.init.kaiming_uniform_(p)
+    with pytest.raises(TypeError):
+        p.detach().uniform_("a")
+    _same(p.detach(), torch.ones(5))
+
+
+def test_new_tensor_methods():
+    x = _zeros((MESH22, [Shard(0), Shard(1)]), dtype=torch.bfloat16)
+    for got, want in ((x.new_zeros(2, 3), torch.zeros(2, 3, dtype=torch.bfloat16)),
+                      (x.new_ones((4,), dtype=torch.int32), torch.ones(4, dtype=torch.int32)),
+                      (x.new_full((2,), 7), torch.full((2,), 7, dtype=torch.bfloat16)),
+                      (x.new_tensor([[1, 2]]), torch.tensor([[1, 2]], dtype=torch.bfloat16))):
+        assert got.device_mesh == MESH22 and got.placements == [Replicate(), Replicate()]
+        _same(got, want)
+    assert x.new_empty(3).shape == (3,) and x.new_tensor(2.5, device="cpu").item() == 2.5
+    assert x.ndimension() == 2 and not x.is_meta

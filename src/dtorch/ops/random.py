@@ -62,7 +62,7 @@ def _draw(name: str, target: Tensor, fill) -> Tensor:
     full = torch.empty(tuple(target.shape), dtype=target.dtype)
     try:
         fill(full)
-    except (RuntimeError, ValueError, TypeError) as exc:
+    except (RuntimeError, ValueError) as exc:  # (a TypeError for bad arguments stays torch's own)
         raise RandomOpError(f"dtorch {name} on a {target.dtype} tensor of shape {list(target.shape)}: {exc}") from exc
     return write_global(target, full)
 
