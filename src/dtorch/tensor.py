@@ -134,6 +134,9 @@ class Tensor:
     def dim(self) -> int:
         return len(self._spec.shape)
 
+    ndimension = dim
+    is_meta = False  # (torch code such as nn.init skips meta tensors) a dtorch tensor always holds values
+
     @property
     def ndim(self) -> int:
         return len(self._spec.shape)

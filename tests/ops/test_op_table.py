@@ -373,6 +373,24 @@ SAMPLES["masked_fill_"] = [Case(lambda: ((f(5, 6), bools(5, 6), 1.5), {}), ref=_
 SAMPLES["index_fill_"] = [Case(lambda: ((f(5, 6), 0, torch.tensor([4, 1]), 2.5), {}), ref=_inplace_ref("index_fill_"),
                                inplace=True)]
 
+# -- the global-view RNG: the same seed before torch's call and dtorch's gives the same values, exactly ----------
+_EXACT = {"rtol": 0, "atol": 0}
+for _n, _args in (("normal_", (0.5, 2.0)), ("uniform_", (-1.0, 3.0)), ("bernoulli_", (0.3,)), ("random_", (0, 9)),
+                  ("exponential_", (1.5,)), ("geometric_", (0.4,)), ("cauchy_", ()), ("log_normal_", ())):
+    SAMPLES[_n] = [Case(one(X, *_args), ref=_inplace_ref(_n), inplace=True, tol=_EXACT)]
+# (an explicit generator= and bernoulli_'s probability tensor: tests/ops/test_random.py)
+SAMPLES["init.normal_"] = [Case(one(X, 0.0, 0.02), inplace=True, tol=_EXACT)]
+SAMPLES["init.uniform_"] = [Case(one(X, -0.5, 0.5), inplace=True, tol=_EXACT)]
+SAMPLES["init.constant_"] = [Case(one(X, 0.25), inplace=True, tol=_EXACT)]
+SAMPLES["init.kaiming_uniform_"] = [Case(one(X), inplace=True, tol=_EXACT),
+                                    Case(one(X, a=5 ** 0.5, mode="fan_out"), inplace=True, tol=_EXACT)]
+for _n in ("new_empty", "new_zeros", "new_ones"):
+    SAMPLES[_n] = [Case(one(X, (2, 3)), ref=lambda x, *a, _n=_n, **k: getattr(x, _n)(*a, **k), values=_n != "new_empty"),
+                   Case(one(X, 4, dtype=torch.float64), ref=lambda x, *a, _n=_n, **k: getattr(x, _n)(*a, **k),
+                        values=_n != "new_empty")]
+SAMPLES["new_full"] = [Case(one(X, (2, 3), 1.5), ref=lambda x, *a, **k: x.new_full(*a, **k))]
+SAMPLES["new_tensor"] = [Case(one(X, [[1, 2], [3, 4]]), ref=lambda x, *a, **k: x.new_tensor(*a, **k))]
+
 
 # ------------------------------------------------------------------------------------------------------
 # the sweep

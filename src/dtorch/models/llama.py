@@ -34,6 +34,7 @@ from ..tensor import Tensor
 from ..nn import functional as F
 from ..nn._layout import on_mesh
 from ..nn.module import RepeatedRows
+from .hf_init import init_weights_like_hf, skip_tied_lm_head_draws
 
 SUPPORTED_MESH_DIMS = ("dp", "tp", "pp", "ulysess_cp", "ulysses_cp", "ring_cp", "fsdp")
 CP_DIMS = ("ulysess_cp", "ulysses_cp", "ring_cp")
@@ -334,6 +335,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         with guard(self.stage_meshes[-1]):
             self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        init_weights_like_hf(self, config)  # Hugging Face's post_init: the same seed gives its weights
 
     def redistribute_input(self, input_ids, step=None):
         """Token ids ``[B, S]`` (torch or dtorch, any mesh) onto the first stage: batch over dp, sequence over cp."""
@@ -429,10 +431,12 @@ class LlamaForCausalLM(nn.Module):
         last = self.model.stage_meshes[-1]
         if _tied(config):
             self.lm_head = TiedLMHead(self.model.embed_tokens.weight, last)
+            skip_tied_lm_head_draws(config, self.lm_head.weight.dtype)
         else:
             with Graph.default_graph().device_mesh_guard(last):
                 # vocab over tp: logits leave S(-1) on tp and are gathered only when handed back
                 self.lm_head = nn.ColumnParallelLinear(config.hidden_size, config.vocab_size, bias=False)
+            init_weights_like_hf(self.lm_head, config)
         self._caller = None
 
     @property
@@ -522,7 +526,8 @@ class LlamaForCausalLM(nn.Module):
         placements = [Replicate() if isinstance(p, Partial) or (isinstance(p, Shard) and p.dim == 2) else p
                       for p in logits.placements]
         target = Tensor(shifted.to(torch.long), device_mesh=logits.device_mesh, placements=placements)
-        loss = F.cross_entropy(logits.transpose(1, 2), target, ignore_index=-100)
+        # in float32 whatever the model's dtype, as Hugging Face's loss upcasts the logits (they stay as computed)
+        loss = F.cross_entropy(logits.float().transpose(1, 2), target, ignore_index=-100)
         if labels.shape[1] != ids.shape[1]:  # (positions appended for an even cp split: cut off)
             logits = logits[:, :labels.shape[1]]
         return CausalLMOutput(loss=loss, logits=logits)

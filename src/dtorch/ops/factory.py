@@ -156,3 +156,38 @@ def tensor(data, *, dtype=None, device_mesh=None, placements=None, requires_grad
 def from_torch(data, *, device_mesh=None, placements=None, dtype=None, requires_grad=False, graph=None):
     return _new_leaf(data, device_mesh, placements, dtype, requires_grad, graph)
 
+
+
+# -- x.new_*: new tensors with x's dtype on x's mesh (Replicate), as torch's methods make them on x's device --
+
+def _new_layout(self: Tensor, device, dtype):
+    mesh = _resolve_mesh(None, device) if device is not None else self.device_mesh
+    return mesh, dtype or self.dtype
+
+
+def _new_factory(name: str, base):
+    def method(self: Tensor, *size, dtype=None, device=None, requires_grad=False, **kw):
+        mesh, dtype = _new_layout(self, device, dtype)
+        return base(*size, dtype=dtype, device_mesh=mesh, requires_grad=requires_grad, graph=self._graph, **kw)
+
+    method.__name__ = name
+    method.__doc__ = f"``torch.Tensor.{name}``: a new Replicate tensor of this tensor's dtype on its mesh."
+    return register(name, public=False, methods=(name,))(method)
+
+
+new_empty = _new_factory("new_empty", empty)
+new_zeros = _new_factory("new_zeros", zeros)
+new_ones = _new_factory("new_ones", ones)
+
+
+@register(public=False, methods=("new_full",))
+def new_full(self: Tensor, size, fill_value, *, dtype=None, device=None, requires_grad=False) -> Tensor:
+    mesh, dtype = _new_layout(self, device, dtype)
+    return full(size, fill_value, dtype=dtype, device_mesh=mesh, requires_grad=requires_grad, graph=self._graph)
+
+
+@register(public=False, methods=("new_tensor",))
+def new_tensor(self: Tensor, data, *, dtype=None, device=None, requires_grad=False) -> Tensor:
+    """``torch.Tensor.new_tensor``: ``data`` copied into a new leaf of this tensor's dtype (unless ``dtype``)."""
+    mesh, dtype = _new_layout(self, device, dtype)
+    return _new_leaf(data, mesh, None, dtype, requires_grad, self._graph)
