@@ -55,6 +55,12 @@ def test_sync_future_is_a_void_future():
     assert asyncio.run(main()) is None
 
 
+def test_graph_option_defaults_to_none():
+    option = dtorch.graph.GraphOption()
+    assert option.per_device_per_process is None and repr(option) == "GraphOption(per_device_per_process=None)"
+    assert dtorch.Graph(option).backend == dtorch.Graph().backend  # None: the default backend
+
+
 def test_graph_option():
     g = dtorch.Graph(dtorch.graph.GraphOption(per_device_per_process=False))
     assert g.backend == dtorch.Graph().backend  # the default backend
@@ -84,7 +90,9 @@ def test_unbind_list_of_names():
     assert all(m.dim_names == ["tp"] for m in subs)
     assert mesh.unbind(["pp"]) == mesh.unbind("pp")
     assert mesh.unbind(["cp"]) == [mesh] and mesh.unbind([]) == [mesh]
-    assert [m.device_ids for m in mesh.unbind(["pp", "dp"])] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    # DTorch's order: row-major over the unbound dims in the mesh's order, whatever the list's order
+    assert [m.device_ids for m in mesh.unbind(["pp", "dp"])] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh.unbind(dims=["pp", "dp"]) == subs and mesh.unbind(dims=1)[1].device_ids == [2, 3, 6, 7]
 
 
 def test_device_mesh_guard_of_a_device_type():
@@ -192,3 +200,26 @@ def test_shard_on_a_size_one_mesh_dim_is_replicate():
     lin = dtorch.nn.Linear(4, 3, device_mesh=mesh)
     assert all(all(not p.is_shard() or mesh.shape[i] > 1 for i, p in enumerate(q.placements))
                for q in lin.parameters())
+
+
+# -- the nn names ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("placements", [[Shard(0), Shard(1)], [Shard(2), Shard(3)], [Replicate(), Shard(2)]], ids=str)
+def test_global_avg_pool2d(placements):
+    # [N, C, H, W] -> [N, C, 1, 1] (AdaptiveAvgPool2d(1)); uneven shards: 5 rows over 2, 7 columns over 2
+    mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=["dp", "sp"])
+    x = torch.randn(3, 4, 5, 7, generator=torch.Generator().manual_seed(0))
+    pool = dtorch.nn.GlobalAvgPool2d()
+    out = pool(dtorch.Tensor(x, device_mesh=mesh, placements=placements))
+    torch.testing.assert_close(out.to_torch(), torch.nn.AdaptiveAvgPool2d(1)(x))
+    assert out.shape == (3, 4, 1, 1) and pool(dtorch.Tensor(x[0], device_mesh=mesh)).shape == (4, 1, 1)
+    assert "GlobalAvgPool2d" in dtorch.nn.__all__ and list(pool.parameters()) == []
+
+
+def test_functional_function_names():
+    names = dtorch.nn.functional._function_names
+    assert isinstance(names, list) and names == sorted(names)
+    for name in ("linear", "relu", "softmax", "cross_entropy", "scaled_dot_product_attention", "conv2d",
+                 "max_pool2d", "layer_norm", "embedding", "dropout"):
+        assert name in names, name
+    assert all(callable(getattr(dtorch.nn.functional, n)) for n in names)

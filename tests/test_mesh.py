@@ -24,7 +24,9 @@ def test_ids_from_any_array_like(ids):
     assert m.size() == 6 and m.size(0) == 2 and m.size(1) == 3 and m.size("tp") == 3 and m.size(-1) == 3
     assert m.dim_names == ["dp", "tp"]
     assert m.device_ids == [0, 1, 2, 3, 4, 5]
-    assert isinstance(m.mesh, np.ndarray) and m.mesh.tolist() == [[0, 1, 2], [3, 4, 5]]
+    # torch's (and the original DTorch's) DeviceMesh.mesh: an int64 torch tensor
+    assert isinstance(m.mesh, torch.Tensor) and m.mesh.dtype == torch.int64
+    assert m.mesh.tolist() == [[0, 1, 2], [3, 4, 5]]
     assert m == DeviceMesh("cpu", [[0, 1, 2], [3, 4, 5]], mesh_dim_names=("dp", "tp"))
 
 
@@ -41,10 +43,12 @@ def test_device_ids_follow_the_array_not_sorted():
     assert m.coordinates() == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
-def test_mesh_array_is_read_only():
+def test_writing_into_mesh_never_changes_the_mesh():
     m = DeviceMesh("cpu", [0, 1])
-    with pytest.raises(ValueError):
-        m.mesh[0] = 5
+    ids = m.mesh
+    ids[0] = 5
+    assert m.device_ids == [0, 1] and m.mesh.tolist() == [0, 1] and m == DeviceMesh("cpu", [0, 1])
+    assert DeviceMesh("cpu", m.mesh) == m  # the tensor builds the same mesh again
 
 
 def test_equality_and_hash_by_type_ids_and_names():
@@ -208,3 +212,30 @@ def test_unknown_dim_names():
         m.size(2)
     with pytest.raises(MeshError, match=r"no dim names.*mesh_dim_names=\[\.\.\.\]"):
         dtorch.init_device_mesh("cpu", (2, 2)).size("tp")
+
+
+def test_unbind_dims_keyword_int_and_list():
+    m = dtorch.init_device_mesh("cpu", (2, 3, 2), mesh_dim_names=["dp", "tp", "pp"])
+    assert m.unbind(dims=2) == m.unbind("pp") == m.unbind(-1) == m.unbind(dims=["pp"])
+    assert [s.device_ids for s in m.unbind(dims=1)] == [[0, 1, 6, 7], [2, 3, 8, 9], [4, 5, 10, 11]]
+    # a list: the sub-meshes in the row-major order of the unbound dims' coordinates, the dims in mesh order
+    # whatever the list's order (dp outer, pp inner here), each the remaining dims' block of ids
+    want = [[0, 2, 4], [1, 3, 5], [6, 8, 10], [7, 9, 11]]
+    for dims in (["dp", "pp"], ["pp", "dp"], [0, 2], [2, "dp"]):
+        subs = m.unbind(dims=dims)
+        assert [s.device_ids for s in subs] == want, dims
+        assert all(s.dim_names == ["tp"] for s in subs)
+    assert [s.device_ids for s in m.unbind([0, 1, 2])] == [[i] for i in range(12)]
+    unnamed = dtorch.init_device_mesh("cpu", (2, 2))
+    assert [s.device_ids for s in unnamed.unbind(0)] == [[0, 1], [2, 3]] and unnamed.unbind(0)[0].dim_names is None
+    with pytest.raises(MeshError, match="out of range"):
+        m.unbind(3)
+
+
+def test_unbind_siblings_log_the_dim_they_differ_on():
+    m = dtorch.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=["dp", "pp", "tp"])
+    subs = m.unbind(["dp", "pp"])  # coordinates (0, 0), (0, 1), (1, 0), (1, 1)
+    assert subs[0].parent_dim_between(subs[1]) == "pp" and subs[0].parent_dim_between(subs[2]) == "dp"
+    assert subs[0].parent_dim_between(subs[3]) is None
+    s0, s1 = m.unbind("pp")
+    assert s0.parent_dim_between(s1) == "pp" and s0.parent_dim_between(subs[1]) is None

@@ -1,13 +1,16 @@
-"""dtorch.optim (SGD, AdamW) and dtorch.nn.utils clipping against torch.optim / torch.nn.utils.
+"""dtorch.optim (SGD, Adam, AdamW), torch's own lr schedulers on them, and dtorch.nn.utils clipping against
+torch.optim / torch.optim.lr_scheduler / torch.nn.utils.
 
 Given the same gradients, every step updates the weights as torch does (1e-6, float32) for replicated,
 row-sharded, uneven column-sharded and 2-D mesh parameters; states have their parameter's placements;
-state dicts have torch's structure and round-trip; the total gradient norm is computed without an
-all_gather. An end-to-end MLP on a dp x tp mesh trains like the torch MLP.
+state dicts have torch's structure and round-trip; torch.optim.lr_scheduler's schedulers give the same
+learning rates (and momenta) step by step as on a torch optimizer, warn as torch does, and their state dicts
+round-trip; the total gradient norm is computed without an all_gather. An end-to-end MLP on a dp x tp mesh trains like the torch MLP.
 """
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ import dtorch
 import dtorch.nn.functional as DF
 from dtorch import CommLog, Partial, Replicate, Shard, nn
 from dtorch.nn.utils import clip_grad_norm_, clip_grad_value_
-from dtorch.optim import SGD, AdamW
+from dtorch.optim import SGD, Adam, AdamW
 
 R = Replicate()
 MESH_3 = dtorch.init_device_mesh("cpu", (3,), mesh_dim_names=["a"])
@@ -69,7 +72,15 @@ ADAMW_CONFIGS = [
     dict(lr=0.01, amsgrad=True),
     dict(lr=0.02, weight_decay=0.0, maximize=True, amsgrad=True),
 ]
-CASES = [(SGD, torch.optim.SGD, c) for c in SGD_CONFIGS] + [(AdamW, torch.optim.AdamW, c) for c in ADAMW_CONFIGS]
+ADAM_CONFIGS = [  # weight_decay: an L2 term added to the gradient (decoupled only when asked)
+    dict(),
+    dict(lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+    dict(lr=0.01, amsgrad=True, weight_decay=0.05),
+    dict(lr=0.02, weight_decay=0.01, maximize=True),
+    dict(lr=0.01, weight_decay=0.1, decoupled_weight_decay=True),
+]
+CASES = ([(SGD, torch.optim.SGD, c) for c in SGD_CONFIGS] + [(AdamW, torch.optim.AdamW, c) for c in ADAMW_CONFIGS]
+         + [(Adam, torch.optim.Adam, c) for c in ADAM_CONFIGS])
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -126,7 +137,8 @@ def test_param_groups_with_their_own_options():
 
 
 @pytest.mark.parametrize("dcls,tcls,cfg", [(SGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
-                                           (AdamW, torch.optim.AdamW, dict(lr=0.01, amsgrad=True))])
+                                           (AdamW, torch.optim.AdamW, dict(lr=0.01, amsgrad=True)),
+                                           (Adam, torch.optim.Adam, dict(lr=0.01, weight_decay=0.1))])
 def test_state_dict_has_torchs_structure_and_round_trips(dcls, tcls, cfg):
     tps, dps = _pair("mesh2d")
     topt, dopt = tcls(tps, **cfg), dcls(dps, **cfg)
@@ -230,6 +242,124 @@ def test_closure_and_bad_arguments():
         SGD(dps, lr=0.1, nesterov=True)
     with pytest.raises(ValueError, match="beta"):
         AdamW(dps, betas=(0.9, 1.5))
+
+
+# -- torch's lr schedulers on dtorch optimizers ---------------------------------------------------------
+
+LRS = torch.optim.lr_scheduler
+SCHEDULERS = {  # name -> (optimizer class name, its options, scheduler factory)
+    "LambdaLR": ("SGD", dict(lr=0.1, momentum=0.9), lambda o: LRS.LambdaLR(o, lambda e: 0.9 ** e)),
+    "LinearLR": ("AdamW", dict(lr=0.01), lambda o: LRS.LinearLR(o, start_factor=0.2, total_iters=7)),
+    "CosineAnnealingLR": ("Adam", dict(lr=0.01), lambda o: LRS.CosineAnnealingLR(o, T_max=9, eta_min=1e-4)),
+    "OneCycleLR_betas": ("AdamW", dict(lr=0.01), lambda o: LRS.OneCycleLR(o, max_lr=0.05, total_steps=25)),
+    "OneCycleLR_momentum": ("SGD", dict(lr=0.1, momentum=0.9),
+                            lambda o: LRS.OneCycleLR(o, max_lr=0.3, total_steps=25, anneal_strategy="linear")),
+    "SequentialLR": ("AdamW", dict(lr=0.01), lambda o: LRS.SequentialLR(
+        o, [LRS.LinearLR(o, start_factor=0.1, total_iters=5), LRS.CosineAnnealingLR(o, T_max=15)], milestones=[5])),
+    "StepLR": ("SGD", dict(lr=0.1), lambda o: LRS.StepLR(o, step_size=3, gamma=0.5)),
+}
+SCHED_STEPS = 20
+
+
+def _optimizers(opt_name: str, cfg: dict, layout: str = "mesh2d"):
+    tps, dps = _pair(layout)
+    return tps, dps, getattr(torch.optim, opt_name)(tps, **cfg), {"SGD": SGD, "Adam": Adam, "AdamW": AdamW}[opt_name](
+        dps, **cfg)
+
+
+def _hyper(opt) -> list:
+    """What a scheduler writes into each parameter group."""
+    return [(g["lr"], g.get("momentum"), g.get("betas")) for g in opt.param_groups]
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+def test_torch_schedulers_drive_dtorch_optimizers(name):
+    # they used to refuse them: "AdamW is not an Optimizer"
+    opt_name, cfg, make = SCHEDULERS[name]
+    tps, dps, topt, dopt = _optimizers(opt_name, cfg)
+    assert isinstance(dopt, torch.optim.Optimizer)
+    tsched, dsched = make(topt), make(dopt)
+    assert _hyper(dopt) == _hyper(topt) and dsched.get_last_lr() == tsched.get_last_lr()
+    for s in range(SCHED_STEPS):
+        _set_grads(tps, dps, s)
+        topt.step(), dopt.step()
+        tsched.step(), dsched.step()
+        assert dsched.get_last_lr() == tsched.get_last_lr(), f"step {s + 1}"
+        assert _hyper(dopt) == _hyper(topt), f"step {s + 1}"
+    _assert_same(tps, dps, f"after {SCHED_STEPS} scheduled steps")
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+def test_scheduler_and_optimizer_state_dicts_resume_a_run(name):
+    opt_name, cfg, make = SCHEDULERS[name]
+    tps, dps, topt, dopt = _optimizers(opt_name, cfg)
+    tsched, dsched = make(topt), make(dopt)
+    half = SCHED_STEPS // 2
+    for s in range(half):
+        _set_grads(tps, dps, s)
+        topt.step(), dopt.step(), tsched.step(), dsched.step()
+    saved_sched, saved_opt = dsched.state_dict(), dopt.state_dict()
+    assert "optimizer" not in saved_sched and saved_sched["last_epoch"] == half
+    assert saved_opt["param_groups"] == topt.state_dict()["param_groups"]  # initial_lr, lr, momenta as torch's
+    # a resumed run: new parameters with the trained values, a new optimizer and scheduler, then both loaded
+    _, fresh = _pair("shard1_uneven")
+    for f, d in zip(fresh, dps):
+        with torch.no_grad():
+            f.copy_(d.redistribute(f.device_mesh, f.placements))
+    ropt = type(dopt)(fresh, **cfg)
+    rsched = make(ropt)
+    rsched.load_state_dict(saved_sched)
+    ropt.load_state_dict(saved_opt)
+    for s in range(half, SCHED_STEPS):
+        _set_grads(tps, fresh, s)
+        topt.step(), ropt.step(), tsched.step(), rsched.step()
+        assert rsched.get_last_lr() == tsched.get_last_lr(), f"step {s + 1}"
+        assert _hyper(ropt) == _hyper(topt), f"step {s + 1}"
+    _assert_same(tps, fresh, "resumed run")
+
+
+def _warnings_of(run) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("order", ["scheduler_first", "optimizer_first"])
+def test_scheduler_step_order_warns_like_torch(order):
+    tps, dps, topt, dopt = _optimizers("SGD", dict(lr=0.1))
+
+    def run(opt):
+        sched = LRS.StepLR(opt, step_size=1, gamma=0.5)
+        if order == "scheduler_first":
+            sched.step()
+            opt.step()
+        else:
+            opt.step()
+            sched.step()
+        return sched
+
+    _set_grads(tps, dps, 0)
+    want = _warnings_of(lambda: run(topt))
+    got = _warnings_of(lambda: run(dopt))
+    assert got == want
+    assert any("before `optimizer.step()`" in w for w in got) == (order == "scheduler_first")
+    assert dopt._opt_called  # the scheduler's wrapper around step counted the call, as on torch's optimizer
+
+
+def test_step_and_state_dict_hooks_run_as_in_torch():
+    _, dps = _pair("replicate")
+    opt = SGD(dps, lr=0.1)
+    seen = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: seen.append("post"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 1})
+    opt.register_load_state_dict_pre_hook(lambda o, sd: {k: v for k, v in sd.items() if k != "extra"})
+    opt.step()
+    assert seen == ["pre", "post"]
+    sd = opt.state_dict()
+    assert sd["extra"] == 1
+    opt.load_state_dict(sd)
 
 
 # -- clipping ----------------------------------------------------------------------------------------

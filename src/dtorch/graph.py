@@ -40,11 +40,12 @@ def register_tensor_type(cls: type) -> type:
 class GraphOption:
     """How a Graph runs (the original DTorch's ``dtorch.graph.GraphOption``), passed as ``Graph(option)``.
 
-    ``per_device_per_process=True``: one worker process per device (the process backend); False: the
-    default backend (in-process, unless ``DTORCH_BACKEND`` says otherwise)."""
+    ``per_device_per_process=True``: one worker process per device (the process backend); None (the
+    default, as in the original) or False: the default backend (in-process, unless ``DTORCH_BACKEND``
+    says otherwise)."""
 
-    def __init__(self, per_device_per_process: bool = False):
-        self.per_device_per_process = bool(per_device_per_process)
+    def __init__(self, per_device_per_process: bool | None = None):
+        self.per_device_per_process = None if per_device_per_process is None else bool(per_device_per_process)
 
     @property
     def backend(self) -> str | None:

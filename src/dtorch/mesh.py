@@ -38,7 +38,8 @@ def _to_id_array(mesh) -> np.ndarray:
 class DeviceMesh:
     """A logical n-D arrangement of devices, e.g. ``DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=["dp", "tp"])``."""
 
-    __slots__ = ("device_type", "mesh", "_names", "_ids", "_key", "_hash", "_parent", "__weakref__")
+    # _array: the ids as a read-only numpy array (what the library reads); ``mesh`` gives torch's form
+    __slots__ = ("device_type", "_array", "_names", "_ids", "_key", "_hash", "_parent", "__weakref__")
 
     def __init__(self, device_type: str = "cpu", mesh=None, *, mesh_dim_names: Sequence[str] | None = None):
         if device_type not in _SUPPORTED_DEVICE_TYPES:
@@ -69,26 +70,32 @@ class DeviceMesh:
                 raise MeshError(f"mesh_dim_names must be unique, got {names}")
         arr.setflags(write=False)
         self.device_type = device_type
-        self.mesh = arr
+        self._array = arr
         self._names = names
         self._ids = tuple(ids)
         self._key = (device_type, tuple(arr.shape), self._ids, tuple(names) if names else None)
         self._hash = hash(self._key)
-        self._parent = None  # (parent mesh, mesh dim index) for meshes made by unbind
+        self._parent = None  # (parent mesh, its unbound dims, this mesh's coordinate on them) after unbind
 
     # -- shape -------------------------------------------------------------------------------
     @property
+    def mesh(self) -> torch.Tensor:
+        """The device ids as an int64 torch tensor of the mesh's shape, as torch's DeviceMesh.mesh (a new
+        tensor each time: writing into it never changes the mesh)."""
+        return torch.from_numpy(self._array.copy())
+
+    @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.mesh.shape)
+        return tuple(self._array.shape)
 
     @property
     def ndim(self) -> int:
-        return self.mesh.ndim
+        return self._array.ndim
 
     def size(self, dim: int | str | None = None) -> int:
         if dim is None:
-            return self.mesh.size
-        return self.mesh.shape[self.resolve_dim(dim)]
+            return self._array.size
+        return self._array.shape[self.resolve_dim(dim)]
 
     @property
     def dim_names(self) -> list[str] | None:
@@ -100,6 +107,10 @@ class DeviceMesh:
     @property
     def device_ids(self) -> list[int]:
         return list(self._ids)
+
+    def device_id(self, coord) -> int:
+        """The id of the device at mesh coordinate ``coord``."""
+        return int(self._array[tuple(coord)])
 
     def dim_name_index(self, name: str) -> int | None:
         if self._names is None:
@@ -139,35 +150,42 @@ class DeviceMesh:
         """Every device coordinate, row-major (the order of ``device_ids``)."""
         return list(itertools.product(*[range(s) for s in self.shape]))
 
-    def unbind(self, name) -> list["DeviceMesh"]:
-        """One sub-mesh per index along dim ``name`` (removed; the other names kept); ``[self]`` when the
-        mesh has no such dim. A list of names unbinds each in turn: one sub-mesh per index combination,
-        the first name outermost."""
-        if isinstance(name, (list, tuple)):
-            out = [self]
-            for n in name:
-                out = [child for m in out for child in m.unbind(n)]
-            return out
-        idx = self.dim_name_index(name)
-        if idx is None:
+    def unbind(self, dims) -> list["DeviceMesh"]:
+        """The sub-meshes of every coordinate on mesh dims ``dims`` (a name, an index, or a list of them),
+        those dims removed and the other names kept. The sub-meshes come in the row-major order of those
+        coordinates, the dims taken in the mesh's order whatever their order in the list (as the ids lie in
+        ``mesh``). Names the mesh lacks are skipped: ``[self]`` when none is left."""
+        picked = set()
+        for d in (dims if isinstance(dims, (list, tuple)) else [dims]):
+            idx = self.dim_name_index(d) if isinstance(d, str) else self.resolve_dim(d)
+            if idx is not None:
+                picked.add(idx)
+        if not picked:
             return [self]
-        names = [n for i, n in enumerate(self._names) if i != idx]
+        picked = tuple(sorted(picked))
+        names = [n for i, n in enumerate(self._names) if i not in picked] if self._names else None
         out = []
-        for k in range(self.mesh.shape[idx]):
-            sub = np.take(self.mesh, k, axis=idx)
-            if sub.ndim == 0:
-                sub = sub.reshape(1)
-            child = DeviceMesh(self.device_type, sub, mesh_dim_names=names or None)
-            child._parent = (self, idx)
+        for coord in itertools.product(*[range(self.shape[i]) for i in picked]):
+            index = [slice(None)] * self.ndim
+            for i, c in zip(picked, coord):
+                index[i] = c
+            sub = self._array[tuple(index)]
+            child = DeviceMesh(self.device_type, sub.reshape(1) if sub.ndim == 0 else sub,
+                               mesh_dim_names=names or None)
+            child._parent = (self, picked, coord)
             out.append(child)
         return out
 
     def parent_dim_between(self, other: "DeviceMesh"):
-        """If both meshes came from ``unbind`` of one parent, the parent's dim label (e.g. "pp")."""
-        if self._parent and other._parent and self._parent[0] == other._parent[0] and self._parent[1] == other._parent[1]:
-            parent, idx = self._parent
-            return parent.dim_label(idx)
-        return None
+        """If both meshes came from one ``unbind`` of a parent and sit at coordinates that differ on one of its
+        unbound dims only, that dim's label (e.g. "pp")."""
+        if not (self._parent and other._parent):
+            return None
+        (parent, dims, coord), (other_parent, other_dims, other_coord) = self._parent, other._parent
+        if parent != other_parent or dims != other_dims:
+            return None
+        differ = [d for d, a, b in zip(dims, coord, other_coord) if a != b]
+        return parent.dim_label(differ[0]) if len(differ) == 1 else None
 
     # -- identity ----------------------------------------------------------------------------
     def __eq__(self, other):
@@ -178,7 +196,7 @@ class DeviceMesh:
 
     def __repr__(self):
         names = f", mesh_dim_names={self._names}" if self._names else ""
-        return f"DeviceMesh({self.device_type!r}, {self.mesh.tolist()}{names})"
+        return f"DeviceMesh({self.device_type!r}, {self._array.tolist()}{names})"
 
     def __str__(self):
         if self._names:

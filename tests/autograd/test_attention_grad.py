@@ -36,12 +36,14 @@ def _placements(mesh):
     return [Shard(0) if nm == "dp" else Shard(1) if nm == "tp" else Shard(2) for nm in mesh.dim_names]
 
 
-def _check_grads(mesh, q, k, v, mask=None, pl=None, tol=F64, seed=1, **kw):
+def _check_grads(mesh, q, k, v, mask=None, pl=None, tol=F64, seed=1, mask_grad=True, **kw):
     """Forward and backward on torch and on dtorch (q/k/v laid out ``pl``, the mask replicated) with the same
-    output gradient; every input gradient must match. Returns the dtorch output and its leaves."""
+    output gradient; every input gradient must match (a float mask's too, unless ``mask_grad`` is False).
+    Returns the dtorch output and its leaves."""
     pl = _placements(mesh) if pl is None else pl
+    mask_grad = mask_grad and mask is not None and mask.is_floating_point()
     ts = [x.clone().requires_grad_() for x in (q, k, v)]
-    tm = mask.clone().requires_grad_() if mask is not None and mask.is_floating_point() else mask
+    tm = mask.clone().requires_grad_() if mask_grad else mask
     ref = F.scaled_dot_product_attention(*ts, attn_mask=tm, **kw)
     go = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed), dtype=ref.dtype)
     wants = ts + ([tm] if tm is not None and tm.requires_grad else [])
@@ -51,7 +53,7 @@ def _check_grads(mesh, q, k, v, mask=None, pl=None, tol=F64, seed=1, **kw):
     dm = None
     if mask is not None:
         dm = distribute(mask, mesh, [Replicate()] * mesh.ndim)
-        if mask.is_floating_point():
+        if mask_grad:
             dm.requires_grad_()
     out = F.scaled_dot_product_attention(*ds, attn_mask=dm, **kw)
     assert out.grad_fn is not None, "the output lost its history: gradients would be silently dropped"
@@ -247,3 +249,35 @@ def test_input_written_in_place_after_forward_raises():
         k.mul_(2)  # k is saved for the backward as it was
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+DP_TP = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["dp", "tp"])
+# (name, mesh, q/k/v placements or None for _placements(mesh)): every layout sdpa has, plain and context parallel
+MASK_CAUSAL_LAYOUTS = [
+    ("replicated", DP_TP, [Replicate(), Replicate()]),
+    ("batch_heads", DP_TP, [Shard(0), Shard(1)]),
+    ("query_rows", SP_3, [Shard(2)]),
+    ("ulysses2", ULY_2, None),
+    ("ring3", RING_3, None),
+    ("ring4", RING_4, None),
+    ("ulysses2_ring2", UR_22, None),
+    ("ring3_ulysses2", RU_32, None),
+    ("dp_tp_ring", DP_TP_RING, None),
+]
+
+
+@pytest.mark.parametrize("name, mesh, pl", MASK_CAUSAL_LAYOUTS, ids=[c[0] for c in MASK_CAUSAL_LAYOUTS])
+@pytest.mark.parametrize("l, s", [(6, 6), (4, 8), (8, 6)], ids=str)  # even: Ulysses splits both
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_attn_mask_with_is_causal_values_and_grads(name, mesh, pl, l, s, kind):
+    # torch 2.13's default CPU kernel combines them (the mask and the top-left causal mask, L != S too): dtorch
+    # refused the pair. GQA 4/2, one head size (e = ev) and a float mask that needs no gradient: else torch
+    # runs its math kernel, which refuses the pair (tests/ops/test_attention.py checks dtorch refuses it alike)
+    q, k, v = _qkv(h=4, hk=2, l=l, s=s, e=4, ev=4, seed=7)
+    g = torch.Generator().manual_seed(8)
+    if kind == "bool":
+        mask = torch.rand(l, s, generator=g) > 0.3
+        mask[0, 0] = False  # row 0: its only causal key masked, a row that sees nothing (zeros like torch)
+    else:
+        mask = torch.randn(2, 1, l, s, generator=g, dtype=torch.float64)
+    _check_grads(mesh, q, k, v, mask=mask, pl=pl, mask_grad=False, is_causal=True, enable_gqa=True)

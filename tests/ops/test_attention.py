@@ -216,7 +216,7 @@ def test_bad_inputs_raise_typed_errors():
     qd, kd, vd = (distribute(x, MESH_DT, rep) for x in (q, k, v))
     with pytest.raises(OpError, match="enable_gqa=True"):
         dtorch.scaled_dot_product_attention(qd, kd, vd)
-    with pytest.raises(OpError, match="should not be set when is_causal=True"):
+    with pytest.raises(OpError, match="should not be set when is_causal=True"):  # ev != e: torch's math kernel
         dtorch.scaled_dot_product_attention(qd, kd, vd, attn_mask=torch.ones(8, 8, dtype=torch.bool),
                                             is_causal=True, enable_gqa=True)
     with pytest.raises(OpError, match=r"\[N, H, L, E\]"):
@@ -333,8 +333,11 @@ def _torch_or_error(fn):
 
 @pytest.mark.parametrize("mesh", [MESH_DT, ULY_2, RING_4, UR_22], ids=str)
 @pytest.mark.parametrize("kind", ["bool", "float"])
-def test_attn_mask_with_is_causal_like_torch(mesh, kind):
-    q, k, v = _qkv(h=4, hk=2, l=8)
+@pytest.mark.parametrize("ev", [4, 3], ids=["ev=e", "ev!=e"])
+def test_attn_mask_with_is_causal_like_torch(mesh, kind, ev):
+    # torch 2.13 on the CPU: its fused kernel combines the two when the head sizes agree (ev=e, a value), its
+    # math kernel refuses the pair otherwise (dtorch used to refuse it always)
+    q, k, v = _qkv(h=4, hk=2, l=8, ev=ev)
     g = torch.Generator().manual_seed(10)
     mask = torch.rand(8, 8, generator=g) > 0.3 if kind == "bool" else torch.randn(8, 8, generator=g)
     expected, err = _torch_or_error(
@@ -349,6 +352,48 @@ def test_attn_mask_with_is_causal_like_torch(mesh, kind):
     assert isinstance(info.value, OpError)
     assert "attn_mask should not be set when is_causal=True" in str(err)
     assert "attn_mask should not be set when is_causal=True" in str(info.value)
+
+
+def _mask_causal_cases():
+    """Calls of attn_mask with is_causal=True that torch 2.13 takes or refuses depending on its kernel choice."""
+    q, k, v = _qkv(h=4, hk=2, l=6, s=9, ev=4)
+    mask = torch.rand(6, 9, generator=torch.Generator().manual_seed(14)) > 0.3
+    return {
+        "default": (dict(), (q, k, v, mask)),
+        "dropout": (dict(dropout_p=0.3), (q, k, v, mask)),
+        "3d_mask": (dict(), (q, k, v, mask.expand(4, 6, 9))),  # [H, L, S]
+        "3d_inputs": (dict(), (q[:, 0], k[:, 0], v[:, 0], mask)),
+        "float_mask_needs_grad": (dict(), (q, k, v, torch.randn(6, 9).requires_grad_())),
+    }
+
+
+@pytest.mark.parametrize("case", ["default", "dropout", "3d_mask", "3d_inputs", "float_mask_needs_grad"])
+@pytest.mark.parametrize("backends", [None, "math", "flash_math", "efficient"])
+def test_attn_mask_with_is_causal_follows_torchs_backend_choice(case, backends):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    kw, (q, k, v, mask) = _mask_causal_cases()[case]
+    chosen = {"math": [SDPBackend.MATH], "flash_math": [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH],
+              "efficient": [SDPBackend.EFFICIENT_ATTENTION]}.get(backends)
+
+    def run(fn, q, k, v, mask):
+        torch.manual_seed(0)
+        if chosen is None:
+            return fn(q, k, v, attn_mask=mask, is_causal=True, enable_gqa=True, **kw)
+        with sdpa_kernel(chosen):
+            return fn(q, k, v, attn_mask=mask, is_causal=True, enable_gqa=True, **kw)
+
+    expected, err = _torch_or_error(lambda: run(F.scaled_dot_product_attention, q, k, v, mask))
+    rep = [Replicate()] * 2
+    ins = [distribute(x.detach(), MESH_DT, [Shard(0), Replicate()] if i < 3 else rep).requires_grad_(x.requires_grad)
+           for i, x in enumerate((q, k, v, mask))]
+    if err is None:
+        check(run(F.scaled_dot_product_attention, *ins), expected, **TIGHT)
+        assert case == "default" and backends in (None, "flash_math")
+        return
+    with pytest.raises(type(err)) as info:
+        run(F.scaled_dot_product_attention, *ins)
+    assert isinstance(info.value, OpError)
+    assert case != "default" or backends in ("math", "efficient")
 
 
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)

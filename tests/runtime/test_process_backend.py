@@ -593,3 +593,20 @@ def test_an_empty_strided_block_is_fetched(proc):
         col = x.unbind(1)[1]
         assert torch.equal(col.to_torch(), full[:, 1])
         assert [tuple(b.shape) for b in col.local_blocks()] == [(2,), (2,), (1,), (0,)]
+
+
+def test_pooling_with_an_empty_output_shard_and_a_refused_shape(proc):
+    # max_pool2d(k=3, s=2, ceil_mode=True) on H=3 over 2: the second device has no output row. Its empty window
+    # used to reach the workers, where torch refused it and stopped every worker; a shape torch refuses fails in
+    # the plan, on the controller, and the user's other tensors stay usable
+    mesh = dtorch.init_device_mesh("cpu", (2,))
+    full = torch.randn(2, 3, 3, 5)
+    with using(proc):
+        x = dtorch.Tensor(full, device_mesh=mesh, placements=[Shard(2)])
+        other = dtorch.Tensor(torch.arange(6.0), device_mesh=mesh, placements=[Shard(0)]) * 2
+        torch.testing.assert_close(F.max_pool2d(x, 3, 2, ceil_mode=True).to_torch(),
+                                   F.max_pool2d(full, 3, 2, ceil_mode=True))
+        with pytest.raises(dtorch.OpError, match="max_pool2d"):
+            F.max_pool2d(x, 7)
+        torch.testing.assert_close(F.max_pool2d(x, 2, 1, 1).to_torch(), F.max_pool2d(full, 2, 1, 1))
+        assert torch.equal(other.to_torch(), torch.arange(6.0) * 2)

@@ -249,6 +249,15 @@ class AdaptiveAvgPool2d(Module):
         return f"output_size={self.output_size}"
 
 
+class GlobalAvgPool2d(Module):
+    """The original DTorch's global average pooling: the mean over H and W, ``[N, C, H, W] -> [N, C, 1, 1]``
+    (``[C, H, W] -> [C, 1, 1]``): ``AdaptiveAvgPool2d(1)``, the shape ONNX's GlobalAveragePool and MXNet's
+    GlobalAvgPool2D give. A sharded H or W gives Partial(sum) (each device's share of the mean), no gather."""
+
+    def forward(self, x):
+        return F.adaptive_avg_pool2d(x, 1)
+
+
 class Flatten(Module):
     def __init__(self, start_dim: int = 1, end_dim: int = -1):
         super().__init__()
@@ -332,5 +341,6 @@ class Mish(Module):
         return F.mish(x)
 
 
-__all__ = ["Conv1d", "Conv2d", "BatchNorm2d", "GroupNorm", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "Flatten",
+__all__ = ["Conv1d", "Conv2d", "BatchNorm2d", "GroupNorm", "MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d",
+           "GlobalAvgPool2d", "Flatten",
            "Upsample", "Sigmoid", "Tanh", "Softmax", "LeakyReLU", "ELU", "Mish"]

@@ -2,3 +2,6 @@
 from ..ops.registry import FUNCTIONAL as _FUNCTIONAL
 
 globals().update(_FUNCTIONAL)
+
+# the original DTorch's list of the functions this module has (every entry: dtorch.nn.functional.<name>)
+_function_names = sorted(_FUNCTIONAL)

@@ -26,6 +26,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 from ..autograd.dispatched import record_kernel
 from ..autograd.mode import is_grad_enabled as _grad_enabled
@@ -185,15 +186,26 @@ def _math_sdpa(q, k, v, mask, noise, causal, scale, group):
     return torch.matmul(attn, v)
 
 
+def _with_causal(mask, l: int, s: int):
+    """``mask`` and the top-left causal mask (query i sees keys j <= i), as torch's fused kernels combine
+    ``attn_mask`` with ``is_causal=True``: a bool mask and-ed, a float mask -inf above the diagonal."""
+    below = torch.ones(l, s, dtype=torch.bool, device=mask.device).tril()
+    if mask.dtype == torch.bool:
+        return mask & below
+    return torch.where(below, mask, torch.tensor(float("-inf"), dtype=mask.dtype, device=mask.device))
+
+
 @kernel("sdpa")
 def _sdpa_kernel(q, k, v, *extra, lead, scale, causal, mask_rank, has_noise, heads, q_off=0, q_head_off=0):
     if (not has_noise or q.dtype in (torch.float32, torch.float64)) and heads[0] == "local" \
-            and not isinstance(q_off, torch.Tensor) and q_off == 0 and not (causal and mask_rank is not None):
+            and not isinstance(q_off, torch.Tensor) and q_off == 0:
         xs = whole((q, k, v) + extra, lead)
         if xs is not None:
             # whole heads and keys on every device, queries from the first: torch's own SDPA on the blocks
             # (its fused kernel, float16 included), so one device or replicated inputs give torch's bits
             m = xs[3] if mask_rank is not None else None
+            if m is not None and causal:  # (dropout never comes with both: torch refuses the three)
+                m, causal = _with_causal(m, xs[0].shape[-2], xs[1].shape[-2]), False
             if has_noise:
                 out = _math_sdpa(xs[0], xs[1], xs[2], m, xs[-1], causal, scale, heads[1])
             else:
@@ -362,12 +374,8 @@ def _check(specs, has_mask: bool, causal: bool, gqa: bool):
         problems.append(f"query heads ({hq}) must be a multiple of key/value heads ({hk})")
     if not q.dtype == k.dtype == v.dtype:
         problems.append(f"dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
-    if has_mask:
+    if has_mask:  # (with is_causal too: whether torch takes the pair is _check_mask_with_causal's call)
         m = specs[3]
-        if causal:  # torch 2.13 raises (it does not combine them): same for us
-            problems.append("Explicit attn_mask should not be set when is_causal=True (torch rejects the pair too); "
-                            "fold the causal mask into attn_mask (& torch.ones(L, S, dtype=torch.bool).tril()) "
-                            "or drop one of them")
         if m.dtype not in (torch.bool, torch.float32, q.dtype):  # torch's rule
             problems.append(f"attn_mask dtype must be bool, float32 or the query dtype ({q.dtype}), got {m.dtype}")
         full = (n, hq, q.shape[2], s)
@@ -868,6 +876,30 @@ class RingAttentionNode(Node):
 # the op
 
 
+def _check_mask_with_causal(q, k, v, mask, dropout_p: float, scale, gqa: bool) -> None:
+    """``attn_mask`` with ``is_causal=True``: torch's fused kernels combine the two (``_with_causal``), its math
+    kernel refuses the pair. Which one torch would run depends on the shapes (4-D, one head size for q, k and
+    v, ...), on dropout and on the backends ``torch.nn.attention.sdpa_kernel`` enables: torch's own choice,
+    asked with stand-ins of these shapes and dtypes (one row of memory each, expanded), decides."""
+    device = "cuda" if q.device_mesh.device_type == "cuda" and torch.cuda.is_available() else "cpu"
+
+    def stand_in(x: Tensor) -> torch.Tensor:
+        row = torch.empty(x.shape[-1:], dtype=x.dtype, device=device, requires_grad=x.requires_grad)
+        return row.expand(tuple(x.shape))
+
+    try:
+        choice = torch._fused_sdp_choice(*(stand_in(x) for x in (q, k, v, mask)), dropout_p, True, scale=scale,
+                                         enable_gqa=gqa)
+    except RuntimeError as exc:  # no backend enabled can run it
+        raise AttentionInputError(f"dtorch.{_NAME}: {exc}") from exc
+    if choice == int(SDPBackend.MATH):
+        raise AttentionInputError(
+            f"dtorch.{_NAME}: Explicit attn_mask should not be set when is_causal=True: for these inputs torch runs "
+            "its math kernel, which refuses the pair (dropout, 3-D inputs, a value head size other than the query's, "
+            "a 3-D mask, or sdpa_kernel(SDPBackend.MATH)); fold the causal mask into attn_mask "
+            "(& torch.ones(L, S, dtype=torch.bool).tril()) or drop one of them")
+
+
 @register(rule=_plain_rule, kernel=_sdpa_kernel, torch_fns=(F.scaled_dot_product_attention,), functional=True)
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
                                  scale: float | None = None, enable_gqa: bool = False):
@@ -879,6 +911,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     q, k, v, mask = to_dtensors(_NAME, [query, key, value, attn_mask])
     if not all(isinstance(x, Tensor) for x in (q, k, v)):
         raise OpError(f"dtorch.{_NAME}: query, key and value must be tensors")
+    if is_causal and isinstance(mask, Tensor):  # (before the 3-D form becomes 4-D: torch refuses it there)
+        _check_mask_with_causal(q, k, v, mask, dropout_p, scale, bool(enable_gqa))
     if q.ndim == 3 and k.ndim == 3 and v.ndim == 3:  # torch also takes [N, L, E]: one head
         mask = mask.unsqueeze(-3) if isinstance(mask, Tensor) and mask.ndim == 3 else mask
         out = scaled_dot_product_attention(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), mask, dropout_p,

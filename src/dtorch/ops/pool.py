@@ -78,6 +78,19 @@ def _tuple(v, nd: int, what: str) -> tuple:
 def _pool_kernel(x, *, lead=0, kind: str, nd: int, kernel_size, stride, padding, dilation=1, ceil_mode=False,
                  count_include_pad=True, divisor_override=None, return_indices=False, windows=(), **win):
     x = apply_windows(x, windows, lead, win)
+    empty = [d for d in windows if x.shape[d] == 0]
+    if empty:  # no output rows here (fewer outputs than devices on that dim): torch refuses an empty input,
+        # so pool one window of rows (no padding on a windowed dim: exactly one output row) and cut it away
+        shape = list(x.shape)
+        for d in empty:
+            shape[d] = (dilation[d] if isinstance(dilation, tuple) else dilation) * (kernel_size[d] - 1) + 1
+        out = _pool_kernel.fn(x.new_zeros(shape), lead=lead, kind=kind, nd=nd, kernel_size=kernel_size,
+                              stride=stride, padding=padding, dilation=dilation, ceil_mode=ceil_mode,
+                              count_include_pad=count_include_pad, divisor_override=divisor_override,
+                              return_indices=return_indices)
+        for d in empty:
+            out = tuple(o.narrow(d, 0, 0) for o in out) if isinstance(out, tuple) else out.narrow(d, 0, 0)
+        return out
     if kind == "max":
         def fn(t):
             return _MAX[nd](t, kernel_size, stride, padding, dilation, ceil_mode, return_indices)
@@ -141,7 +154,28 @@ def _pool_plan(x: DTensorSpec, kind: str, nd: int, kernel_size, stride, padding,
     outs = tuple(DTensorSpec(x.mesh, tuple(out_pl), tuple(m.shape), m.dtype) for m in metas)
     final = OpPlan((halo_input_spec(halo, x_in) if halo else x_in,), outs, _pool_kernel, kw, device_args,
                    multi_output=len(outs) > 1)
+    _check_local_shapes(final)
     return x_in, halo, final
+
+
+def _check_local_shapes(plan: OpPlan) -> None:
+    """Every device's blocks through the kernel on meta tensors (once per distinct local shape and per-device
+    arguments; the plan is cached): a window torch would refuse, or an output block other than the plan's, fails
+    here, on the controller, before a worker runs anything (a kernel failing on the workers stops them all)."""
+    seen = set()
+    for coord in np.ndindex(*plan.in_specs[0].mesh.shape):
+        ins = tuple(s.local_shape(coord) for s in plan.in_specs)
+        args = {k: int(v[coord]) for k, v in (plan.device_args or {}).items()}
+        if (ins, tuple(args.items())) in seen:
+            continue
+        seen.add((ins, tuple(args.items())))
+        metas = [torch.empty(shape, dtype=s.dtype, device="meta") for shape, s in zip(ins, plan.in_specs)]
+        out = plan.kernel.fn(*metas, **plan.kwargs, **args)
+        got = tuple(tuple(o.shape) for o in (out if isinstance(out, tuple) else (out,)))
+        want = tuple(s.local_shape(coord) for s in plan.out_specs)
+        if got != want:
+            raise OpError(f"device {coord} would compute blocks of shapes {list(got)}, its output blocks are "
+                          f"{list(want)} (a bug in the pooling plan: please report it)")
 
 
 def _pool_rule(specs, *static):

@@ -1,5 +1,11 @@
 """``Optimizer``: torch's optimizer base for dtorch parameters (param groups, state, state dicts).
 
+It is a ``torch.optim.Optimizer`` subclass, so what torch builds on optimizers takes dtorch's:
+``torch.optim.lr_scheduler.*`` (they check the type, read and write ``param_groups``, wrap ``step`` to
+warn when the scheduler steps first), step / state-dict hooks (``register_step_pre_hook``, ...). torch's
+base keeps the bookkeeping; what touches parameters is dtorch's own (dtorch tensors are not
+``torch.Tensor`` instances): ``add_param_group``, ``zero_grad``, ``state_dict``, ``load_state_dict``.
+
 The state of a parameter lives with it: each state tensor is a dtorch tensor on the parameter's mesh
 with its placements (a Partial parameter's states are Replicate: their updates are not linear), so
 every update is element-wise on each device's own blocks, with no communication. ``state_dict()`` has
@@ -10,21 +16,15 @@ parameter.
 from __future__ import annotations
 
 from collections import defaultdict
+from copy import deepcopy
 from itertools import chain
 
 import torch
+from torch.optim.optimizer import required  # noqa: F401  (a default the caller must give, as in torch.optim)
 
 from ..ops.factory import zeros_like
 from ..placement import Partial, Replicate
 from ..tensor import Tensor
-
-
-class _Required:
-    def __repr__(self):
-        return "<required parameter>"
-
-
-required = _Required()  # a default the caller must give (torch.optim.optimizer.required)
 
 
 def state_placements(p: Tensor) -> list:
@@ -42,24 +42,16 @@ def scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-class Optimizer:
+class Optimizer(torch.optim.Optimizer):
     """Base class: ``param_groups`` (each a dict with ``params`` and per-group options), ``state``
     (parameter -> dict), ``zero_grad``, ``state_dict`` / ``load_state_dict``; subclasses define ``step``."""
 
     def __init__(self, params, defaults: dict):
-        self.defaults = dict(defaults)
-        self.state: defaultdict = defaultdict(dict)
-        self.param_groups: list[dict] = []
         if isinstance(params, (Tensor, torch.Tensor)):
             raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but "
                             f"got {type(params).__name__}; pass [tensor] or model.parameters()")
-        groups = list(params)
-        if not groups:
-            raise ValueError("optimizer got an empty parameter list")
-        if not isinstance(groups[0], dict):
-            groups = [{"params": groups}]
-        for g in groups:
-            self.add_param_group(g)
+        # torch's base: hooks, the profiled step, then our add_param_group for each group
+        super().__init__(list(params), dict(defaults))
 
     def __repr__(self):
         lines = [f"{type(self).__name__} ("]
@@ -117,9 +109,6 @@ class Optimizer:
                     with torch.no_grad():
                         p.grad.zero_()
 
-    def step(self, closure=None):
-        raise NotImplementedError
-
     def _closure_loss(self, closure):
         if closure is None:
             return None
@@ -129,7 +118,10 @@ class Optimizer:
     # -- state dicts (torch's format) ------------------------------------------------------------------
     def state_dict(self) -> dict:
         """``{"state": {index: {name: value}}, "param_groups": [{options..., "params": [indices]}]}``: parameters
-        numbered in group order, as torch does. State tensors are the optimizer's own dtorch tensors."""
+        numbered in group order, as torch does. State tensors are the optimizer's own dtorch tensors. The
+        state-dict hooks run as in torch."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         index: dict = {}
         groups = []
         for group in self.param_groups:
@@ -139,12 +131,22 @@ class Optimizer:
             packed["params"] = [index[id(p)] for p in group["params"]]
             groups.append(packed)
         state = {index[id(p)]: dict(s) for p, s in self.state.items() if id(p) in index}
-        return {"state": state, "param_groups": groups}
+        state_dict = {"state": state, "param_groups": groups}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of this optimizer's structure (from a dtorch or a torch optimizer): each state
         tensor is copied onto its parameter's mesh with the parameter's (state) placements and dtype."""
-        saved_groups = state_dict["param_groups"]
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        saved_groups = deepcopy(state_dict["param_groups"])  # not the caller's lists (torch copies them too)
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"loaded state dict has a different number of parameter groups ({len(saved_groups)}) "
                              f"than this optimizer ({len(self.param_groups)})")
@@ -169,6 +171,8 @@ class Optimizer:
                 ng["param_names"] = g["param_names"]
             new_groups.append(ng)
         self.param_groups = new_groups
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
 
 def _load_value(p: Tensor, name: str, v):

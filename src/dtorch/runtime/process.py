@@ -461,7 +461,7 @@ class ProcessRuntime(Runtime):
         hid = self._id(h)
         req = next(self._ids)
         seq = self._note(("get", spec))
-        ranks = [int(spec.mesh.mesh[c]) for c in coords]
+        ranks = [spec.mesh.device_id(c) for c in coords]
         shm = self.shm and pp.nbytes(spec.local_shape(coords[0]), spec.dtype) > INLINE_BYTES
         out = None
         if shm and whole and self._shm_ranks.issuperset(ranks) and all(

@@ -31,7 +31,7 @@ def members(mesh, coord, dim: int) -> tuple:
     out = []
     for j in range(mesh.shape[dim]):
         idx[dim] = j
-        out.append(int(mesh.mesh[tuple(idx)]))
+        out.append(mesh.device_id(idx))
     return tuple(out)
 
 

@@ -124,7 +124,7 @@ class RayRuntime(ProcessRuntime):
         hid = self._id(h)
         req = next(self._ids)
         seq = self._note(("get", spec))
-        ranks = [int(spec.mesh.mesh[c]) for c in coords]
+        ranks = [spec.mesh.device_id(c) for c in coords]
         for r in ranks:
             self._buf[r].append(("get", seq, hid, req, False))
         self._counted(len(ranks))

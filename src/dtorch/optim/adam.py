@@ -1,5 +1,7 @@
-"""AdamW with torch's update (``torch.optim.adam._single_tensor_adam`` with decoupled weight decay, in its
-order of operations: the same float32 results up to rounding of fused kernels)."""
+"""Adam and AdamW with torch's update (``torch.optim.adam._single_tensor_adam``, in its order of operations:
+the same float32 results up to rounding of fused kernels). As in torch, AdamW is Adam with
+``decoupled_weight_decay=True``: the weights shrink by ``lr * weight_decay`` before the update, where Adam's
+weight decay is an L2 term added to the gradient."""
 from __future__ import annotations
 
 import torch
@@ -9,13 +11,13 @@ from ..runtime.kernels import kernel
 from .optimizer import Optimizer, scalar_dtype, zeros_state
 
 
-class AdamW(Optimizer):
-    """``torch.optim.AdamW`` for dtorch parameters. ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with
+class Adam(Optimizer):
+    """``torch.optim.Adam`` for dtorch parameters. ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with
     amsgrad) have the parameter's placements; ``step`` is a host-side float tensor, as in torch."""
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 amsgrad: bool = False, *, maximize: bool = False, foreach=None, capturable: bool = False,
-                 differentiable: bool = False, fused=None):
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0,
+                 amsgrad: bool = False, *, foreach=None, maximize: bool = False, capturable: bool = False,
+                 differentiable: bool = False, fused=None, decoupled_weight_decay: bool = False):
         for name, v in (("learning rate", lr), ("epsilon value", eps), ("weight_decay value", weight_decay)):
             if not isinstance(v, (int, float)):
                 raise TypeError(f"Invalid {name}: {v!r}; dtorch takes a Python number")
@@ -25,10 +27,11 @@ class AdamW(Optimizer):
             if not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
                 raise ValueError(f"Invalid beta parameter at index {i}: {b!r}")
         if capturable or differentiable or fused:
-            raise NotImplementedError("dtorch.optim.AdamW: capturable, differentiable and fused are not supported")
+            raise NotImplementedError(f"dtorch.optim.{type(self).__name__}: capturable, differentiable and fused are "
+                                      "not supported")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable, differentiable=differentiable,
-                        fused=fused, decoupled_weight_decay=True)
+                        fused=fused, decoupled_weight_decay=decoupled_weight_decay)
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -38,10 +41,14 @@ class AdamW(Optimizer):
         for group in self.param_groups:
             lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
             weight_decay, amsgrad, maximize = group["weight_decay"], group["amsgrad"], group["maximize"]
+            decoupled = group.get("decoupled_weight_decay", False)
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 grad = -p.grad if maximize else p.grad
+                if weight_decay != 0 and not decoupled:  # Adam's L2 penalty: part of the gradient
+                    grad = grad.add(p, alpha=weight_decay)
+                decay = weight_decay if decoupled else 0.0  # AdamW's: p *= 1 - lr * weight_decay
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0, dtype=scalar_dtype())
@@ -52,11 +59,10 @@ class AdamW(Optimizer):
                 exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
                 state["step"] += 1
                 if not amsgrad and _same_layout(p, grad, exp_avg, exp_avg_sq):
-                    _fused_update(p, grad, exp_avg, exp_avg_sq, state["step"].item(), lr, beta1, beta2, eps,
-                                  weight_decay)
+                    _fused_update(p, grad, exp_avg, exp_avg_sq, state["step"].item(), lr, beta1, beta2, eps, decay)
                     continue
-                if weight_decay != 0:
-                    p.mul_(1 - lr * weight_decay)
+                if decay != 0:
+                    p.mul_(1 - lr * decay)
                 exp_avg.lerp_(grad, 1 - beta1)
                 exp_avg_sq.mul_(beta2)
                 exp_avg_sq.copy_(addcmul(exp_avg_sq, grad, grad, value=1 - beta2))  # torch's addcmul_
@@ -74,6 +80,22 @@ class AdamW(Optimizer):
                 # torch's p.addcdiv_(exp_avg, denom, value=-step_size): p + (value * exp_avg) / denom
                 p.add_(exp_avg.mul(-step_size).div(denom))
         return loss
+
+
+class AdamW(Adam):
+    """``torch.optim.AdamW``: Adam with decoupled weight decay (default 1e-2)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 amsgrad: bool = False, *, maximize: bool = False, foreach=None, capturable: bool = False,
+                 differentiable: bool = False, fused=None):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
+                         capturable=capturable, differentiable=differentiable, fused=fused,
+                         decoupled_weight_decay=True)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:  # as torch's AdamW: loaded groups stay decoupled
+            group["decoupled_weight_decay"] = True
 
 
 # -- the update as three in-place kernels on each device's blocks: torch's own lines, one pass each ----------
@@ -107,12 +129,12 @@ def _write(kern, target, inputs, **kw) -> None:
     target._written(rt.write(kern, target._h, target._spec, [t._h for t in inputs], [t._spec for t in inputs], kw))
 
 
-def _fused_update(p, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay) -> None:
-    """torch's ``_single_tensor_adam`` (decoupled weight decay) on every device's blocks of ``p`` and its
-    states, which share ``p``'s layout: no communication, three in-place passes."""
+def _fused_update(p, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, decoupled_decay) -> None:
+    """torch's ``_single_tensor_adam`` on every device's blocks of ``p`` and its states, which share ``p``'s
+    layout: no communication, three in-place passes (``decoupled_decay``: AdamW's weight decay, else 0)."""
     _write(_avg_kernel, exp_avg, [grad], beta1=beta1)
     _write(_sq_kernel, exp_avg_sq, [grad], beta2=beta2)
     bias_correction1 = 1 - beta1 ** step
     bias_correction2 = 1 - beta2 ** step
-    _write(_param_kernel, p, [exp_avg, exp_avg_sq], decay=1 - lr * weight_decay, step_size=lr / bias_correction1,
+    _write(_param_kernel, p, [exp_avg, exp_avg_sq], decay=1 - lr * decoupled_decay, step_size=lr / bias_correction1,
            bias_correction2_sqrt=bias_correction2 ** 0.5, eps=eps)
