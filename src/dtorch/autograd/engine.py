@@ -14,6 +14,7 @@ from ..placement import Partial, Replicate
 from ..spec import DTensorSpec
 from .mode import set_grad_enabled
 from .node import Node, requires_grad
+from .torch_leaves import TorchLeafMeta, push_to_torch
 
 
 def _add(a, b):
@@ -128,6 +129,7 @@ def run_backward(outputs, grad_outputs, retain_graph: bool = False, inputs=None,
                                        "graph. Set allow_unused=True if this is the desired behavior.")
                 result.append(None if g is None else as_grad_of(g, t._spec))
             return tuple(result)
+        torch_sources = {}  # id(torch tensor) -> (it, the sum of its dtorch copies' gradients)
         for leaf, g in leaves.values():
             meta = leaf._ag
             if not meta.requires_grad:
@@ -135,7 +137,13 @@ def run_backward(outputs, grad_outputs, retain_graph: bool = False, inputs=None,
             if meta.grad_form is not None:
                 g = meta.grad_form(g)
             g = as_grad_of(g, leaf._spec)
+            if type(meta) is TorchLeafMeta:
+                prev = torch_sources.get(id(meta.torch_source))
+                torch_sources[id(meta.torch_source)] = (meta.torch_source, g if prev is None else prev[1] + g)
+                continue
             meta.grad = g if meta.grad is None else meta.grad + g
+    if torch_sources:
+        push_to_torch(torch_sources, retain_graph)
     return None
 
 
