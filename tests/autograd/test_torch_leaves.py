@@ -159,3 +159,23 @@ def test_process_backend_fetches_the_gradient():
 def test_masked_fill_with_a_torch_value_that_requires_grad():
     mask = _randn(6, 8, seed=4) > 0
     _both(lambda x, v: x.masked_fill(mask, v[1]) * x, _randn(6, 8, seed=1), [_randn(3, seed=2)])
+
+
+def test_autograd_grad_of_torch_tensors():
+    """``dtorch.autograd.grad`` with torch tensors among the inputs: torch gradients, through torch's graph
+    where the tensor used was computed from the one asked about; nothing stored in ``.grad``."""
+    x = dtorch.Tensor(_randn(6, 8, seed=1), device_mesh=MESH, placements=[Shard(0), Replicate()]).requires_grad_()
+    w, v = _randn(8, 5, seed=2).requires_grad_(), _randn(3, 8, seed=3).requires_grad_()
+    unused = _randn(2, seed=4).requires_grad_()
+    loss = ((x @ w).tanh().sum(0) * (x * v[1]).sum()).sum()
+    gw, gx, gv, gu = dtorch.autograd.grad(loss, [w, x, v, unused], allow_unused=True)
+    assert w.grad is None and v.grad is None and x.grad is None and gu is None
+    xr = x.to_torch().requires_grad_()
+    ref = ((xr @ w).tanh().sum(0) * (xr * v[1]).sum()).sum()
+    rw, rx, rv = torch.autograd.grad(ref, [w, xr, v])
+    assert isinstance(gw, torch.Tensor) and isinstance(gv, torch.Tensor)
+    torch.testing.assert_close(gw, rw, **TOL)
+    torch.testing.assert_close(gv, rv, **TOL)
+    torch.testing.assert_close(gx.to_torch(), rx, **TOL)
+    with pytest.raises(RuntimeError, match="not have been used in the graph"):
+        dtorch.autograd.grad((x @ w).sum(), [w, unused])

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import threading
 
+import torch
+
 from ..errors import OpError
 from ..placement import Partial, Replicate
 from ..spec import DTensorSpec
 from .mode import set_grad_enabled
 from .node import Node, requires_grad
-from .torch_leaves import TorchLeafMeta, push_to_torch
+from .torch_leaves import TorchLeafMeta, push_to_torch, torch_grads
 
 
 def _add(a, b):
@@ -50,17 +52,32 @@ def run_backward(outputs, grad_outputs, retain_graph: bool = False, inputs=None,
     without: accumulate into the ``.grad`` of every leaf reached (``backward``)."""
     roots = _roots(outputs, grad_outputs)
     wanted = None
+    torch_inputs = []  # torch tensors among ``inputs``: reached through dtorch leaves copied from torch tensors
     if inputs is not None:
         wanted = {}
         for t in inputs:
-            if not requires_grad(t):
+            if not (t.requires_grad if isinstance(t, torch.Tensor) else requires_grad(t)):
                 raise RuntimeError("One of the differentiated Tensors does not require grad")
-            wanted[id(t)] = t
+            if isinstance(t, torch.Tensor):
+                torch_inputs.append(t)
+            else:
+                wanted[id(t)] = t
     with set_grad_enabled(False):
         leaves, captured = _walk(roots, retain_graph, wanted)
         if wanted is not None:
+            from_torch = {}
+            if torch_inputs:
+                got = torch_grads(_store(leaves, only_torch=True), torch_inputs, retain_graph)
+                from_torch = {id(t): g for t, g in zip(torch_inputs, got)}
             result = []
             for t in inputs:
+                if isinstance(t, torch.Tensor):
+                    g = from_torch[id(t)]
+                    if g is None and not allow_unused:
+                        raise RuntimeError("One of the differentiated Tensors appears to not have been used in the "
+                                           "graph. Set allow_unused=True if this is the desired behavior.")
+                    result.append(g)
+                    continue
                 g = captured.get(id(t))
                 if g is None and id(t) in leaves:
                     g = _run_hooks(t._ag, as_grad_of(leaves[id(t)][1], t._spec))
@@ -182,13 +199,14 @@ def _walk(roots, retain_graph: bool, wanted) -> tuple[dict, dict]:
     return leaves, captured
 
 
-def _store(leaves) -> dict:
+def _store(leaves, only_torch: bool = False) -> dict:
     """Accumulate each leaf's gradient into its ``.grad`` (after its hooks); returns the gradients of leaves
-    copied from torch tensors, by torch tensor (``torch_leaves.push_to_torch`` hands them over)."""
+    copied from torch tensors, by torch tensor (``torch_leaves.push_to_torch`` hands them over).
+    ``only_torch``: store nothing, only return those."""
     torch_sources = {}  # id(torch tensor) -> (it, the sum of its dtorch copies' gradients)
     for leaf, g in leaves.values():
         meta = leaf._ag
-        if not meta.requires_grad:
+        if not meta.requires_grad or (only_torch and type(meta) is not TorchLeafMeta):
             continue
         if meta.grad_form is not None:
             g = meta.grad_form(g)

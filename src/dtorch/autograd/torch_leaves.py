@@ -34,11 +34,25 @@ def torch_leaf(t, source: torch.Tensor):
 def push_to_torch(pending: dict, retain_graph: bool) -> None:
     """Hand the gradients of dtorch leaves copied from torch tensors to torch's autograd; ``pending``:
     id(source) -> (source, its summed dtorch gradient, laid out Replicate)."""
+    sources, grads = _fetched(pending)
+    if sources:
+        torch.autograd.backward(sources, grads, retain_graph=retain_graph)
+
+
+def torch_grads(pending: dict, inputs: list, retain_graph: bool) -> list:
+    """``dtorch.autograd.grad`` for torch tensors among its inputs: their gradients (torch tensors, None where
+    none reached them) from those of the leaves copied from torch tensors (``pending``, as above)."""
+    sources, grads = _fetched(pending)
+    if not sources:
+        return [None] * len(inputs)
+    return list(torch.autograd.grad(sources, inputs, grads, retain_graph=retain_graph, allow_unused=True))
+
+
+def _fetched(pending: dict) -> tuple[list, list]:
     sources, grads = [], []
     for source, g in pending.values():
         if not source.requires_grad:  # switched off since the forward: torch would not fill it either
             continue
         sources.append(source)
         grads.append(g.to_torch().to(device=source.device, dtype=source.dtype))
-    if sources:
-        torch.autograd.backward(sources, grads, retain_graph=retain_graph)
+    return sources, grads
