@@ -188,3 +188,20 @@ def test_a_reference_taken_before_dtorch_is_imported_is_routed():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0 and "routed" in res.stdout, res.stderr[-3000:]
+
+
+def test_block_with_several_outputs_and_keyword_arguments():
+    blk = Block()
+    x = dtorch.Tensor(_input(), device_mesh=MESH, placements=[Shard(0), Replicate()]).requires_grad_()
+
+    def fn(t, *, scale):
+        h = blk(t)
+        return [h * scale, h.exp()]
+
+    a, b = tc.checkpoint(fn, x, scale=3.0, use_reentrant=False)
+    (a.sum() + b.sum()).backward()
+    xr = _input().requires_grad_()
+    h = blk.ref(xr)
+    (h.sum() * 3.0 + h.exp().sum()).backward()
+    torch.testing.assert_close(x.grad.to_torch(), xr.grad, **TOL)
+    torch.testing.assert_close(blk.up.weight.grad.to_torch(), blk.ref[0].weight.grad, **TOL)

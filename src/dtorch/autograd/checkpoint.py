@@ -47,7 +47,7 @@ class CheckpointNode(Node):
                 torch.set_rng_state(self.rng_state)
             with torch.enable_grad():
                 out = self.fn(*args, **self.kwargs)
-        outs = out if isinstance(out, tuple) else (out,)
+        outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and requires_grad(o)]
         if not pairs:
             return [None] * len(detached)
@@ -67,7 +67,7 @@ def checkpoint(fn, *args, use_reentrant=None, preserve_rng_state: bool = True, *
     rng_state = torch.get_rng_state() if preserve_rng_state else None
     with torch.no_grad():
         out = fn(*args, **kwargs)
-    outs = out if isinstance(out, tuple) else (out,)
+    outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
     # a block with parameters inside records a node even when no input requires grad (the first layer)
     node = CheckpointNode(fn, tuple(args), kwargs, positions, len(outs), rng_state)
     attach(node, [o if isinstance(o, Tensor) else None for o in outs])
