@@ -43,6 +43,9 @@ from .autograd import enable_grad, is_grad_enabled, no_grad, set_grad_enabled  #
 from .autograd.tensor_methods import install as _install_autograd  # noqa: E402
 
 _install_autograd(Tensor)
+from .autograd.checkpoint import route_torch_checkpoint as _route_torch_checkpoint  # noqa: E402
+
+_route_torch_checkpoint()  # torch.utils.checkpoint.checkpoint on dtorch tensors: dtorch's checkpoint
 
 from .visualize import visualize_sharding  # noqa: E402
 from . import testing  # noqa: E402,F401

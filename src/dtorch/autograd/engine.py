@@ -9,11 +9,16 @@ all-reduced here, once per backward: data-parallel gradient reduction without DD
 """
 from __future__ import annotations
 
+import threading
+
+import torch
+
 from ..errors import OpError
 from ..placement import Partial, Replicate
 from ..spec import DTensorSpec
 from .mode import set_grad_enabled
 from .node import Node, requires_grad
+from .torch_leaves import TorchLeafMeta, push_to_torch, torch_grads
 
 
 def _add(a, b):
@@ -39,9 +44,79 @@ def as_grad_of(g, spec: DTensorSpec):
     return relayout(g, grad_spec(spec))
 
 
+_walks = threading.local()  # .leaves: the leaf gradients of the walks under way on this thread, innermost last
+
+
 def run_backward(outputs, grad_outputs, retain_graph: bool = False, inputs=None, allow_unused: bool = False):
     """Backpropagate from ``outputs``. With ``inputs``: return their gradients (``autograd.grad``);
     without: accumulate into the ``.grad`` of every leaf reached (``backward``)."""
+    roots = _roots(outputs, grad_outputs)
+    wanted = None
+    torch_inputs = []  # torch tensors among ``inputs``: reached through dtorch leaves copied from torch tensors
+    if inputs is not None:
+        wanted = {}
+        for t in inputs:
+            if not (t.requires_grad if isinstance(t, torch.Tensor) else requires_grad(t)):
+                raise RuntimeError("One of the differentiated Tensors does not require grad")
+            if isinstance(t, torch.Tensor):
+                torch_inputs.append(t)
+            else:
+                wanted[id(t)] = t
+    with set_grad_enabled(False):
+        leaves, captured = _walk(roots, retain_graph, wanted)
+        if wanted is not None:
+            from_torch = {}
+            if torch_inputs:
+                got = torch_grads(_store(leaves, only_torch=True), torch_inputs, retain_graph)
+                from_torch = {id(t): g for t, g in zip(torch_inputs, got)}
+            result = []
+            for t in inputs:
+                if isinstance(t, torch.Tensor):
+                    g = from_torch[id(t)]
+                    if g is None and not allow_unused:
+                        raise RuntimeError("One of the differentiated Tensors appears to not have been used in the "
+                                           "graph. Set allow_unused=True if this is the desired behavior.")
+                    result.append(g)
+                    continue
+                g = captured.get(id(t))
+                if g is None and id(t) in leaves:
+                    g = _run_hooks(t._ag, as_grad_of(leaves[id(t)][1], t._spec))
+                if g is None and not allow_unused:
+                    raise RuntimeError("One of the differentiated Tensors appears to not have been used in the "
+                                       "graph. Set allow_unused=True if this is the desired behavior.")
+                result.append(None if g is None else as_grad_of(g, t._spec))
+            return tuple(result)
+        torch_sources = _store(leaves)
+    if torch_sources:
+        push_to_torch(torch_sources, retain_graph)
+    return None
+
+
+def backward_within(outputs, grad_outputs, inputs) -> list:
+    """A backward run by a node's own backward (a checkpointed block's recomputed graph): the gradients of
+    ``inputs`` (leaves of that graph, None where none came). Every other leaf's gradient joins the enclosing
+    backward's, which stores it (summed with the leaf's other uses) or returns it (``autograd.grad``)."""
+    stack = getattr(_walks, "leaves", None)
+    enclosing = stack[-1] if stack else None
+    with set_grad_enabled(False):
+        leaves, _ = _walk(_roots(outputs, grad_outputs), False, None)
+        out = [None] * len(inputs)
+        position = {id(t): n for n, t in enumerate(inputs)}
+        rest = {}
+        for key, (leaf, g) in leaves.items():
+            if key in position:
+                out[position[key]] = g
+            elif enclosing is not None:  # laid out as stored now: a parameter's Partial terms are not kept
+                _to_leaf(enclosing, leaf, as_grad_of(g, leaf._spec))
+            else:
+                _to_leaf(rest, leaf, g)
+        torch_sources = _store(rest)
+    if torch_sources:
+        push_to_torch(torch_sources, False)
+    return out
+
+
+def _roots(outputs, grad_outputs) -> list:
     roots = []
     for n, (out, g) in enumerate(zip(outputs, grad_outputs)):
         if not requires_grad(out):
@@ -56,34 +131,33 @@ def run_backward(outputs, grad_outputs, retain_graph: bool = False, inputs=None,
                                    f"output[{n}] has a shape of {tuple(out.shape)}.")
             g = _as_dtensor(g, out)
         roots.append((out, g))
+    return roots
 
+
+def _walk(roots, retain_graph: bool, wanted) -> tuple[dict, dict]:
+    """Run the nodes reachable from ``roots`` in reverse order; (leaf id -> (leaf, its gradient), id of a
+    non-leaf tensor of ``wanted`` -> its gradient)."""
     # (node, output_nr) -> gradient so far; leaf id -> (leaf, gradient so far)
     buffers: dict = {}
     leaves: dict = {}
-    wanted = None
-    if inputs is not None:
-        wanted = {}
-        for t in inputs:
-            if not requires_grad(t):
-                raise RuntimeError("One of the differentiated Tensors does not require grad")
-            wanted[id(t)] = t
     captured: dict = {}
-
-    with set_grad_enabled(False):
-        for out, g in roots:
-            ag = out._ag
-            if ag.grad_fn is None:
-                _to_leaf(leaves, out, g)
-            else:
-                key = (ag.grad_fn, ag.output_nr)
-                buffers[key] = _add(buffers.get(key), g)
-        nodes = _reachable([out._ag.grad_fn for out, _ in roots if out._ag.grad_fn is not None])
-        # non-leaf inputs of autograd.grad: their gradient is the buffer of their producing output
-        wanted_nonleaf = {}
-        if wanted:
-            for t in wanted.values():
-                if t._ag.grad_fn is not None:
-                    wanted_nonleaf[(t._ag.grad_fn, t._ag.output_nr)] = t
+    for out, g in roots:
+        ag = out._ag
+        if ag.grad_fn is None:
+            _to_leaf(leaves, out, g)
+        else:
+            key = (ag.grad_fn, ag.output_nr)
+            buffers[key] = _add(buffers.get(key), g)
+    nodes = _reachable([out._ag.grad_fn for out, _ in roots if out._ag.grad_fn is not None])
+    # non-leaf inputs of autograd.grad: their gradient is the buffer of their producing output
+    wanted_nonleaf = {}
+    if wanted:
+        for t in wanted.values():
+            if t._ag.grad_fn is not None:
+                wanted_nonleaf[(t._ag.grad_fn, t._ag.output_nr)] = t
+    stack = _walks.__dict__.setdefault("leaves", [])
+    stack.append(leaves)
+    try:
         for node in nodes:
             grads = [buffers.pop((node, k), None) for k in range(node.n_out)]
             if all(g is None for g in grads):
@@ -99,10 +173,13 @@ def run_backward(outputs, grad_outputs, retain_graph: bool = False, inputs=None,
                     continue
                 t = wanted_nonleaf.get((node, k))
                 if t is not None:
-                    captured[id(t)] = g
-                if node.retained and k in node.retained and wanted is None:
+                    captured[id(t)] = g  # (before the tensor's hooks, as torch captures it)
+                if node.retained and k in node.retained:
+                    # hooks, then retain_grad (which sees what the hooks made of the gradient), as in torch
                     meta = node.retained[k]
-                    meta.grad = _add(meta.grad, g)
+                    g = grads[k] = _run_hooks(meta, g)
+                    if meta.retains_grad and wanted is None:
+                        meta.grad = _add(meta.grad, g)
             try:
                 in_grads = node.apply(grads)
             except OpError as exc:
@@ -117,26 +194,47 @@ def run_backward(outputs, grad_outputs, retain_graph: bool = False, inputs=None,
                     _to_leaf(leaves, leaf, g)
             if not retain_graph:
                 node.release()
-        if wanted is not None:
-            result = []
-            for t in inputs:
-                g = captured.get(id(t))
-                if g is None and id(t) in leaves:
-                    g = leaves[id(t)][1]
-                if g is None and not allow_unused:
-                    raise RuntimeError("One of the differentiated Tensors appears to not have been used in the "
-                                       "graph. Set allow_unused=True if this is the desired behavior.")
-                result.append(None if g is None else as_grad_of(g, t._spec))
-            return tuple(result)
-        for leaf, g in leaves.values():
-            meta = leaf._ag
-            if not meta.requires_grad:
-                continue
-            if meta.grad_form is not None:
-                g = meta.grad_form(g)
-            g = as_grad_of(g, leaf._spec)
-            meta.grad = g if meta.grad is None else meta.grad + g
-    return None
+    finally:
+        stack.pop()
+    return leaves, captured
+
+
+def _store(leaves, only_torch: bool = False) -> dict:
+    """Accumulate each leaf's gradient into its ``.grad`` (after its hooks); returns the gradients of leaves
+    copied from torch tensors, by torch tensor (``torch_leaves.push_to_torch`` hands them over).
+    ``only_torch``: store nothing, only return those."""
+    torch_sources = {}  # id(torch tensor) -> (it, the sum of its dtorch copies' gradients)
+    for leaf, g in leaves.values():
+        meta = leaf._ag
+        if not meta.requires_grad or (only_torch and type(meta) is not TorchLeafMeta):
+            continue
+        if meta.grad_form is not None:
+            g = meta.grad_form(g)
+        g = as_grad_of(g, leaf._spec)
+        if type(meta) is TorchLeafMeta:
+            prev = torch_sources.get(id(meta.torch_source))
+            torch_sources[id(meta.torch_source)] = (meta.torch_source, g if prev is None else prev[1] + g)
+            continue
+        if meta.hooks:
+            g = as_grad_of(_run_hooks(meta, g), leaf._spec)
+        meta.grad = g if meta.grad is None else meta.grad + g
+    return torch_sources
+
+
+def _run_hooks(meta, g):
+    """``g`` through the tensor's ``register_hook`` hooks, in registration order: a hook returning a tensor
+    replaces the gradient (of the tensor's shape, as torch requires)."""
+    hooks = meta.hooks
+    if not hooks:
+        return g
+    for fn in list(hooks.values()):
+        out = fn(g)
+        if out is None:
+            continue
+        if tuple(out.shape) != tuple(g.shape):
+            raise RuntimeError(f"hook '{getattr(fn, '__name__', fn)}' has changed the size of value")
+        g = _as_dtensor(out, g)
+    return g
 
 
 def filled_like(t, value):

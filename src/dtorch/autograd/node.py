@@ -15,7 +15,8 @@ _seq = itertools.count()
 class AutogradMeta:
     # grad_form: a leaf's gradient -> the gradient stored (a parameter held in another form than it is
     # saved, nn.module.RepeatedRows: the repeated copies share one gradient)
-    __slots__ = ("requires_grad", "grad_fn", "output_nr", "grad", "retains_grad", "grad_form")
+    # hooks: handle id -> fn of ``Tensor.register_hook`` (None until the first)
+    __slots__ = ("requires_grad", "grad_fn", "output_nr", "grad", "retains_grad", "grad_form", "hooks")
 
     def __init__(self, requires_grad: bool = False, grad_fn: "Node | None" = None, output_nr: int = 0):
         self.requires_grad = requires_grad
@@ -24,6 +25,7 @@ class AutogradMeta:
         self.grad = None
         self.retains_grad = False
         self.grad_form = None
+        self.hooks = None
 
 
 def requires_grad(t) -> bool:
@@ -44,7 +46,8 @@ class Node:
         self.edges = tuple(edge(t) for t in inputs)
         self.n_out = n_out
         self.released = False
-        self.retained = None  # output_nr -> AutogradMeta of a non-leaf output that retains its grad
+        # output_nr -> AutogradMeta of a non-leaf output that retains its grad or has hooks
+        self.retained = None
 
     def apply(self, grads: list) -> list:
         raise NotImplementedError

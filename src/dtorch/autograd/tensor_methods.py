@@ -2,6 +2,10 @@
 installed on the class by ``dtorch/__init__`` (tensor.py stays below the ops the backward runs)."""
 from __future__ import annotations
 
+import collections
+
+from torch.utils.hooks import RemovableHandle
+
 from .engine import as_grad_of, run_backward
 from .mode import is_grad_enabled
 from .node import AutogradMeta, requires_grad
@@ -90,6 +94,25 @@ def retain_grad(self) -> None:
     ag.retains_grad = True
 
 
+def register_hook(self, hook):
+    """``hook(grad)`` is called with this tensor's gradient (a dtorch tensor) each time a backward computes
+    it; a tensor it returns replaces the gradient. On a leaf it sees the summed gradient before it is
+    stored in ``.grad``. Returns a handle whose ``remove()`` unregisters it (torch's)."""
+    ag = self._ag
+    if ag is None or not requires_grad(self):
+        raise RuntimeError("cannot register a hook on a tensor that doesn't require gradient")
+    if ag.hooks is None:
+        ag.hooks = collections.OrderedDict()  # (RemovableHandle keeps a weak reference to it)
+    handle = RemovableHandle(ag.hooks)
+    ag.hooks[handle.id] = hook
+    if ag.grad_fn is not None:  # a non-leaf: the walk looks its output up on the node that makes it
+        node = ag.grad_fn
+        if node.retained is None:
+            node.retained = {}
+        node.retained[ag.output_nr] = ag
+    return handle
+
+
 def _retains_grad(self) -> bool:
     ag = self._ag
     return ag is not None and ag.retains_grad
@@ -128,6 +151,7 @@ def install(cls) -> None:
     cls.is_leaf = property(_is_leaf)
     cls.backward = backward
     cls.retain_grad = retain_grad
+    cls.register_hook = register_hook
     cls.retains_grad = property(_retains_grad)
     cls.clone = clone
     cls.detach = detach

@@ -51,10 +51,13 @@ def make_param(full: torch.Tensor, mesh: DeviceMesh, placements) -> Parameter:
 
 
 def on_mesh(x, mesh: DeviceMesh):
-    """A torch tensor becomes a Replicate dtorch tensor on ``mesh``; a dtorch tensor on another mesh is moved
-    there keeping its placements by mesh dim name. Anything else passes through."""
+    """A torch tensor becomes a Replicate dtorch tensor on ``mesh`` (its gradient reaches it when it
+    requires grad: ``to_dtensors``); a dtorch tensor on another mesh is moved there keeping its placements
+    by mesh dim name. Anything else passes through."""
     if isinstance(x, torch.Tensor):
-        return Tensor(x, device_mesh=mesh)
+        from ..ops.registry import to_dtensors
+
+        return to_dtensors("module input", [x], mesh_from=mesh)[0]
     if isinstance(x, Tensor) and x.device_mesh != mesh:
         return x.redistribute_by_dict(mesh, {}, default_placement_mode="keep")
     return x

@@ -8,10 +8,12 @@ layout it wants in and hands out.
 """
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from typing import Iterator, NamedTuple
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ..autograd.mode import no_grad
 from ..autograd.fsdp import fsdp_sharded, unshard_fsdp
@@ -163,7 +165,17 @@ class Module:
         """Lay the output out the way callers get it."""
         return output
 
+    # per-module forward hooks (register_forward_pre_hook / register_forward_hook): handle id -> hook, made
+    # on the first registration (None until then: a call without hooks reads two class attributes)
+    _forward_pre_hooks = None
+    _forward_hooks = None
+
     def __call__(self, *args, **kwargs):
+        if self._forward_pre_hooks or self._forward_hooks:
+            return _call_with_hooks(self, args, kwargs)
+        return self._call(*args, **kwargs)
+
+    def _call(self, *args, **kwargs):
         args, kwargs = self.redistribute_input(*args, **kwargs)
         sharded = [(n, p) for n, p in self._parameters.items() if p is not None and fsdp_sharded(p)]
         if not sharded:
@@ -177,6 +189,43 @@ class Module:
         finally:
             del d["_unsharded"]
         return self.redistribute_output(out)
+
+    # -- forward hooks (torch's; the globally registered torch.nn.modules.module hooks do not run) -------
+    def register_forward_pre_hook(self, hook, *, prepend: bool = False, with_kwargs: bool = False):
+        """``hook(module, args) -> None or new args`` (``with_kwargs``: ``hook(module, args, kwargs) -> None or
+        (new args, new kwargs)``) before each call, on the arguments as the caller passed them (before the
+        module lays them out); returns a handle whose ``remove()`` unregisters it."""
+        return self._add_hook("_forward_pre_hooks", hook, prepend, {"with_kwargs": with_kwargs})
+
+    def register_forward_hook(self, hook, *, prepend: bool = False, with_kwargs: bool = False,
+                              always_call: bool = False):
+        """``hook(module, args, output) -> None or new output`` (``with_kwargs``: ``hook(module, args, kwargs,
+        output)``) after each call, on the output as the caller gets it; ``always_call``: also when the
+        forward raised. Returns a handle whose ``remove()`` unregisters it."""
+        return self._add_hook("_forward_hooks", hook, prepend, {"with_kwargs": with_kwargs, "always_call": always_call})
+
+    def _add_hook(self, table: str, hook, prepend: bool, flags: dict):
+        d = self.__dict__
+        if table not in d:  # (OrderedDicts: RemovableHandle keeps weak references to them)
+            d[table] = OrderedDict()
+            for flag in flags:
+                d[f"{table}_{flag}"] = OrderedDict()
+        hooks = d[table]
+        handle = RemovableHandle(hooks, extra_dict=[d[f"{table}_{flag}"] for flag in flags])
+        hooks[handle.id] = hook
+        for flag, on in flags.items():
+            if on:
+                d[f"{table}_{flag}"][handle.id] = True
+        if prepend:
+            hooks.move_to_end(handle.id, last=False)
+        return handle
+
+    def register_full_backward_hook(self, hook, prepend: bool = False):
+        raise NotImplementedError(
+            f"{type(self).__name__}.register_full_backward_hook is not supported by dtorch modules. Register a "
+            "forward hook that calls register_hook on the output (its gradient) or on the inputs that require grad")
+
+    register_backward_hook = register_full_backward_hook
 
     def first_param_device_mesh(self) -> DeviceMesh | None:
         for t in self.parameters():
@@ -484,6 +533,48 @@ class Module:
 
     def __dir__(self):
         return sorted(set(super().__dir__()) | set(self._parameters) | set(self._buffers) | set(self._modules))
+
+
+def _call_with_hooks(module: Module, args: tuple, kwargs: dict):
+    """``module(*args, **kwargs)`` with its forward pre-hooks and forward hooks, as ``torch.nn.Module`` runs them."""
+    d = module.__dict__
+    pre = d.get("_forward_pre_hooks") or {}
+    for hook_id, hook in list(pre.items()):
+        if hook_id in d["_forward_pre_hooks_with_kwargs"]:
+            res = hook(module, args, kwargs)
+            if res is not None:
+                if not (isinstance(res, tuple) and len(res) == 2):
+                    raise RuntimeError(f"forward pre-hook must return None or a tuple of (new_args, new_kwargs), but "
+                                       f"got {res}.")
+                args, kwargs = res
+        else:
+            res = hook(module, args)
+            if res is not None:
+                args = res if isinstance(res, tuple) else (res,)
+    post = d.get("_forward_hooks") or {}
+    with_kwargs = d.get("_forward_hooks_with_kwargs", ())
+    always = d.get("_forward_hooks_always_call", ())
+    called, result = set(), None
+
+    def run(hook_id, hook, result):
+        res = hook(module, args, kwargs, result) if hook_id in with_kwargs else hook(module, args, result)
+        return result if res is None else res
+
+    try:
+        result = module._call(*args, **kwargs)
+        for hook_id, hook in list(post.items()):
+            called.add(hook_id)
+            result = run(hook_id, hook, result)
+        return result
+    except Exception:
+        for hook_id, hook in list(post.items()):
+            if hook_id in always and hook_id not in called:
+                try:
+                    result = run(hook_id, hook, result)
+                except Exception as exc:  # noqa: BLE001  (torch's: the forward's error is the one raised)
+                    warnings.warn("module forward hook with ``always_call=True`` raised an exception that was "
+                                  f"silenced as another error was raised in forward: {exc}", stacklevel=2)
+        raise
 
 
 def _convert(t: Tensor, args, kwargs, keep_dtype: bool = False) -> Tensor:

@@ -394,7 +394,8 @@ def where(condition, input=None, other=None, *, out=None):
 @register(rule=_pointwise_rule, kernel=_pointwise_kernel, methods=("masked_fill",), torch_fns=(torch.masked_fill,))
 def masked_fill(input, mask, value):
     if isinstance(value, torch.Tensor) and value.ndim == 0:
-        value = value.item()
+        # a value that requires grad gets its gradient (as a dtorch leaf), else it is a plain number
+        value = to_dtensors("masked_fill", [input, value])[1] if value.requires_grad else value.item()
     if isinstance(value, Tensor):  # a 0-d dtorch value: select instead (masked_fill wants a scalar)
         if value.ndim != 0:
             raise OpError(f"dtorch.masked_fill: value must be a number or a 0-d tensor, got shape {list(value.shape)}")

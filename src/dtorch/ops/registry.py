@@ -29,6 +29,7 @@ from ..graph import check_one_graph
 from ..placement import Replicate
 from ..autograd.dispatched import differentiable, record_kernel
 from ..autograd.mode import is_grad_enabled as _grad_enabled
+from ..autograd.torch_leaves import torch_leaf
 from ..redistribute import relayout
 from ..runtime.kernels import Kernel
 from ..runtime.kernels import broadcast_shape as _broadcast_shape
@@ -331,7 +332,9 @@ def _meta_from_small_call(fn, specs, out_shape, args, kwargs):
 
 def to_dtensors(name: str, args, mesh_from=None) -> list:
     """dtorch tensors among ``args``; torch tensors become Replicate dtorch tensors on the same mesh,
-    in the first dtorch tensor's Graph (which need not be this thread's default)."""
+    in the first dtorch tensor's Graph (which need not be this thread's default). A torch tensor that
+    requires grad (grad mode on) becomes a leaf whose gradient the backward hands to it
+    (``autograd.torch_leaves``)."""
     first = next((a for a in args if isinstance(a, Tensor)), None)
     mesh = mesh_from if mesh_from is not None or first is None else first.device_mesh
     out = []
@@ -340,12 +343,13 @@ def to_dtensors(name: str, args, mesh_from=None) -> list:
             out.append(a)
         elif isinstance(a, torch.Tensor):
             if first is None:
-                out.append(Tensor(a, device_mesh=mesh))
+                t = Tensor(a, device_mesh=mesh)
             else:
                 graph = first._graph
                 full = as_torch(a, None, graph)
                 spec = DTensorSpec(mesh, (Replicate(),) * mesh.ndim, tuple(full.shape), full.dtype)
-                out.append(Tensor._make(spec, graph.runtime.from_global(full, spec), graph))
+                t = Tensor._make(spec, graph.runtime.from_global(full, spec), graph)
+            out.append(torch_leaf(t, a) if a.requires_grad and _grad_enabled() else t)
         else:
             out.append(a)
     return out

@@ -537,7 +537,10 @@ class _Executable(Executable):
         with torch.enable_grad():  # (the expand of an output to its cotangent's grid is part of the graph)
             pairs = [broadcast_pair(y, c) for y, c in zip([y for y, h in zip(outs, has_ct) if h], cts)
                      if y.requires_grad]
-            grads = (torch.autograd.grad([y for y, _ in pairs], leaves, [c for _, c in pairs], allow_unused=True)
+            # retain_graph: the tape may be differentiated again (backward(retain_graph=True) twice); its
+            # saved tensors are freed with the tape itself, when the op's node releases it
+            grads = (torch.autograd.grad([y for y, _ in pairs], leaves, [c for _, c in pairs], allow_unused=True,
+                                         retain_graph=True)
                      if pairs else [None] * len(leaves))
         res = []
         for x, g, spec in zip(leaves, grads, grad_specs):
