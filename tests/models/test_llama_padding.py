@@ -217,3 +217,20 @@ def test_a_forward_with_use_cache_trains_and_its_cache_serves_the_next(dims):
     torch.testing.assert_close(out.logits.to_torch(), ref.logits.detach(), rtol=TOL, atol=TOL)
     _compare_grads(model, hf)
     hf.zero_grad()
+
+
+@pytest.mark.parametrize("kind", ["left padding", "packed"])
+def test_gradient_checkpointing_with_a_mask_gives_the_same_gradients(kind):
+    hf = hf_model()
+    layout = Layout("ckpt", (("tp", 2), ("pp", 2)), batch=4, seq=6)
+    ids, kwargs, labels, _ = batch_of(kind, layout, hf.config.vocab_size)
+    grads = []
+    for ckpt in (False, True):
+        model = LlamaForCausalLM(hf.config, layout.mesh())
+        model.load_state_dict(hf.state_dict())
+        if ckpt:
+            model.gradient_checkpointing_enable()
+        model(ids, **kwargs, labels=labels).loss.backward()
+        grads.append({n: p.grad.to_torch() for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-6, atol=1e-6)
