@@ -8,9 +8,9 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c "import dtorch, pytest, hypothesis, importlib.util as u; assert u.find_spec('ray')" >/dev/null 2>&1 || [ pyproject.toml -nt .venv/.installed ]; then
-  # the ray extra too: the tests run the ray backend against a local Ray
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,ray]"
+if ! .venv/bin/python -c "import dtorch, pytest, hypothesis, importlib.util as u; assert u.find_spec('ray') and u.find_spec('matplotlib')" >/dev/null 2>&1 || [ pyproject.toml -nt .venv/.installed ]; then
+  # the ray extra too: the tests run the ray backend against a local Ray; the plot extra: dtorch train --plot
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test,ray,plot]"
   touch .venv/.installed
 fi
 cmd=${1:-demo}

@@ -2,6 +2,8 @@
 transformers loads to the same logits, and refuses bad flags with messages that say what to change."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -62,8 +64,60 @@ def test_plot_without_matplotlib_names_the_extra(monkeypatch, capsys):
     assert "dtorch[plot]" in capsys.readouterr().err
 
 
-def test_plot_draws_the_loss_curve(tmp_path):
-    pytest.importorskip("matplotlib", reason="the optional plot extra (pip install 'dtorch[plot]') is not installed")
+def test_plot_draws_the_loss_curve(tmp_path, capsys):
+    """matplotlib is the plot extra run.sh installs: --plot works after the README's set-up (no skip)."""
     out = tmp_path / "loss.png"
-    train_cli.plot_losses([3.0, 2.5, 2.1], out)
+    assert train_cli.main(SMALL + ["--steps", "2", "--dp", "1", "--tp", "1", "--plot", str(out)]) == 0
+    assert f"loss curve: {out}" in capsys.readouterr().out
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_sh_installs_the_plot_extra():
+    run_sh = (Path(__file__).resolve().parents[2] / "run.sh").read_text()
+    assert '-e ".[test,ray,plot]"' in run_sh
+    assert "u.find_spec('matplotlib')" in run_sh  # an existing .venv without it is brought up to date
+
+
+def test_saved_directory_generates_with_dtorch_generate_and_hugging_face(tmp_path, capsys):
+    """dtorch train --save DIR writes what dtorch generate --model DIR takes: the checkpoint, its generation
+    config and a byte-level tokenizer that transformers' AutoTokenizer reads as the bytes trained on."""
+    from dtorch.cli import main
+
+    assert main(["train", *SMALL, "--steps", "3", "--tp", "1", "--save", str(tmp_path)]) == 0
+    capsys.readouterr()
+    rc = main(["generate", "--model", str(tmp_path), "--prompt", "the cat", "--prompt", "a", "--tp", "2", "--pp", "1",
+               "--dp", "2", "--max-new-tokens", "5", "--check"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "PASS, the same tokens" in out and "vocab 256" in out
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    text = "héllo,\n world"
+    assert tok.encode(text) == list(text.encode()) and tok.decode(tok.encode(text)) == text
+    assert transformers.GenerationConfig.from_pretrained(tmp_path).eos_token_id is None  # no byte ends a text
+
+
+def _option_help(parser) -> dict:
+    """option -> its help block in ``--help`` (the option line and the lines under it)."""
+    blocks, current = {}, None
+    for line in parser.format_help().splitlines():
+        if line.startswith("  -"):
+            current = line.split()[0].rstrip(",")
+            blocks[current] = line
+        elif current is not None and line.startswith("    "):
+            blocks[current] += " " + line.strip()
+        else:
+            current = None
+    return blocks
+
+
+@pytest.mark.parametrize("command", ["train", "generate", "demo"])
+def test_help_shows_every_default(command):
+    from dtorch.models import generate_cli, llama_cli
+
+    parser = {"train": train_cli, "generate": generate_cli, "demo": llama_cli}[command].build_parser()
+    blocks = _option_help(parser)
+    options = [a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert len(options) > 10 and set(options) <= set(blocks)
+    for option in options:
+        assert "(default: " in blocks[option], blocks[option]
+        assert blocks[option].count("default:") == 1, blocks[option]  # (a default stated once)

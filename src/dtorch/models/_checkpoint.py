@@ -38,6 +38,29 @@ def load_config(path: Path):
     return LlamaConfig.from_pretrained(str(path))
 
 
+def load_generation_config(path: Path):
+    """transformers' ``GenerationConfig`` of the checkpoint, as its ``from_pretrained`` loads it: the
+    directory's generation_config.json, else one made from config.json (Hugging Face's fallback)."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(str(path))
+    except OSError:  # no generation_config.json
+        return GenerationConfig.from_pretrained(str(path), config_file_name="config.json", _from_model_config=True)
+
+
+def generation_config_from_model_config(config):
+    """The ``GenerationConfig`` transformers gives a model built from ``config`` (its bos/eos/pad ids); a
+    config that is not a transformers one (an object with the same fields) gives those ids alone."""
+    from transformers import GenerationConfig, PretrainedConfig
+
+    if isinstance(config, PretrainedConfig):
+        return GenerationConfig.from_model_config(config)
+    ids = {k: getattr(config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+           if getattr(config, k, None) is not None}
+    return GenerationConfig(**ids)
+
+
 def _weight_files(path: Path) -> dict:
     """parameter name -> safetensors file holding it."""
     index = path / "model.safetensors.index.json"

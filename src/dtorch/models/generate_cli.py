@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 
 from .llama import LlamaForCausalLM, LlamaLayoutError, check_layout
-from .llama_cli import (_DIM_ORDER, _flag, _ids, _mesh, _mesh_problems, _where, add_layout_flags, checkpoint_config,
-                        head_width_problems, run_command)
+from .llama_cli import (_DIM_ORDER, HelpWithDefaults, _flag, _ids, _mesh, _mesh_problems, _where, add_layout_flags,
+                        add_model_size_flags, checkpoint_config, head_width_problems, run_command)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtorch generate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpWithDefaults)
     add_layout_flags(p, {"dp": 1, "tp": 2, "pp": 2, "ulysses-cp": 1, "ring-cp": 1}, {
         "dp": "data parallel: the prompts are split",
         "tp": "tensor parallel: heads (and the KV cache's kv heads) are split",
@@ -29,20 +29,21 @@ def build_parser() -> argparse.ArgumentParser:
         "ulysses-cp": "Ulysses context parallel: the prompt and the cache's slots are split",
         "ring-cp": "Ring context parallel: the prompt and the cache's slots are split"})
     m = p.add_argument_group("model (a random Llama unless --model is given; its tokens are the prompt's bytes)")
-    m.add_argument("--model", metavar="DIR", help="a Hugging Face Llama checkpoint directory with tokenizer.json")
-    m.add_argument("--layers", type=int, default=4)
-    m.add_argument("--hidden", type=int, default=128)
-    m.add_argument("--heads", type=int, default=8)
-    m.add_argument("--kv-heads", type=int, default=4)
-    m.add_argument("--vocab", type=int, default=512)
-    i = p.add_argument_group("generation")
+    m.add_argument("--model", metavar="DIR", help="a Hugging Face Llama checkpoint directory with tokenizer.json "
+                   "(dtorch train --save writes one) (default: none, a random Llama of the sizes below)")
+    add_model_size_flags(m, vocab=512, intermediate=False)
+    i = p.add_argument_group("generation (unset: the model's generation_config.json, then transformers' defaults)")
     i.add_argument("--prompt", action="append", metavar="TEXT",
-                   help="a prompt (repeat for a batch, left-padded); default: 'Once upon a time'")
-    i.add_argument("--max-new-tokens", type=int, default=32)
-    i.add_argument("--do-sample", action="store_true", help="sample (else greedy)")
-    i.add_argument("--temperature", type=float, default=1.0)
-    i.add_argument("--top-k", type=int, default=None)
-    i.add_argument("--top-p", type=float, default=None)
+                   help="a prompt (repeat for a batch, left-padded) (default: 'Once upon a time')")
+    i.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most")
+    i.add_argument("--do-sample", action="store_true", default=None,
+                   help="sample (default: the generation config's do_sample, else greedy)")
+    i.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (default: the generation config's, else 1.0)")
+    i.add_argument("--top-k", type=int, default=None,
+                   help="sample among the k likeliest tokens; 0: all (default: the generation config's, else 50)")
+    i.add_argument("--top-p", type=float, default=None,
+                   help="sample within the top-p probability mass (default: the generation config's, else 1.0)")
     i.add_argument("--seed", type=int, default=0, help="seeds the random model and the sampling generator")
     i.add_argument("--check", action="store_true", help="also run Hugging Face's generate on one device and compare "
                    "the tokens (greedy only)")
@@ -55,10 +56,10 @@ def check_args(args) -> list[str]:
     if not args.model:
         positive += ["layers", "hidden", "heads", "kv_heads", "vocab"]
     problems = [f"{_flag(a)} {getattr(args, a)} must be at least 1" for a in positive if getattr(args, a) < 1]
-    if not args.temperature > 0:
+    if args.temperature is not None and not args.temperature > 0:
         problems.append(f"--temperature {args.temperature:g} must be > 0")
-    if args.top_k is not None and args.top_k < 1:
-        problems.append(f"--top-k {args.top_k} must be at least 1")
+    if args.top_k is not None and args.top_k < 0:
+        problems.append(f"--top-k {args.top_k} must be at least 0")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         problems.append(f"--top-p {args.top_p:g} must be in (0, 1]")
     if args.check and args.do_sample:
@@ -191,20 +192,26 @@ def run(args) -> int:
         model, hf = _random_model(args, mesh, longest + args.max_new_tokens)
         source = "random weights, byte tokens"
     cfg = model.config
-    pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    pad = next((p for p in (model.generation_config.pad_token_id, cfg.pad_token_id) if p is not None), 0)
     ids, mask = _batch(tokenizer, prompts, pad)
+    # the flags given; the rest comes from the model's generation config (as in transformers)
+    settings = {"max_new_tokens": args.max_new_tokens, "pad_token_id": pad}
+    settings.update({k: getattr(args, k) for k in ("do_sample", "temperature", "top_k", "top_p")
+                     if getattr(args, k) is not None})
+    if args.check:
+        settings["do_sample"] = False
+    sampling = model.generation_config.do_sample if args.do_sample is None and not args.check else args.do_sample
     print(f"model   Llama ({source}): {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
           f"{cfg.num_attention_heads} heads ({cfg.num_key_value_heads} kv), vocab {cfg.vocab_size}")
     print(f"mesh    {mesh}  ({_where(mesh)[1]})")
     print(f"prompts {len(prompts)} (longest {ids.shape[1]} tokens, left-padded); "
-          f"{'sampling' if args.do_sample else 'greedy'}, up to {args.max_new_tokens} new tokens\n")
+          f"{'sampling' if sampling else 'greedy'}, up to {args.max_new_tokens} new tokens\n")
     for p in prompts[:1]:
         print(p, end="" if args.model else "\n", flush=True)
     stream = _Stream(tokenizer)
     gen = torch.Generator().manual_seed(args.seed)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-                         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=gen,
-                         pad_token_id=pad, streamer=stream, return_dict_in_generate=True)
+    out = model.generate(ids, attention_mask=mask, generator=gen, streamer=stream, return_dict_in_generate=True,
+                         **settings)
     new = out.sequences[:, ids.shape[1]:]
     for n, p in enumerate(prompts[1:], start=1):
         print(f"\n[{n}] {p}{'' if args.model else chr(10)}{tokenizer.decode(new[n].tolist())}")
@@ -221,8 +228,7 @@ def run(args) -> int:
 
         if hf is None:
             hf = transformers.LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-        want = hf.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens, do_sample=False,
-                           pad_token_id=pad)
+        want = hf.generate(ids, attention_mask=mask, **settings)
         ok = torch.equal(want, out.sequences)
         print(f"check   Hugging Face generate (1 device): {'PASS, the same tokens' if ok else 'FAIL, other tokens'}")
         return 0 if ok else 1

@@ -1,51 +1,31 @@
-"""Generation for dtorch's Llama: Hugging Face's forward arguments and ``generate``, with a KV cache.
+"""Generation for dtorch's Llama: ``generate``, with a KV cache (Hugging Face's forward arguments, which
+it uses, are models/forward.py).
 
-``model(ids, attention_mask=..., position_ids=..., past_key_values=..., use_cache=...)`` has Hugging
-Face's meaning (the attention mask covers the cached tokens and the new ones; position ids default to
-the tokens' places after the cached ones) and returns ``CausalLMOutputWithPast(logits,
-past_key_values)`` when a cache is used, the logits (torch) otherwise.
-
-``model.generate(ids, ...)`` prefills the prompt with the model's layout (the sequence split over cp),
-then runs one decode step per new token. Each step's next token is chosen on the devices (greedy:
-argmax; sampling: temperature, top-k, top-p, then the inverse CDF at a uniform number the controller
-draws from the caller's ``torch.Generator`` for each row), so the controller fetches only the new
-token ids, never logits. The uniform numbers depend only on the generator, so a seed gives the same
-tokens under every layout.
+``model.generate(ids, ...)`` takes transformers' generation settings: its arguments over
+``model.generation_config`` (loaded by ``from_pretrained`` from generation_config.json) over transformers'
+defaults, resolved as transformers resolves them (``resolve_generation_config``). It prefills the prompt
+with the model's layout (the sequence split over cp), then runs one decode step per new token. Each
+step's next token is chosen on the devices (greedy: argmax; sampling: temperature, top-k, top-p, then
+the inverse CDF at a uniform number the controller draws from the caller's ``torch.Generator`` for each
+row), so the controller fetches only the new token ids, never logits. The uniform numbers depend only on
+the generator, so a seed gives the same tokens under every layout.
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from ..autograd.mode import is_grad_enabled
-from ..errors import DTorchError
 from ..ops.registry import OpPlan, dispatch
 from ..placement import Replicate, Shard
 from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
+from .forward import CausalLMOutputWithPast, GenerationError, check_ids
+from .forward import forward_with_arguments as cached_forward  # (its name before models/forward.py)
 from .kv_cache import BATCH_DIMS, CachedForward, KVCache, cp_size, last_position
-
-_CACHE_ARGS = ("attention_mask", "position_ids", "past_key_values", "use_cache")
-
-
-class GenerationError(DTorchError, ValueError):
-    """Arguments ``generate`` or a cached forward cannot take."""
-
-
-@dataclass
-class CausalLMOutputWithPast:
-    """Hugging Face's output of a forward with a cache: ``.logits`` (torch ``[B, S, vocab]``) and
-    ``.past_key_values`` (the ``KVCache``, filled with this forward's tokens)."""
-    logits: torch.Tensor
-    past_key_values: KVCache | None = None
-
-    def __getitem__(self, key):
-        if isinstance(key, str):
-            return getattr(self, key)
-        return tuple(v for v in (self.logits, self.past_key_values) if v is not None)[key]
 
 
 @dataclass
@@ -56,35 +36,6 @@ class GenerateOutput:
     logits: tuple | None = None
     past_key_values: KVCache | None = None
     timings: dict = field(default_factory=dict)  # prefill_s, decode_s, decode_steps
-
-
-def split_cache_arguments(args: tuple, kwargs: dict):
-    """(the cache arguments given, the other positional arguments, the other keyword arguments): Hugging
-    Face's ``forward(input_ids, attention_mask, position_ids, past_key_values, ...)`` order; arguments left at
-    their defaults (None, False) count as not given."""
-    cache_kw = {}
-    for name, value in zip(_CACHE_ARGS, args):
-        cache_kw[name] = value
-    args = args[len(_CACHE_ARGS):]
-    kwargs = dict(kwargs)
-    for name in _CACHE_ARGS:
-        if name in kwargs:
-            cache_kw[name] = kwargs.pop(name)
-    cache_kw = {k: v for k, v in cache_kw.items() if v is not None and v is not False}
-    return cache_kw, args, kwargs
-
-
-def _check_ids(input_ids, what: str = "input_ids") -> torch.Tensor:
-    if isinstance(input_ids, Tensor):
-        raise GenerationError(f"{what} with a mask, positions or a KV cache must be a torch tensor (the tokens are "
-                              "laid out by the cache's layout); pass ids.to_torch()")
-    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.is_floating_point() \
-            or input_ids.dtype == torch.bool:
-        got = f"{type(input_ids).__name__} {getattr(input_ids, 'dtype', '')} of shape {list(getattr(input_ids, 'shape', []))}"
-        raise GenerationError(f"{what} must be an integer torch tensor [batch, seq], got {got}")
-    if input_ids.shape[1] == 0:
-        raise GenerationError(f"{what} has no tokens (shape {list(input_ids.shape)})")
-    return input_ids.cpu()
 
 
 def _model_parts(model):
@@ -98,70 +49,6 @@ def _hidden(model, step: CachedForward, last_only: bool) -> Tensor:
     llama, _ = _model_parts(model)
     h = llama(step.ids, step=step)  # [B, S, H] on the last stage
     return last_position(h) if last_only else h
-
-
-def cached_forward(model, input_ids, attention_mask=None, position_ids=None, past_key_values=None,
-                   use_cache: bool = False, **unexpected):
-    """``model(input_ids, attention_mask=, position_ids=, past_key_values=, use_cache=)`` (Hugging Face's
-    meaning); see the module doc."""
-    if unexpected:
-        raise TypeError(f"LlamaForCausalLM with {', '.join(_CACHE_ARGS)} takes no other arguments; got "
-                        f"{sorted(unexpected)}")
-    if past_key_values is not None and not isinstance(past_key_values, KVCache):
-        raise GenerationError(f"past_key_values must be a dtorch.models.kv_cache.KVCache (made by a forward with "
-                              f"use_cache=True, or KVCache(model, batch_size, max_length)), got "
-                              f"{type(past_key_values).__name__}")
-    cache = past_key_values
-    if (cache is not None or use_cache) and is_grad_enabled() and any(p.requires_grad for p in model.parameters()):
-        raise GenerationError("a forward with a KV cache records no gradients (the cache is written in place): run it "
-                              "under `with torch.no_grad():` (generate does), or drop past_key_values/use_cache")
-    ids = _check_ids(input_ids)
-    b, s = ids.shape
-    past = cache.get_seq_length() if cache is not None else 0
-    valid = _valid_columns(attention_mask, b, past, s)
-    if position_ids is None:
-        positions = torch.arange(past, past + s).expand(b, s)
-    else:
-        positions = torch.as_tensor(position_ids).cpu()
-        if positions.ndim == 1:
-            positions = positions.unsqueeze(0)
-        if positions.ndim != 2 or positions.shape[1] != s or positions.shape[0] not in (1, b) \
-                or positions.is_floating_point():
-            raise GenerationError(f"position_ids must be integers [batch, seq] = [{b}, {s}] (or [1, {s}]), got shape "
-                                  f"{list(positions.shape)}")
-        positions = positions.expand(b, s)
-    grow = False
-    if cache is None and use_cache:
-        # made here: sized for this forward with room to grow (a later forward that does not fit doubles it)
-        cache = KVCache(model, b, s + 64 * cp_size(model.model.stage_meshes[0]))
-        grow = True
-    elif cache is not None:
-        grow = getattr(cache, "_growable", False)
-    if cache is not None:
-        cache._growable = grow
-        if cache._model is not model.model:
-            raise GenerationError("past_key_values was made for another model")
-    step = CachedForward(model, ids, valid, positions.long(), cache, grow=grow)
-    _, lm_head = _model_parts(model)
-    logits = lm_head(_hidden(model, step, last_only=False)).to_torch()
-    if step.pad:
-        logits = logits[:, step.pad:].contiguous()
-    if cache is None and not use_cache:
-        return logits
-    return CausalLMOutputWithPast(logits, cache if use_cache or past_key_values is not None else None)
-
-
-def _valid_columns(attention_mask, b: int, past: int, s: int) -> torch.Tensor:
-    """[B, S] bool: which of the new tokens are real (Hugging Face's mask covers past + new tokens)."""
-    if attention_mask is None:
-        return torch.ones(b, s, dtype=torch.bool)
-    if isinstance(attention_mask, Tensor):
-        attention_mask = attention_mask.to_torch()
-    m = torch.as_tensor(attention_mask).cpu()
-    if m.ndim != 2 or m.shape[0] != b or m.shape[1] not in (s, past + s):
-        raise GenerationError(f"attention_mask must be [batch, cached + new tokens] = [{b}, {past + s}] (or [{b}, {s}] "
-                              f"for the new tokens), got shape {list(m.shape)}")
-    return m[:, -s:].bool()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -219,19 +106,93 @@ def _choose(logits: Tensor, sampling: tuple, generator) -> Tensor:
 # generate
 
 
-def _check_generate(model, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p,
-                    eos_token_id, pad_token_id, generator):
-    ids = _check_ids(input_ids)
+# settings of a GenerationConfig that change the tokens and that this generate does not implement, with the
+# values that leave them off (after transformers' defaults are filled in)
+_UNSUPPORTED = {"num_beams": (1,), "num_beam_groups": (1,), "num_return_sequences": (1,), "penalty_alpha": (None,),
+                "repetition_penalty": (1.0,), "no_repeat_ngram_size": (0,), "bad_words_ids": (None,),
+                "min_length": (0,), "min_new_tokens": (None,), "typical_p": (1.0,), "min_p": (None,),
+                "epsilon_cutoff": (0.0,), "eta_cutoff": (0.0,), "top_h": (None,), "suppress_tokens": (None,),
+                "begin_suppress_tokens": (None,), "forced_bos_token_id": (None,), "forced_eos_token_id": (None,),
+                "sequence_bias": (None,), "stop_strings": (None,), "exponential_decay_length_penalty": (None,),
+                "guidance_scale": (None, 1, 1.0), "dola_layers": (None,), "prompt_lookup_num_tokens": (None,),
+                "watermarking_config": (None,), "constraints": (None,), "force_words_ids": (None,)}
+
+
+def _problems(values: dict) -> list[str]:
+    """What is wrong with these generation settings (given, or resolved): each says what to change."""
     problems = []
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        problems.append(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if do_sample:
-        if not (isinstance(temperature, (int, float)) and temperature > 0):
-            problems.append(f"temperature must be a number > 0, got {temperature!r}")
-        if top_k is not None and not (isinstance(top_k, int) and top_k >= 1):
-            problems.append(f"top_k must be an int >= 1 or None, got {top_k!r}")
-        if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-            problems.append(f"top_p must be a number in (0, 1] or None, got {top_p!r}")
+    n = values.get("max_new_tokens")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        problems.append(f"max_new_tokens must be an int >= 1, got {n!r}")
+    if values.get("do_sample"):
+        t, k, p = values.get("temperature"), values.get("top_k"), values.get("top_p")
+        if t is not None and not (isinstance(t, (int, float)) and t > 0):
+            problems.append(f"temperature must be a number > 0, got {t!r}")
+        if k is not None and not (isinstance(k, int) and k >= 0):
+            problems.append(f"top_k must be an int >= 0 (0 or None: no top-k filter), got {k!r}")
+        if p is not None and not (isinstance(p, (int, float)) and 0 < p <= 1):
+            problems.append(f"top_p must be a number in (0, 1] or None, got {p!r}")
+    return problems
+
+
+def resolve_generation_config(model, input_length: int, generation_config=None, **kwargs):
+    """The ``transformers.GenerationConfig`` ``generate`` runs with, resolved as transformers' ``generate``
+    resolves it: ``kwargs`` over ``generation_config`` (or a blank one) over ``model.generation_config`` over
+    transformers' defaults (greedy; sampling: temperature 1, top_k 50, top_p 1). ``max_new_tokens`` wins
+    over ``max_length`` (which counts the prompt); with neither set anywhere, 20 new tokens, within
+    ``max_position_embeddings``. Its ``max_length`` is the prompt plus the new tokens."""
+    base = model.generation_config
+    default_max_length = kwargs.get("max_length") is None and base.max_length is None \
+        and (generation_config is None or generation_config.max_length is None)
+    if generation_config is None:
+        from transformers import GenerationConfig
+
+        cfg = GenerationConfig()
+    else:
+        cfg = copy.deepcopy(generation_config)
+    try:
+        cfg.update(**base.to_dict(), defaults_only=True, allow_custom_entries=True)
+        cfg.update(**base._get_default_generation_params(), defaults_only=True)
+        unused = cfg.update(**kwargs)
+    except ValueError as exc:  # transformers' own validation of the settings
+        raise GenerationError(f"generate: {exc}") from None
+    if unused:
+        raise GenerationError(f"generate takes no argument {', '.join(sorted(unused))} (it takes the fields of "
+                              "transformers.GenerationConfig, attention_mask, generation_config, generator, streamer)")
+    if cfg.max_new_tokens is not None:
+        cfg.max_length = cfg.max_new_tokens + input_length
+    elif default_max_length:
+        cfg.max_length += input_length
+        limit = getattr(model.config, "max_position_embeddings", None)
+        cfg.max_length = cfg.max_length if limit is None else min(cfg.max_length, limit)
+    return cfg
+
+
+def _settings(model, ids: torch.Tensor, generation_config, kwargs: dict):
+    """(the resolved GenerationConfig, eos ids, pad id), every problem raised at once."""
+    problems = _problems(kwargs)
+    if problems:
+        raise GenerationError("generate: " + "; ".join(problems))
+    cfg = resolve_generation_config(model, ids.shape[1], generation_config, **kwargs)
+    problems = _problems(cfg.to_dict())
+    unsupported = [f"{k}={getattr(cfg, k)!r}" for k, off in _UNSUPPORTED.items() if getattr(cfg, k, None) not in off]
+    if unsupported:
+        problems.append(f"{', '.join(unsupported)} {'is' if len(unsupported) == 1 else 'are'} not supported (dtorch's "
+                        "generate is greedy or samples with temperature, top_k and top_p); set it to its default in "
+                        "the arguments or in model.generation_config")
+    if cfg.max_length <= ids.shape[1]:
+        problems.append(f"the prompt has {ids.shape[1]} tokens but max_length is {cfg.max_length} (it counts the "
+                        "prompt); set max_new_tokens")
+    if problems:
+        raise GenerationError("generate: " + "; ".join(problems))
+    eos = cfg.eos_token_id
+    eos = [] if eos is None else [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else None)
+    return cfg, eos, pad
+
+
+def _check_inputs(model, ids: torch.Tensor, attention_mask, generator) -> None:
+    problems = []
     if generator is not None and not isinstance(generator, torch.Generator):
         problems.append(f"generator must be a torch.Generator, got {type(generator).__name__}")
     vocab = model.config.vocab_size
@@ -244,42 +205,48 @@ def _check_generate(model, input_ids, attention_mask, max_new_tokens, do_sample,
         elif not bool(m[:, -1].bool().all()):
             problems.append("attention_mask has padding in the last column: pad prompts on the left "
                             "(tokenizer padding_side='left'), so that every row's last token is a real one")
-    eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     if problems:
         raise GenerationError("generate: " + "; ".join(problems))
-    return ids, eos
 
 
-def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 20, do_sample: bool = False,
-             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None, eos_token_id=None,
-             pad_token_id: int | None = None, generator: torch.Generator | None = None, streamer=None,
-             output_logits: bool = False, return_dict_in_generate: bool = False):
-    """Continue ``input_ids`` ``[B, S]`` (left-padded where ``attention_mask`` is 0) by up to ``max_new_tokens``.
+def _attention_mask(ids: torch.Tensor, attention_mask, eos: list, pad) -> torch.Tensor:
+    """[B, S] bool. Without a mask, as transformers infers one: the pad id's places are padding when the
+    prompt holds it and it is no eos id; else every token is real."""
+    if attention_mask is not None:
+        m = attention_mask.to_torch() if isinstance(attention_mask, Tensor) else attention_mask
+        return torch.as_tensor(m).cpu().bool()
+    if pad is not None and pad not in eos and bool((ids == pad).any()):
+        return ids != pad
+    return torch.ones(ids.shape, dtype=torch.bool)
 
-    Greedy (``do_sample=False``: argmax, as ``transformers``' ``do_sample=False``) or sampled (temperature,
-    ``top_k``, ``top_p``; the uniform numbers come from ``generator``, or torch's global generator).
-    A row that produced ``eos_token_id`` (an int or a list; None: the config's, as Hugging Face does; ``[]``:
-    none) gets ``pad_token_id`` (default: the config's, else the first eos id) afterwards; generation stops
-    when every row has. ``streamer``: an object with ``put(ids)`` and ``end()``
-    (``transformers``' streamers): ``put`` gets the prompt, then each step's new ids ``[B]``.
+
+def generate(model, input_ids, attention_mask=None, generation_config=None, generator: torch.Generator | None = None,
+             streamer=None, **kwargs):
+    """Continue ``input_ids`` ``[B, S]`` (left-padded where ``attention_mask`` is 0) like ``transformers``'
+    ``generate``, with its settings: ``kwargs`` (``max_new_tokens``, ``max_length``, ``do_sample``,
+    ``temperature``, ``top_k``, ``top_p``, ``eos_token_id``, ``pad_token_id``, ``output_logits``,
+    ``return_dict_in_generate``: any field of ``transformers.GenerationConfig``) override
+    ``generation_config`` (a ``GenerationConfig``) and ``model.generation_config`` (``from_pretrained`` reads
+    the checkpoint's generation_config.json), then transformers' defaults (``resolve_generation_config``).
+
+    Greedy (argmax) or sampled (temperature, top-k, top-p; the uniform numbers come from ``generator``, or
+    torch's global generator). A row that produced any of the eos ids gets the pad id (default: the first
+    eos id) afterwards; generation stops when every row has. ``streamer``: an object with ``put(ids)`` and
+    ``end()`` (``transformers``' streamers): ``put`` gets the prompt, then each step's new ids ``[B]``.
     Returns the ids ``[B, S + new]`` (torch), or a ``GenerateOutput`` with ``return_dict_in_generate``.
     """
-    if eos_token_id is None:
-        eos_token_id = getattr(model.config, "eos_token_id", None)
-    if pad_token_id is None:
-        pad_token_id = getattr(model.config, "pad_token_id", None)
-    ids, eos = _check_generate(model, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k,
-                               top_p, eos_token_id, pad_token_id, generator)
-    if pad_token_id is None and eos:
-        pad_token_id = eos[0]
-    sampling = (bool(do_sample), float(temperature), int(top_k) if top_k else None,
-                float(top_p) if top_p is not None else None)
-    if not do_sample:
-        sampling = (False, 1.0, None, None)
+    ids = check_ids(input_ids)
+    cfg, eos, pad_token_id = _settings(model, ids, generation_config, kwargs)
+    _check_inputs(model, ids, attention_mask, generator)
+    max_new_tokens = cfg.max_length - ids.shape[1]
+    output_logits, return_dict = bool(cfg.output_logits), bool(cfg.return_dict_in_generate)
+    sampling = (False, 1.0, None, None)
+    if cfg.do_sample:
+        sampling = (True, float(cfg.temperature), int(cfg.top_k) if cfg.top_k else None,
+                    float(cfg.top_p) if cfg.top_p is not None else None)
     llama, lm_head = _model_parts(model)
     b, s = ids.shape
-    mask = torch.ones(b, s, dtype=torch.bool) if attention_mask is None else torch.as_tensor(
-        attention_mask.to_torch() if isinstance(attention_mask, Tensor) else attention_mask).cpu().bool()
+    mask = _attention_mask(ids, attention_mask, eos, pad_token_id)
     # Hugging Face's positions for a left-padded batch: each row counts its own real tokens
     positions = (mask.long().cumsum(-1) - 1).masked_fill(~mask, 0)
     cp = cp_size(llama.stage_meshes[0])
@@ -316,9 +283,10 @@ def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 20, do
     if streamer is not None:
         streamer.end()
     seqs = torch.cat(out, dim=1)
-    if return_dict_in_generate:
+    if return_dict:
         return GenerateOutput(seqs, tuple(step_logits) if output_logits else None, cache, timings)
     return seqs
 
 
-__all__ = ["generate", "cached_forward", "CausalLMOutputWithPast", "GenerateOutput", "GenerationError", "KVCache"]
+__all__ = ["generate", "resolve_generation_config", "cached_forward", "CausalLMOutputWithPast", "GenerateOutput",
+           "GenerationError", "KVCache"]

@@ -30,8 +30,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+import dtorch
+
 from ..errors import DTorchError
 from ..mesh import DeviceMesh
+from ..ops.attention import _plain as plain_attention
 from ..ops.registry import OpPlan, dispatch, spec_like
 from ..placement import Partial, Replicate, Shard
 from ..redistribute.executor import ring_shift
@@ -401,6 +404,7 @@ class KVCache:
         self.fill = [0] * self.cp  # used slots per cp block
         self._seen = 0  # tokens the caller gave (Hugging Face's sequence length)
         self._next = 0  # order index of the next token (with the padding added for an even cp split)
+        self._recorded = False  # a forward that recorded gradients wrote into it (models/forward.py)
 
     @property
     def slots(self) -> int:
@@ -561,17 +565,23 @@ class CachedForward:
     """One forward with padding, given positions and/or a KV cache: what the model's layers ask of it.
 
     ``ids`` [B, S] (torch), ``valid`` [B, S] bool (False: padding), ``positions`` [B, S] (rope),
-    ``cache`` a KVCache or None, ``grow`` whether the cache may grow. Under cp a prefill's sequence is
-    left-padded to a multiple of the cp size (masked keys: nothing changes for the real tokens);
-    ``self.pad`` columns were added in front.
+    ``cache`` a KVCache or None, ``grow`` whether the cache may grow. ``segments`` [B, S] (or None): the
+    sequence each token belongs to when several are packed in a row (Hugging Face's packed position ids): a
+    token attends only earlier tokens of its own sequence. Under cp a prefill's sequence is left-padded to
+    a multiple of the cp size (masked keys: nothing changes for the real tokens); ``self.pad`` columns were
+    added in front. ``recording``: the forward records autograd history, so a decode step attends with
+    differentiable ops (``attention``) rather than the fused decode kernels.
     """
 
     def __init__(self, model, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
-                 cache: KVCache | None, grow: bool = False):
+                 cache: KVCache | None, grow: bool = False, segments: torch.Tensor | None = None,
+                 recording: bool = False):
         llama = _llama_model(model)
         self.model = llama
         self.cache = cache
+        self.recording = recording
         self.decode = cache is not None and cache._next > 0
+        self.fused = self.decode and not recording  # a decode step on the fused kernels (decode_attention)
         b, s = ids.shape
         cp = cp_size(llama.stage_meshes[0])
         self.pad = 0 if self.decode else -s % cp
@@ -579,6 +589,8 @@ class CachedForward:
             ids = torch.cat([ids.new_zeros(b, self.pad), ids], dim=1)
             valid = torch.cat([valid.new_zeros(b, self.pad), valid], dim=1)
             positions = torch.cat([positions.new_zeros(b, self.pad), positions], dim=1)
+            if segments is not None:
+                segments = torch.cat([segments.new_full((b, self.pad), -1), segments], dim=1)
         self.ids, self.valid, self.positions = ids, valid, positions
         self.seq_len = int(positions.max()) + 1 if positions.numel() else 1  # for the length-dependent rope types
         self._per_mesh: dict = {}
@@ -587,15 +599,20 @@ class CachedForward:
         if cache is not None:
             if cache.batch_size != b:
                 raise KVCacheError(f"the KV cache holds {cache.batch_size} rows; this forward has {b}")
-            start = cache._next
             self.write_args, order = cache._take(ids.shape[1], valid, sharded=not self.decode, grow=grow)
             cache._seen += s
             if self.decode:
                 self.mask_full = cache._mask(order)
-        self.all_valid = bool(valid.all())
+                if recording:  # [B, 1, L, slots + L]: the cached tokens, then the new ones (causal)
+                    cached = self.mask_full & ~torch.isin(cache.order, order)
+                    own = valid[:, None, None, :] & torch.ones(s, s, dtype=torch.bool).tril()
+                    self.mask_full = torch.cat([cached, own], dim=-1)
+        self.all_valid = bool(valid.all()) and segments is None  # the plain causal mask serves
         if not self.decode and not self.all_valid:
             causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()
             self.mask_full = valid[:, None, None, :] & causal[None, None]
+            if segments is not None:
+                self.mask_full = self.mask_full & (segments[:, None, :, None] == segments[:, None, None, :])
 
     def placements(self, mesh: DeviceMesh, ndim: int = 2) -> list:
         if self.decode:
@@ -666,15 +683,25 @@ class CachedForward:
                                             attn.num_heads)
 
     def attention(self, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """The attention of layer ``attn`` over the tokens of this forward (a prefill, or a forward without a
-        cache): q/k/v [B, heads, S, d], rotated, with the padding mask; the keys and values go into the cache."""
+        """The attention of layer ``attn`` over the tokens of this forward (a prefill, a forward without a
+        cache, or a decode step that records gradients): q/k/v [B, heads, S, d], rotated, with the padding
+        mask; the keys and values go into the cache."""
         from ..nn import functional as F
 
-        if self.decode:
+        if self.fused:
             raise AssertionError("a decode step's attention is decode_attention (the model calls it)")
         gqa = attn.kv_heads_held != attn.num_heads
-        if self.all_valid:
-            o = causal_ring_attention(q, k, v, attn.scaling) if self.cache is not None else None
+        if self.decode:
+            # the cached keys and values are constants (a copy: the cache is written in place), the new
+            # tokens' own ones take part in the gradient
+            with torch.no_grad():
+                cached_k = self.cache.key_cache[attn.layer_idx].clone()
+                cached_v = self.cache.value_cache[attn.layer_idx].clone()
+            keys, values = dtorch.cat([cached_k, k], dim=2), dtorch.cat([cached_v, v], dim=2)
+            # not context parallel: the new tokens are whole on every cp device (the attention op's plain rule)
+            o = plain_attention(q, keys, values, self._recording_mask(q.device_mesh), None, False, attn.scaling, gqa)
+        elif self.all_valid:
+            o = causal_ring_attention(q, k, v, attn.scaling) if self.cache is not None and not self.recording else None
             if o is None:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=gqa)
         else:
@@ -683,6 +710,13 @@ class CachedForward:
         if self.cache is not None:
             self.cache._write(attn.layer_idx, k, v, self.write_args)
         return o
+
+    def _recording_mask(self, mesh: DeviceMesh) -> Tensor:
+        def make():  # [B, 1, L, slots + L], batch over dp
+            pl = [Shard(0) if n in BATCH_DIMS else Replicate() for n in mesh.dim_names or [None] * mesh.ndim]
+            return Tensor(self.mask_full, device_mesh=mesh, placements=pl)
+
+        return self._on(mesh, "recording mask", make)
 
 
 __all__ = ["BATCH_DIMS", "KVCache", "KVCacheError", "CachedForward", "cache_placements", "decode_placements", "last_position"]

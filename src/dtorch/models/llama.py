@@ -16,7 +16,6 @@ Parameter names are Hugging Face's, so ``model.load_state_dict(hf_model.state_di
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,6 +34,7 @@ from ..nn import functional as F
 from ..nn._layout import on_mesh
 from ..nn.module import RepeatedRows
 from .hf_init import init_weights_like_hf, skip_tied_lm_head_draws
+from .outputs import CausalLMOutputWithPast, torch_logits
 
 SUPPORTED_MESH_DIMS = ("dp", "tp", "pp", "ulysess_cp", "ulysses_cp", "ring_cp", "fsdp")
 CP_DIMS = ("ulysess_cp", "ulysses_cp", "ring_cp")
@@ -250,7 +250,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.RowParallelLinearWithReplicateOutput(self.num_heads * self.head_dim, h, bias=bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, step=None) -> Tensor:
-        if step is not None and step.decode:  # a decode step: fused cache write and attention (kv_cache.py)
+        if step is not None and step.fused:  # a decode step: fused cache write and attention (kv_cache.py)
             return self.o_proj(step.decode_attention(self, self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin))
         b, s, _ = x.shape
         # [B, S, H] -> [B, S, n*d] (S(2) on tp) -> [B, S, n, d] -> [B, n, S, d]: heads over tp, S over cp
@@ -365,8 +365,9 @@ class LlamaModel(nn.Module):
                 mesh = self.stage_meshes[stage]
                 h = h.redistribute(mesh, h.placements)
                 cos, sin = self.rope(mesh, input_ids.shape[1], h.dtype, step)
-            if step is None and self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin)  # activations recomputed in the backward
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled() \
+                    and (step is None or step.cache is None):  # (a cache is written once, not again)
+                h = checkpoint(layer, h, cos, sin, step)  # activations recomputed in the backward
             else:
                 h = layer(h, cos, sin) if step is None else layer(h, cos, sin, step)
         return self.norm(h)
@@ -455,18 +456,33 @@ class LlamaForCausalLM(nn.Module):
         return self.model.gradient_checkpointing
 
     def __call__(self, input_ids, *args, labels=None, **kwargs):
-        # Hugging Face's attention_mask / position_ids / past_key_values / use_cache: models/generation.py
-        from .generation import cached_forward, split_cache_arguments
+        # Hugging Face's attention_mask / position_ids / past_key_values / use_cache: models/forward.py
+        from .forward import forward_with_arguments, split_forward_arguments
 
-        cache_kw, args, kwargs = split_cache_arguments(args, kwargs)
+        given, args, kwargs = split_forward_arguments(args, kwargs)
+        if given:
+            return forward_with_arguments(self, input_ids, *args, **given, labels=labels, **kwargs)
         if labels is not None:
-            if cache_kw or args or kwargs:
-                raise TypeError("LlamaForCausalLM(input_ids, labels=...) takes no masks or caches with labels yet; "
-                                f"got {sorted(cache_kw) + sorted(kwargs) + ['positional'] * bool(args)}")
+            if args or kwargs:
+                raise TypeError(f"LlamaForCausalLM(input_ids, labels=...) got unexpected arguments "
+                                f"{sorted(kwargs) + ['positional'] * bool(args)}")
             return self._with_loss(input_ids, labels)
-        if cache_kw:
-            return cached_forward(self, input_ids, *args, **cache_kw, **kwargs)
         return super().__call__(input_ids, *args, **kwargs)
+
+    @property
+    def generation_config(self):
+        """transformers' ``GenerationConfig`` that ``generate`` starts from (its arguments override it): read
+        by ``from_pretrained`` from the checkpoint's generation_config.json, else made from the config, as
+        transformers does."""
+        if self.__dict__.get("_generation_config") is None:
+            from ._checkpoint import generation_config_from_model_config
+
+            self.__dict__["_generation_config"] = generation_config_from_model_config(self.config)
+        return self.__dict__["_generation_config"]
+
+    @generation_config.setter
+    def generation_config(self, value) -> None:
+        self.__dict__["_generation_config"] = value
 
     def generate(self, input_ids, attention_mask=None, **kwargs):
         """Greedy or sampled continuation of ``input_ids`` with a KV cache, like ``transformers``' ``generate``:
@@ -510,33 +526,34 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(self.model(input_ids))  # ids laid out by LlamaModel; [B, S, H] -> [B, S, vocab]
 
     def _with_loss(self, input_ids, labels) -> "CausalLMOutput":
+        labels = labels_like(labels, input_ids)
+        (ids,), _ = self.redistribute_input(input_ids)
+        self._caller = self._real_len = None
+        logits = self.forward(ids)  # [B, S, vocab]: batch over dp/fsdp, sequence over cp, vocab over tp
+        return self.causal_lm_loss(logits, labels)
+
+    def causal_lm_loss(self, logits: Tensor, labels: torch.Tensor, front: int = 0) -> "CausalLMOutput":
         """Hugging Face's causal-LM loss: the logits at position i predict ``labels[:, i + 1]``; -100 is
         ignored; the mean over the counted positions. The labels are shifted instead of the logits (HF does
         the same), so the sequence-sharded logits stay as they lie; vocab-sharded logits are never gathered
-        (cross_entropy reduces max and sum-exp over the vocab shards)."""
-        if isinstance(labels, Tensor):
-            labels = labels.to_torch()
-        labels = torch.as_tensor(labels)
-        if tuple(labels.shape) != tuple(input_ids.shape):
-            raise ValueError(f"labels must have the shape of input_ids {list(input_ids.shape)}, got {list(labels.shape)}")
-        (ids,), _ = self.redistribute_input(input_ids)
-        self._caller = self._real_len = None
-        shifted = torch.nn.functional.pad(labels, (0, 1 + ids.shape[1] - labels.shape[1]), value=-100)[:, 1:]
-        logits = self.forward(ids)  # [B, S, vocab]: batch over dp/fsdp, sequence over cp, vocab over tp
+        (cross_entropy reduces max and sum-exp over the vocab shards). ``logits`` may hold ``front`` columns
+        before the labels' and more after them (padding for an even cp split): they count for nothing."""
+        back = logits.shape[1] - front - labels.shape[1]
+        shifted = torch.nn.functional.pad(labels[:, 1:], (front, back + 1), value=-100)
         placements = [Replicate() if isinstance(p, Partial) or (isinstance(p, Shard) and p.dim == 2) else p
                       for p in logits.placements]
         target = Tensor(shifted.to(torch.long), device_mesh=logits.device_mesh, placements=placements)
         # in float32 whatever the model's dtype, as Hugging Face's loss upcasts the logits (they stay as computed)
         loss = F.cross_entropy(logits.float().transpose(1, 2), target, ignore_index=-100)
-        if labels.shape[1] != ids.shape[1]:  # (positions appended for an even cp split: cut off)
-            logits = logits[:, :labels.shape[1]]
+        if labels.shape[1] != logits.shape[1]:  # (positions added for an even cp split: cut off)
+            logits = logits[:, front:front + labels.shape[1]]
         return CausalLMOutput(loss=loss, logits=logits)
 
     def redistribute_output(self, logits: Tensor):
         caller, self._caller = self._caller, None
         real, self._real_len = self._real_len, None
         if caller is None:
-            out = logits.to_torch()
+            out = torch_logits(logits)  # (with a history that continues in dtorch's backward, under grad mode)
             return out if real is None else out[:, :real].contiguous()
         mesh, placements = caller
         return logits.redistribute(mesh, [Replicate() if isinstance(p, Partial) else p for p in placements])
@@ -551,7 +568,7 @@ class LlamaForCausalLM(nn.Module):
         per distinct device block, so a device's data comes only from its own shard of the file.
         ``progress(done, total, name)`` is called after each parameter.
         """
-        from ._checkpoint import load_config, read_sharded
+        from ._checkpoint import load_config, load_generation_config, read_sharded
 
         path = Path(path)
         config = load_config(path)
@@ -561,15 +578,23 @@ class LlamaForCausalLM(nn.Module):
         with nn.skip_init(), graph.dtype_guard(dtype or graph.default_dtype):
             model = cls(config, device_mesh)
         read_sharded(model, path, progress=progress)
+        model.generation_config = load_generation_config(path)
         return model
 
 
-@dataclass
-class CausalLMOutput:
-    """``model(input_ids, labels=...)``: ``loss`` (a 0-d dtorch tensor, ``.backward()`` trains) and ``logits``
-    (dtorch, laid out as computed: fetch with ``.to_torch()`` only when needed)."""
-    loss: Tensor
-    logits: Tensor
+# ``model(input_ids, labels=...)``: ``loss`` (a 0-d dtorch tensor, ``.backward()`` trains) and ``logits``
+# (dtorch, laid out as computed: fetch with ``.to_torch()`` only when needed)
+CausalLMOutput = CausalLMOutputWithPast
+
+
+def labels_like(labels, input_ids) -> torch.Tensor:
+    """``labels`` (torch, dtorch or a list) as a torch tensor of ``input_ids``' shape."""
+    if isinstance(labels, Tensor):
+        labels = labels.to_torch()
+    labels = torch.as_tensor(labels)
+    if tuple(labels.shape) != tuple(input_ids.shape):
+        raise ValueError(f"labels must have the shape of input_ids {list(input_ids.shape)}, got {list(labels.shape)}")
+    return labels
 
 
 def _config_dtype(config) -> torch.dtype | None:

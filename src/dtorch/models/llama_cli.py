@@ -35,6 +35,17 @@ _LAYOUT_HELP = {
 }
 
 
+class HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's ArgumentDefaultsHelpFormatter that does not repeat a default the help text already states
+    (``(default: ~2.75 x hidden)``): every option of a ``dtorch`` subcommand has a help text, so ``--help``
+    shows every default."""
+
+    def _get_help_string(self, action):
+        if "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_layout_flags(p: argparse.ArgumentParser, defaults: dict, helps: dict | None = None, *, device: bool = True):
     """The layout group every subcommand shares (``defaults``: flag -> size; ``helps`` overrides texts)."""
     g = p.add_argument_group("layout (mesh dim sizes; their product is the number of devices)")
@@ -47,22 +58,31 @@ def add_layout_flags(p: argparse.ArgumentParser, defaults: dict, helps: dict | N
     return g
 
 
+def add_model_size_flags(group, *, vocab: int | None, intermediate: bool = True) -> None:
+    """The random model's sizes (``vocab`` None: no --vocab flag)."""
+    group.add_argument("--layers", type=int, default=4, help="decoder layers")
+    group.add_argument("--hidden", type=int, default=128, help="hidden size")
+    group.add_argument("--heads", type=int, default=8, help="attention heads")
+    group.add_argument("--kv-heads", type=int, default=4, help="key/value heads (fewer than --heads: grouped-query "
+                       "attention)")
+    if intermediate:
+        group.add_argument("--intermediate", type=int, default=None, help="MLP width (default: ~2.75 x hidden)")
+    if vocab is not None:
+        group.add_argument("--vocab", type=int, default=vocab, help="vocabulary size")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtorch demo", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpWithDefaults)
     add_layout_flags(p, {"dp": 2, "tp": 2, "pp": 2, "ulysses-cp": 2, "ring-cp": 1})
     m = p.add_argument_group("model (a random Llama unless --model is given)")
-    m.add_argument("--model", metavar="PATH", help="a Hugging Face Llama checkpoint directory")
-    m.add_argument("--layers", type=int, default=4)
-    m.add_argument("--hidden", type=int, default=128)
-    m.add_argument("--heads", type=int, default=8)
-    m.add_argument("--kv-heads", type=int, default=4, help="fewer than --heads: grouped-query attention")
-    m.add_argument("--intermediate", type=int, default=None, help="MLP width (default: ~2.75 x hidden)")
-    m.add_argument("--vocab", type=int, default=512)
+    m.add_argument("--model", metavar="PATH", help="a Hugging Face Llama checkpoint directory (default: none, a "
+                   "random Llama of the sizes below)")
+    add_model_size_flags(m, vocab=512)
     i = p.add_argument_group("input and check")
-    i.add_argument("--batch", type=int, default=4)
-    i.add_argument("--seq", type=int, default=32)
-    i.add_argument("--seed", type=int, default=0)
+    i.add_argument("--batch", type=int, default=4, help="prompts in the batch")
+    i.add_argument("--seq", type=int, default=32, help="tokens per prompt")
+    i.add_argument("--seed", type=int, default=0, help="seeds the random model and the token ids")
     i.add_argument("--tolerance", type=float, default=1e-4, help="rtol = atol for the comparison with Hugging Face")
     return p
 

@@ -24,8 +24,8 @@ import torch
 import dtorch
 
 from .llama import LlamaForCausalLM
-from .llama_cli import (_DIM_ORDER, _ids, _mesh_problems, _mib, _random_config, _where, add_layout_flags,
-                        head_width_problems, run_command)
+from .llama_cli import (_DIM_ORDER, HelpWithDefaults, _ids, _mesh_problems, _mib, _random_config, _where,
+                        add_layout_flags, add_model_size_flags, head_width_problems, run_command)
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 _TRAIN_DIMS = _DIM_ORDER + (("fsdp", "fsdp"),)
@@ -33,30 +33,28 @@ _TRAIN_DIMS = _DIM_ORDER + (("fsdp", "fsdp"),)
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtorch train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpWithDefaults)
     g = add_layout_flags(p, {"dp": 2, "tp": 2, "pp": 2, "ulysses-cp": 2, "ring-cp": 1},
                          {"dp": "data parallel: the batch is split, gradients all-reduced"}, device=False)
     g.add_argument("--fsdp", type=int, default=1, help="fully sharded data parallel: the batch and every "
                    "parameter, gradient and optimizer state are split")
     m = p.add_argument_group("model (a random Llama over byte tokens)")
-    m.add_argument("--layers", type=int, default=4)
-    m.add_argument("--hidden", type=int, default=128)
-    m.add_argument("--heads", type=int, default=8)
-    m.add_argument("--kv-heads", type=int, default=4)
-    m.add_argument("--intermediate", type=int, default=None, help="MLP width (default: ~2.75 x hidden)")
+    add_model_size_flags(m, vocab=None)
     t = p.add_argument_group("training")
     t.add_argument("--text", metavar="FILE", help="a text file to train on (default: the shipped corpus)")
-    t.add_argument("--steps", type=int, default=20)
-    t.add_argument("--batch", type=int, default=8)
-    t.add_argument("--seq", type=int, default=64)
-    t.add_argument("--lr", type=float, default=3e-3)
-    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    t.add_argument("--batch", type=int, default=8, help="windows of text per step")
+    t.add_argument("--seq", type=int, default=64, help="bytes per window")
+    t.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    t.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     t.add_argument("--clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
     t.add_argument("--grad-checkpointing", action="store_true", help="recompute each layer in the backward")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the batches")
     o = p.add_argument_group("output")
-    o.add_argument("--save", metavar="DIR", help="write a Hugging Face checkpoint (safetensors) here")
-    o.add_argument("--plot", metavar="PNG", help="draw the loss curve (needs matplotlib: pip install 'dtorch[plot]')")
+    o.add_argument("--save", metavar="DIR", help="write a Hugging Face checkpoint (safetensors, generation config and "
+                   "a byte-level tokenizer.json) here, for dtorch generate --model DIR (default: none)")
+    o.add_argument("--plot", metavar="PNG", help="draw the loss curve here (needs matplotlib: pip install "
+                   "'dtorch[plot]') (default: none)")
     return p
 
 
@@ -171,6 +169,7 @@ def train(args, progress: bool = True) -> TrainResult:
     cfg = _random_config(argparse.Namespace(intermediate=args.intermediate, hidden=args.hidden, layers=args.layers,
                                             heads=args.heads, kv_heads=args.kv_heads, vocab=256, seq=args.seq))
     cfg.initializer_range = 0.02
+    cfg.bos_token_id = cfg.eos_token_id = None  # byte tokens: no byte ends a text (generation runs its length)
     hf = transformers.LlamaForCausalLM(cfg)  # torch's initialisation, then laid out on the mesh
     model = LlamaForCausalLM(cfg, mesh)
     model.load_state_dict(hf.state_dict())
@@ -239,11 +238,28 @@ def run(args) -> int:
 
 
 def save_hf_checkpoint(model, cfg, path: Path) -> None:
+    """config.json, generation_config.json, model.safetensors and the byte-level tokenizer (tokenizer.json,
+    tokenizer_config.json): what ``dtorch generate --model`` and transformers' ``from_pretrained`` /
+    ``AutoTokenizer.from_pretrained`` read."""
     import transformers
 
     hf = transformers.LlamaForCausalLM(cfg)
     hf.load_state_dict(model.state_dict())
     hf.save_pretrained(path, safe_serialization=True)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer()).save_pretrained(path)
+
+
+def byte_tokenizer():
+    """A ``tokenizers.Tokenizer`` whose token ids are the text's UTF-8 bytes (the ids this command trains on):
+    byte-level BPE with the 256 byte tokens and no merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte -> character map
+
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
 
 
 def plot_losses(losses, path: Path) -> None:
