@@ -24,10 +24,14 @@ _new_object = object.__new__
 
 
 class Tensor:
-    # _writes: in-place writes so far (unset until the first; read through ``_version``)
+    # _writes: in-place writes so far (unset until the first; read through ``_version``). The views of this
+    # tensor (ops/views.py) compare it with the count their value was computed at
     # _ag: autograd metadata (dtorch.autograd.node.AutogradMeta), None when the tensor has no history and
     # requires no grad (the one slot every op reads to decide whether to record)
-    __slots__ = ("_spec", "_h", "_graph", "_writes", "_ag", "__weakref__")
+    # _quiet: the writes among ``_writes`` made through ``.data`` (torch does not count them in ``_version``);
+    # _replaced: (``_writes`` before, after) the last time its storage was replaced (``p.data = t``); both
+    # unset until then
+    __slots__ = ("_spec", "_h", "_graph", "_writes", "_ag", "_quiet", "_replaced", "__weakref__")
 
     def __init__(self, *args, device_mesh: DeviceMesh | None = None, placements=None, dtype: torch.dtype | None = None,
                  graph: Graph | None = None):
@@ -88,13 +92,13 @@ class Tensor:
             self._h = handle
             if self._graph.tracks_memory:
                 self._graph._on_handle(handle, self._spec)
-        self._writes = self._version + 1
+        self._writes = getattr(self, "_writes", 0) + 1
 
     @property
     def _version(self) -> int:
-        """How many in-place writes this tensor has had (torch's ``Tensor._version``): a cache of its
-        value (a copy on another mesh) is stale when this moved."""
-        return getattr(self, "_writes", 0)
+        """How many in-place writes this tensor has had (torch's ``Tensor._version``; writes through ``.data``
+        do not count, as in torch): a cache of its value (a copy on another mesh) is stale when this moved."""
+        return getattr(self, "_writes", 0) - getattr(self, "_quiet", 0)
 
     @classmethod
     def from_blocks(cls, blocks, *, device_mesh: DeviceMesh, placements, shape) -> "Tensor":
@@ -335,7 +339,8 @@ class Tensor:
                 out = out.redistribute(target_mesh, [_REPLICATE] * target_mesh.ndim)
         return out
 
-    # detach, clone, requires_grad, grad, backward: dtorch.autograd.tensor_methods (installed by dtorch/__init__)
+    # clone, requires_grad, grad, backward: dtorch.autograd.tensor_methods (installed by dtorch/__init__); detach:
+    # ops/views.py
 
     def __hash__(self):
         return id(self)

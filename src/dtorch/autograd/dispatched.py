@@ -38,6 +38,12 @@ def _floating(dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
+# kernels whose backward needs only their inputs' shapes (views: reshape, permute, index, ...), filled by the
+# op families. A node keeps a handle on the input's blocks as they were, without a version check, as torch's
+# views save nothing: writing the input afterwards (through the view itself, ops/views.py) is no error.
+SHAPE_ONLY_KERNELS: set = set()
+
+
 class NoGradientError(OpError, RuntimeError):
     """The backward reached an op whose local computation torch cannot differentiate (RuntimeError, like
     torch's "derivative for ... is not implemented")."""
@@ -65,6 +71,8 @@ class KernelNode(Node):
             if t._ag is not None and getattr(t._ag.grad_fn, "leaf", None) is not None:
                 leaf = t._ag.grad_fn.leaf  # an fsdp-gathered parameter (fsdp.RegatherNode): gathered again
                 saved.append((leaf, leaf._version, s))
+            elif kern.name in SHAPE_ONLY_KERNELS:
+                saved.append((type(t)._make(s, h, t._graph), 0, None))
             elif h is t._h:
                 saved.append((t, t._version, None))
             elif t._ag is not None and t._ag.grad_fn is None:

@@ -107,12 +107,7 @@ def clone(self, *, memory_format=None):
     return out
 
 
-def detach(self):
-    """A new Tensor object with the same value and no history (requires_grad False). Unlike torch, an in-place
-    write to one does not show in the other (they share blocks copy-on-write)."""
-    from ..tensor import Tensor
-
-    return Tensor._make(self._spec, self._graph.runtime.alias(self._h, self._spec), self._graph)
+# detach(): ops/views.py (a view: the same storage, no history)
 
 
 def detach_(self):
@@ -130,5 +125,4 @@ def install(cls) -> None:
     cls.retain_grad = retain_grad
     cls.retains_grad = property(_retains_grad)
     cls.clone = clone
-    cls.detach = detach
     cls.detach_ = detach_

@@ -416,12 +416,6 @@ def clone(input, *, memory_format=None):
     return input.clone()
 
 
-@register(public=False, torch_fns=(torch.detach,))
-def detach(input):
-    """``torch.detach``: ``Tensor.detach``."""
-    return input.detach()
-
-
 # -- dtype casts ------------------------------------------------------------------------------------
 
 def _cast(dtype):
