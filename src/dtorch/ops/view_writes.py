@@ -29,7 +29,7 @@ import torch
 from .._lru import LRU
 from ..autograd.mode import is_grad_enabled as _grad_enabled
 from ..placement import Partial, Replicate
-from ..runtime.kernels import kernel
+from ..runtime.kernels import get_kernel, kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
 from . import index as ix
@@ -67,7 +67,8 @@ def write(name, rule, tensors, static, kwargs, writes: bool, align: bool) -> Vie
 def _write(view, lay, name, rule, tensors, static, kwargs, writes, align) -> None:
     root = view._vroot
     if lay[0] == "box" and (writes or rule is pw._pointwise_rule) and \
-            not any(isinstance(p, Partial) for p in root._spec.placements):
+            not any(isinstance(p, Partial) for p in root._spec.placements) and \
+            not (_grad_enabled() and any(_shows(t, root) for t in tensors[1:])):
         _, items, pieces, perm = lay
         ops = [t if t.ndim == 0 and not writes else _to_box(t, tuple(view.shape), pieces, perm) for t in tensors[1:]]
         ip.dispatch_inplace(name, _box_rule, [root] + ops, (items, name, rule, static, writes), kwargs, align=False)
@@ -80,6 +81,12 @@ def _write(view, lay, name, rule, tensors, static, kwargs, writes, align) -> Non
     _set_h(view, value._h)
     _set_ag(view, value._ag)
     view._vat = root._writes
+
+
+def _shows(t: Tensor, root: Tensor) -> bool:
+    """Whether ``t`` is ``root`` or a view of it. Such an operand is saved by the op's own node (as torch's
+    op saves it), so the write that follows shows in its version and the backward refuses, as torch's does."""
+    return t is root or (type(t) is View and t._vroot is root)
 
 
 def write_back(view: View, value: Tensor, lay=None) -> None:
@@ -150,7 +157,10 @@ def _box_apply_kernel(x, *vs, items, shape, box, writes, inner=None, inner_kw=No
     """Each device: the part of the box its block holds, updated by the op's own kernel (``inner``) with the
     matching part of each operand (``writes``: set to the first operand). A new block (the in-place wrapper
     copies it into the target; autograd differentiates it)."""
-    kw = inner_kw if scalars is None else dict(inner_kw, scalars=scalars)
+    if not writes:
+        fn, kw = get_kernel(inner).fn, inner_kw if scalars is None else dict(inner_kw, scalars=scalars)
+        if ip._takes_lead(inner):
+            kw = dict(kw, lead=0)
 
     def one(xb, *vbs, **o):
         out = xb.clone()
@@ -159,10 +169,8 @@ def _box_apply_kernel(x, *vs, items, shape, box, writes, inner=None, inner_kw=No
             return out  # the box misses this block
         local, cut = cuts
         vals = [v if v.ndim == 0 else v[cut] for v in vbs]
-        if writes:
-            out[local] = vals[0].to(out.dtype)
-        else:
-            ip._inplace_kernel.fn(out[local], *vals, inner=inner, inner_kw=kw)
+        # (the op reads the input block, never the one written: torch's autograd keeps what it read)
+        out[local] = (vals[0] if writes else fn(xb[local], *vals, **kw)).to(out.dtype)
         return out
 
     if lead:
