@@ -37,8 +37,9 @@ from ..spec import DTensorSpec, block_offsets
 from ..tensor import Tensor
 from . import pointwise as pw
 from . import view as vw
-from .inplace import dispatch_inplace
+from .inplace import copy_, dispatch_inplace
 from .registry import OpPlan, dispatch, register, replicated, spec_like, to_dtensors
+from .views import View
 
 
 # ------------------------------------------------------------------------------------------------
@@ -497,6 +498,15 @@ def _index_put(x: Tensor, items, tensors, value, accumulate: bool, what: str) ->
 
 def _setitem(self, index, value):
     items, tensors = parse_index(self, index)
+    if type(self) is View and not tensors:
+        # torch's self[index].copy_(value): a view of the view, written where it lies in the root (its own
+        # geometry decides how: x[1:3][0] = v writes one row of x where it is)
+        v = _value(self, value)
+        sel = _check_value_shape(items, tensors, self, v)
+        while v.ndim > len(sel) and v.shape[0] == 1:
+            v = vw.squeeze(v, 0)
+        copy_(vw._index("setitem", self, items), v)
+        return self
     _index_put(self, items, tensors, value, False, "setitem")
     return self  # (Python drops it for x[i] = v; dtorch.setitem(x, i, v) returns the tensor, as in-place ops do)
 

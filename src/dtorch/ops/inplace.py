@@ -210,6 +210,11 @@ def _copy_rule(specs):
 @register("copy_", rule=_copy_rule, kernel=_copy_kernel, public=False, methods=("copy_",))
 def copy_(self: Tensor, src, non_blocking: bool = False) -> Tensor:
     """``x.copy_(src)``: ``src`` (broadcast to x's shape, cast to its dtype) written into x's own storage."""
+    return _copy(self, src, "copy")
+
+
+def _copy(self: Tensor, src, name: str) -> Tensor:
+    """copy_ (``name`` "copy") and fill_ ("fill": torch lets it write a view whose elements overlap)."""
     if isinstance(src, (bool, numbers.Number)):
         src = torch.tensor(src)
     if not isinstance(src, (Tensor, torch.Tensor)):
@@ -224,7 +229,7 @@ def copy_(self: Tensor, src, non_blocking: bool = False) -> Tensor:
                                f"destination's shape {list(self.shape)}")
         src = src.expand(tuple(self.shape))
     src = redistribute_spec(src, DTensorSpec(self.device_mesh, self._spec.placements, self._spec.shape, src.dtype))
-    return dispatch_inplace("copy", _copy_rule, (self, src), (), writes=True)
+    return dispatch_inplace(name, _copy_rule, (self, src), (), writes=True)
 
 
 @register("fill_", public=False, methods=("fill_",))
@@ -236,7 +241,8 @@ def fill_(self: Tensor, value) -> Tensor:
         if value.ndim != 0:
             raise OpError(f"fill_ only supports 0-dimension value tensor but got tensor with {value.ndim} dimensions.")
         value = value.item()
-    return copy_(self, torch.tensor(value, dtype=self.dtype) if self.dtype != torch.bool else torch.tensor(bool(value)))
+    return _copy(self, torch.tensor(value, dtype=self.dtype) if self.dtype != torch.bool else torch.tensor(bool(value)),
+                 "fill")
 
 
 @register("zero_", public=False, methods=("zero_",))

@@ -51,7 +51,7 @@ def write(name, rule, tensors, static, kwargs, writes: bool, align: bool) -> Vie
     """``dispatch_inplace`` on a view (``tensors[0]``): the op written into the view's root (module docstring)."""
     view = tensors[0]
     lay = layout(view)
-    _check_writable(view, lay)
+    _check_writable(view, lay, name)
     plan = _plan(name, rule, tuple(t._spec for t in tensors), static).plan
     ip.check_result(name, plan.out_specs[0], view._spec)  # torch's checks, on the view as the target
     if _grad_enabled() and not detached(view):
@@ -95,8 +95,6 @@ def write_back(view: View, value: Tensor, lay=None) -> None:
     root = view._vroot
     if lay[0] == "empty":
         return
-    if lay[0] == "overlap":
-        raise ViewError(f"dtorch: {_OVERLAP}")
     if lay[0] == "box":
         _, items, pieces, perm = lay
         ix._index_put(root, items, [], _to_box(value, tuple(view.shape), pieces, perm), False, "view write")
@@ -105,9 +103,14 @@ def write_back(view: View, value: Tensor, lay=None) -> None:
     ix._index_put(root, tuple(("t", j) for j in range(len(coords))), coords, value, False, "view write")
 
 
-def _check_writable(view: View, lay) -> None:
+# in-place ops torch lets write a view whose elements overlap (an expanded one): every copy of an element gets
+# the same value (fill_, zero_), or torch's own order decides, with a deprecation warning (index_put_, masked_fill_)
+_OVERLAP_OK = frozenset({"fill", "index_put", "masked_fill"})
+
+
+def _check_writable(view: View, lay, name: str) -> None:
     """torch's refusals, before anything is written (a failing op leaves every tensor as it was)."""
-    if lay[0] == "overlap":
+    if lay[0] == "overlap" and name not in _OVERLAP_OK:
         raise ViewError(f"dtorch: {_OVERLAP}")
     if not _grad_enabled():
         return
@@ -203,7 +206,8 @@ _LAYOUTS = LRU("ops.view_writes.layouts", 4096)
 
 def layout(view: View) -> tuple:
     """("box", root items, the box's dims in the view's order, the permutation to the root's order or None),
-    ("coords", one long torch tensor of the view's shape per root dim), ("empty",) or ("overlap",)."""
+    ("coords", one long torch tensor of the view's shape per root dim), ("empty",), or ("overlap", coords) for a
+    view whose elements overlap (expanded: several of them are one element of the root)."""
     key = (view._vroot._spec.shape, view._vsteps)
     lay = _LAYOUTS.get(key)
     if lay is None:
@@ -211,7 +215,7 @@ def layout(view: View) -> tuple:
         if 0 in sizes:
             lay = ("empty",)
         elif any(n > 1 and st == 0 for n, st in zip(sizes, strides)):
-            lay = ("overlap",)
+            lay = ("overlap", _coords(key[0], sizes, strides, offset))
         else:
             lay = _box(key[0], sizes, strides, offset) or ("coords", _coords(key[0], sizes, strides, offset))
         _LAYOUTS[key] = lay
