@@ -28,10 +28,9 @@ class Tensor:
     # tensor (ops/views.py) compare it with the count their value was computed at
     # _ag: autograd metadata (dtorch.autograd.node.AutogradMeta), None when the tensor has no history and
     # requires no grad (the one slot every op reads to decide whether to record)
-    # _quiet: the writes among ``_writes`` made through ``.data`` (torch does not count them in ``_version``);
-    # _replaced: (``_writes`` before, after) the last time its storage was replaced (``p.data = t``); both
-    # unset until then
-    __slots__ = ("_spec", "_h", "_graph", "_writes", "_ag", "_quiet", "_replaced", "__weakref__")
+    # _quiet: the writes among ``_writes`` made through ``.data`` (torch does not count them in ``_version``); set
+    # whenever _writes is
+    __slots__ = ("_spec", "_h", "_graph", "_writes", "_ag", "_quiet", "__weakref__")
 
     def __init__(self, *args, device_mesh: DeviceMesh | None = None, placements=None, dtype: torch.dtype | None = None,
                  graph: Graph | None = None):
@@ -92,13 +91,19 @@ class Tensor:
             self._h = handle
             if self._graph.tracks_memory:
                 self._graph._on_handle(handle, self._spec)
-        self._writes = getattr(self, "_writes", 0) + 1
+        try:
+            self._writes = _get_writes(self) + 1
+        except AttributeError:  # the first write
+            self._writes, self._quiet = 1, 0
 
     @property
     def _version(self) -> int:
         """How many in-place writes this tensor has had (torch's ``Tensor._version``; writes through ``.data``
         do not count, as in torch): a cache of its value (a copy on another mesh) is stale when this moved."""
-        return getattr(self, "_writes", 0) - getattr(self, "_quiet", 0)
+        try:
+            return _get_writes(self) - self._quiet
+        except AttributeError:  # never written
+            return 0
 
     @classmethod
     def from_blocks(cls, blocks, *, device_mesh: DeviceMesh, placements, shape) -> "Tensor":
@@ -382,6 +387,9 @@ class Tensor:
 
 
 register_tensor_type(Tensor)  # get_memory_stats counts live tensors
+# the slot itself: an unset slot read through it raises AttributeError at once (a plain read of one would go
+# through Tensor.__getattr__, the helpful message for torch attributes dtorch lacks: microseconds)
+_get_writes = Tensor.__dict__["_writes"].__get__
 
 
 def _constructor_data(args: tuple, dtype, graph: Graph):

@@ -132,7 +132,7 @@ def _check_writable(view: View, lay, name: str) -> None:
 def _quiet(root: Tensor) -> None:
     """A write through ``.data``: not counted in ``_version`` (torch). The root takes a handle of its own on
     its blocks, so that caches keyed by (handle, ``_version``) still see that its value changed."""
-    root._quiet = getattr(root, "_quiet", 0) + 1
+    root._quiet += 1  # (set: the root was written just now)
     h = root._graph.runtime.alias(root._h, root._spec)
     root._h = h
     if root._graph.tracks_memory:

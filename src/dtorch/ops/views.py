@@ -25,6 +25,8 @@ cannot view raises torch's error, and ``reshape`` of one returns a copy, as torc
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .._lru import LRU
@@ -41,6 +43,7 @@ _new_object = object.__new__
 _H, _AG = Tensor.__dict__["_h"], Tensor.__dict__["_ag"]  # the slots a View's properties stand in front of
 _get_h, _set_h = _H.__get__, _H.__set__
 _get_ag, _set_ag = _AG.__get__, _AG.__set__
+_get_writes = Tensor.__dict__["_writes"].__get__  # (raises at once when unset: no Tensor.__getattr__)
 
 # marker steps: the value is the parent's (a handle of its own on the same blocks) without autograd history;
 # writes through a DATA step do not count in the root's _version (torch's ``.data``)
@@ -114,31 +117,44 @@ WRITER = _Writer()
 def view_op(name: str, rule, x: Tensor, static: tuple, n_out: int = 0):
     """The view of ``x`` op ``name`` makes (``n_out``: how many views, for an op with several outputs). Only
     the plan runs now (its errors are raised here); the value is computed when first read."""
+    # (spelled out: this is the whole cost of a view op until the view is read)
     c = plan_of(name, rule, x._spec, static)
     if type(x) is View:
-        root, steps, grad = x._vroot, x._vsteps, x._vgrad
+        root, steps, grad = x._vroot, x._vsteps, x._vgrad and _grad_enabled()
     else:
-        root, steps, grad = x, (), True
-        if getattr(x, "_writes", None) is None:
-            x._writes = 0
-    grad = grad and _grad_enabled()
-    at = -1 - root._writes
-    graph = x._graph
+        root, steps, grad = x, (), _grad_enabled()
+    try:
+        at = -1 - _get_writes(root)
+    except AttributeError:
+        root._writes = root._quiet = 0
+        at = -1
     if n_out:
-        return tuple(_new_view(s, graph, root, steps + ((name, rule, static, k),), at, grad)
+        return tuple(_new_view(s, x._graph, root, steps + ((name, rule, static, k),), at, grad)
                      for k, s in enumerate(c.plan.out_specs))
-    return _new_view(c.out_spec, graph, root, steps + ((name, rule, static, None),), at, grad)
+    v = _new_object(View)
+    v._spec = c.out_spec
+    v._graph = x._graph
+    _set_ag(v, None)
+    v._vroot = root
+    v._vsteps = steps + ((name, rule, static, None),)
+    v._vat = at
+    v._vgrad = grad
+    return v
 
 
 def marker_view(x: Tensor, step) -> View:
     """``x.detach()`` / ``x.data``: x's value and storage, no autograd history."""
-    if type(x) is View:
-        root, steps = x._vroot, x._vsteps
-    else:
-        root, steps = x, ()
-        if getattr(x, "_writes", None) is None:
-            x._writes = 0
-    return _new_view(x._spec, x._graph, root, steps + (step,), -1 - root._writes, False)
+    root, steps = (x._vroot, x._vsteps) if type(x) is View else (x, ())
+    return _new_view(x._spec, x._graph, root, steps + (step,), -1 - _writes_of(root), False)
+
+
+def _writes_of(root: Tensor) -> int:
+    """The root's write count, set to 0 if it had none (its views compare with it on every read)."""
+    try:
+        return _get_writes(root)
+    except AttributeError:
+        root._writes = root._quiet = 0
+        return 0
 
 
 def _new_view(spec, graph, root, steps, at, grad) -> View:
@@ -162,30 +178,36 @@ def detached(v: View) -> bool:
 # the value: recomputed from the root
 
 
+# id(root) -> (weakref to it, its _writes before, after) of its last storage replacement (rare: a side table
+# rather than a slot every tensor would carry)
+_REPLACED: dict = {}
+
+
 def _sync(v: View) -> None:
     root = v._vroot
     at = v._vat
-    replaced = getattr(root, "_replaced", None)
-    if replaced is not None and (at if at >= 0 else -1 - at) < replaced[1]:
-        if at != replaced[0]:
+    replaced = _REPLACED.get(id(root)) if _REPLACED else None
+    if replaced is not None and replaced[0]() is root and (at if at >= 0 else -1 - at) < replaced[2]:
+        if at != replaced[1]:
             raise ViewError(
                 f"this view's base had its storage replaced (x.data = ..., module.to(...), load_state_dict) after "
                 f"the view was taken{' and before it was first read' if at < 0 else ', and was written before that'}"
                 "; its value is gone. Take the view again from the base")
         _own_root(v)  # it was current when the base moved on: it keeps its value, on a storage of its own
         return
-    value = _replay(root, v._vsteps, v._vgrad)
+    steps = v._vsteps
+    if v._vgrad != _grad_enabled():
+        with torch.set_grad_enabled(v._vgrad):
+            value = value_of(root, steps)
+    elif len(steps) == 1 and steps[0][3] is None and steps[0][1] is not None:  # (the usual view: one op)
+        name, rule, static, _ = steps[0]
+        value = dispatch(name, rule, [root], static)
+    else:
+        value = value_of(root, steps)
     _set_h(v, value._h)
     if v._vgrad:
         _set_ag(v, value._ag)
     v._vat = root._writes
-
-
-def _replay(root: Tensor, steps, grad: bool) -> Tensor:
-    if grad == _grad_enabled():
-        return value_of(root, steps)
-    with torch.set_grad_enabled(grad):
-        return value_of(root, steps)
 
 
 def value_of(t: Tensor, steps) -> Tensor:
@@ -202,7 +224,7 @@ def value_of(t: Tensor, steps) -> Tensor:
 def _own_root(v: View) -> None:
     """Make ``v`` a view of a new root holding its current value (its base's storage went elsewhere)."""
     root = Tensor._make(v._spec, v._graph.runtime.alias(_get_h(v), v._spec), v._graph)
-    root._writes = 0
+    root._writes, root._quiet = 0, 0
     v._vroot, v._vsteps, v._vat = root, (), 0
 
 
@@ -210,13 +232,14 @@ def replace_storage(t: Tensor, value: Tensor) -> None:
     """``t.data = value`` (and ``Parameter._set``): ``t`` takes ``value``'s storage and layout, keeping its
     identity, autograd metadata and ``_version``. Views of the old storage that were read since its last
     write keep that value; reading any other raises ``ViewError`` (torch keeps the old storage for them)."""
-    before = getattr(t, "_writes", 0)
+    before = _writes_of(t)
     ag = t._ag
     t._init(value._spec, value._graph.runtime.alias(value._h, value._spec), value._graph)
     t._ag = ag
     t._writes = before + 1  # (views of the old storage see a change; _version does not: one quiet write)
-    t._quiet = getattr(t, "_quiet", 0) + 1
-    t._replaced = (before, before + 1)
+    t._quiet += 1
+    key = id(t)
+    _REPLACED[key] = (weakref.ref(t, lambda _, k=key: _REPLACED.pop(k, None)), before, before + 1)
 
 
 # ------------------------------------------------------------------------------------------------
