@@ -577,11 +577,12 @@ def view(input, *shape, **kw):
     """``x.view(*sizes)``; ``x.view([placements])`` reads every device's block as it is under other placements
     (ops/views.py ``reinterpret``: no communication, not a view of x)."""
     shape = shape or (_kw("view", kw, "size"),)
-    if is_placements(shape):
-        return reinterpret(input, shape[0])
-    if len(shape) == 1 and isinstance(shape[0], torch.dtype):
-        raise OpError("Tensor.view(dtype) (reinterpreting bits) is not supported by dtorch; "
-                      "use .to(dtype) to convert values")
+    if len(shape) == 1:
+        if is_placements(shape):
+            return reinterpret(input, shape[0])
+        if isinstance(shape[0], torch.dtype):
+            raise OpError("Tensor.view(dtype) (reinterpreting bits) is not supported by dtorch; "
+                          "use .to(dtype) to convert values")
     return _reshape("view", input, _sizes(shape, "view"))
 
 

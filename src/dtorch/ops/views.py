@@ -37,7 +37,7 @@ from ..placement import Placement, Shard, normalize_placements
 from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
-from .registry import OpPlan, dispatch, plan_of, register, to_dtensors
+from .registry import OpPlan, _last1_get, dispatch, plan_of, register, to_dtensors
 
 _new_object = object.__new__
 _H, _AG = Tensor.__dict__["_h"], Tensor.__dict__["_ag"]  # the slots a View's properties stand in front of
@@ -117,8 +117,13 @@ WRITER = _Writer()
 def view_op(name: str, rule, x: Tensor, static: tuple, n_out: int = 0):
     """The view of ``x`` op ``name`` makes (``n_out``: how many views, for an op with several outputs). Only
     the plan runs now (its errors are raised here); the value is computed when first read."""
-    # (spelled out: this is the whole cost of a view op until the view is read)
-    c = plan_of(name, rule, x._spec, static)
+    # (spelled out: this is the whole cost of a view op until the view is read; the plan as dispatch finds it)
+    spec = x._spec
+    last = _last1_get(name)
+    if last is not None and last[2] is spec and (last[1] is static or last[1] == static):
+        c = last[0]
+    else:
+        c = plan_of(name, rule, spec, static)
     if type(x) is View:
         root, steps, grad = x._vroot, x._vsteps, x._vgrad and _grad_enabled()
     else:
@@ -185,29 +190,37 @@ _REPLACED: dict = {}
 
 def _sync(v: View) -> None:
     root = v._vroot
-    at = v._vat
-    replaced = _REPLACED.get(id(root)) if _REPLACED else None
-    if replaced is not None and replaced[0]() is root and (at if at >= 0 else -1 - at) < replaced[2]:
-        if at != replaced[1]:
-            raise ViewError(
-                f"this view's base had its storage replaced (x.data = ..., module.to(...), load_state_dict) after "
-                f"the view was taken{' and before it was first read' if at < 0 else ', and was written before that'}"
-                "; its value is gone. Take the view again from the base")
-        _own_root(v)  # it was current when the base moved on: it keeps its value, on a storage of its own
+    if _REPLACED and _replaced_since(v, root):
         return
     steps = v._vsteps
-    if v._vgrad != _grad_enabled():
-        with torch.set_grad_enabled(v._vgrad):
+    grad = v._vgrad
+    if grad is not _grad_enabled():
+        with torch.set_grad_enabled(grad):
             value = value_of(root, steps)
-    elif len(steps) == 1 and steps[0][3] is None and steps[0][1] is not None:  # (the usual view: one op)
+    elif len(steps) == 1 and steps[0][3] is None:  # (the usual view: one op on the root)
         name, rule, static, _ = steps[0]
-        value = dispatch(name, rule, [root], static)
+        value = dispatch(name, rule, [root], static) if rule is not None else value_of(root, steps)
     else:
         value = value_of(root, steps)
     _set_h(v, value._h)
-    if v._vgrad:
+    if grad:
         _set_ag(v, value._ag)
     v._vat = root._writes
+
+
+def _replaced_since(v: View, root: Tensor) -> bool:
+    """Whether ``root``'s storage was replaced since ``v`` was last computed (then ``v`` is dealt with)."""
+    at = v._vat
+    replaced = _REPLACED.get(id(root))
+    if replaced is None or replaced[0]() is not root or (at if at >= 0 else -1 - at) >= replaced[2]:
+        return False
+    if at != replaced[1]:
+        raise ViewError(
+            f"this view's base had its storage replaced (x.data = ..., module.to(...), load_state_dict) after the "
+            f"view was taken{' and before it was first read' if at < 0 else ', and was written before that'}; its "
+            "value is gone. Take the view again from the base")
+    _own_root(v)  # it was current when the base moved on: it keeps its value, on a storage of its own
+    return True
 
 
 def value_of(t: Tensor, steps) -> Tensor:
