@@ -76,6 +76,10 @@ def _write(view, lay, name, rule, tensors, static, kwargs, writes, align) -> Non
     # the view's value, written by the op, then written into the root
     value = Tensor._make(view._spec, view._h, view._graph)
     value._ag = view._ag
+    if lay[0] == "overlap":  # its blocks repeat elements: the new value is computed out of place (fill_, ...)
+        value = tensors[1] if writes else dispatch(name, rule, (value,) + tuple(tensors[1:]), static, kwargs)
+        write_back(view, value if value.dtype == view.dtype else pw.to_dtype(value, view.dtype), lay)
+        return  # (the view is stale now: it recomputes from the root when read)
     ip.dispatch_inplace(name, rule, (value,) + tuple(tensors[1:]), static, kwargs, writes=writes, align=align)
     write_back(view, value, lay)
     _set_h(view, value._h)
