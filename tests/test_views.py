@@ -115,6 +115,23 @@ def test_the_embedding_idiom_under_no_grad():
 # communication
 
 
+def test_a_view_is_computed_when_first_read_and_memory_stats_do_not_read_it():
+    from dtorch.ops.views import _get_h
+
+    with dtorch.Graph(backend="inprocess") as g:
+        x = distribute(X, DP, [Shard(0)])
+        with CommLog() as log:
+            v = x[1:3]  # rows of both devices: its value gathers them, when it is computed
+            g.get_memory_stats()
+        assert log.counts() == {}
+        with pytest.raises(AttributeError):
+            _get_h(v)  # not computed yet
+        with CommLog() as log:
+            v.local_blocks()
+        assert log.counts() == {("all_gather", "dp"): 1}
+
+
+
 @pytest.mark.parametrize("name", ["x[1:3].zero_()", "x[0].fill_(7)", "x[:, 2].mul_(0)", "x.view(-1).add_(1)",
                                   "x.t().mul_(2)", "x.narrow(0, 2, 2).copy_(y)", "x.unsqueeze(0).sub_(1)",
                                   "x[:][1].fill_(3)", "x[::2, 1:].mul_(y)", "x.data.add_(1)"])
