@@ -326,6 +326,11 @@ def test_zero_dim_index_tensors(make):
         x[:, i] += 1.0
         tx[2] = 7.0
         tx[:, 2] += 1.0
+        ti = torch.tensor(2)
+        x.index_fill_(0, i, -1.0)
+        tx.index_fill_(0, ti, -1.0)
+        x.index_copy_(1, i, torch.ones(5, 1))
+        tx.index_copy_(1, ti, torch.ones(5, 1))
         torch.testing.assert_close(x.to_torch(), tx)
         assert isinstance(x[i], View)
 

@@ -539,7 +539,8 @@ def _copy_items(x, dim, index):
     idx = index if isinstance(index, (Tensor, torch.Tensor)) else torch.tensor(index)
     if idx.ndim > 1:
         raise OpError(f"dtorch.index_copy: index must be 0-d or 1-d, got shape {list(idx.shape)}")
-    return parse_index(x, (slice(None),) * d + (idx,))
+    # (a 0-d index picks one row that keeps its dim, as torch's index_copy_: not an int index)
+    return parse_index(x, (slice(None),) * d + (idx.reshape(1) if idx.ndim == 0 else idx,))
 
 
 @register(public=False, rule=_put_rule, kernel=_put_kernel, methods=("index_copy_",))
