@@ -46,8 +46,8 @@ def _floating(dtype) -> bool:
 SHAPE_ONLY_KERNELS: set = set()
 # ops whose torch backward uses their result (derivatives.yaml's ``result``): torch refuses the backward once
 # the result was written in place (``a = x.sigmoid(); a[0].mul_(2); a.sum().backward()``), and so does a node of
-# theirs here, though its local VJP recomputes the forward from the inputs. (tests/autograd/test_view_grads.py
-# checks the list against torch; max, min and median save it only in their whole-tensor form and are left out.)
+# theirs here, though its local VJP recomputes the forward from the inputs. (tests/test_views.py checks the
+# list against torch; max, min and median save it only in their whole-tensor form and are left out.)
 SAVES_RESULT = frozenset({"amax", "amin", "copysign", "cumprod", "exp", "exp2", "expm1", "log_softmax", "logsumexp",
                           "norm", "prod", "reciprocal", "relu", "rsqrt", "sigmoid", "softmax", "sqrt", "std", "tan",
                           "tanh"})
