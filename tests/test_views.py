@@ -18,12 +18,13 @@ from sweep import distribute
 DP = dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["dp"])
 M3 = dtorch.init_device_mesh("cpu", (3,), mesh_dim_names=["a"])
 M22 = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["a", "b"])
+M23 = dtorch.init_device_mesh("cpu", (2, 3), mesh_dim_names=["dp", "tp"])
 X = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))  # 5 rows: uneven over 2 and 3 devices
 Y = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
 
 LAYOUTS = [(DP, [Shard(0)]), (DP, [Shard(1)]), (DP, [Replicate()]), (DP, [Partial()]), (M3, [Shard(0)]),
            (M22, [Shard(0), Shard(1)]), (M22, [Shard(1), Shard(0)]), (M22, [Shard(0), Shard(0)]),
-           (M22, [Replicate(), Partial()])]
+           (M22, [Replicate(), Partial()]), (M23, [Shard(0), Shard(1)])]
 
 # issue 21, item 1: each was silently lost before (the base unchanged)
 EXAMPLES = {
