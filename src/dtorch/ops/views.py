@@ -194,14 +194,20 @@ def _sync(v: View) -> None:
         return
     steps = v._vsteps
     grad = v._vgrad
-    if grad is not _grad_enabled():
+    if len(steps) == 1 and steps[0][3] is None:  # (the usual view: one op on the root)
+        name, rule, static, _ = steps[0]
+        if rule is None:  # detach() / .data of the root: its blocks, no op runs
+            value = value_of(root, steps)
+        elif grad is _grad_enabled():
+            value = dispatch(name, rule, [root], static)
+        else:
+            with torch.set_grad_enabled(grad):
+                value = dispatch(name, rule, [root], static)
+    elif grad is _grad_enabled():
+        value = value_of(root, steps)
+    else:
         with torch.set_grad_enabled(grad):
             value = value_of(root, steps)
-    elif len(steps) == 1 and steps[0][3] is None:  # (the usual view: one op on the root)
-        name, rule, static, _ = steps[0]
-        value = dispatch(name, rule, [root], static) if rule is not None else value_of(root, steps)
-    else:
-        value = value_of(root, steps)
     _set_h(v, value._h)
     if grad:
         _set_ag(v, value._ag)
