@@ -325,6 +325,7 @@ def test_view_reshape_and_contiguous_follow_torch():
         torch.testing.assert_close(_value(x), X)
         v = x[1:3]
         assert v.contiguous() is v and x.contiguous() is x
+        assert v.is_contiguous() and x.is_contiguous() and not t.is_contiguous() and not x[:, 1].is_contiguous()
         x[1:3].reshape(-1).fill_(4)  # rows 1-2 lie in one piece: a view
         assert float(x[1:3].sum()) == 32
 

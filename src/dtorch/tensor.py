@@ -353,7 +353,10 @@ class Tensor:
     # x[index] = value: Tensor.__setitem__ is bound from the op table (ops/index.py)
 
     def contiguous(self, memory_format=None) -> "Tensor":
-        return self  # blocks have no strides to fix: dtorch tensors are always "contiguous"
+        return self  # blocks have no strides to fix: a tensor that is no view is "contiguous" (views: ops/views.py)
+
+    def is_contiguous(self, memory_format=None) -> bool:
+        return True
 
     # torch functions (``torch.matmul(x, w)``, ``F.silu(x)``) route to dtorch's ops
     @classmethod

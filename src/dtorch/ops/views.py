@@ -97,6 +97,9 @@ class View(Tensor):
         """The view itself where torch's would be contiguous, else a copy (no view), as in torch."""
         return self if geometry(self)[3] else self.clone()
 
+    def is_contiguous(self, memory_format=None) -> bool:
+        return geometry(self)[3]
+
     def detach_(self):
         raise ViewError("Can't detach views in-place. Use detach() instead.")
 
