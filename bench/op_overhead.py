@@ -1,4 +1,5 @@
-"""Per-op overhead: a tiny add, views and a (1024, 1024) matmul on 1-, 8- and 64-device meshes.
+"""Per-op overhead: a tiny add, views (made, and made then used) and a (1024, 1024) matmul on 1-, 8- and
+64-device meshes.
 
 Baselines run in the same process: plain torch on the whole tensor, and PyTorch DTensor's
 single-process simulation (``LocalTensorMode`` over a fake process group) of the same layout.
@@ -87,13 +88,15 @@ def main(argv=None):
     torch.manual_seed(0)
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
-    a, b = torch.randn(64, 8), torch.randn(64, 8)
+    a, b, c = torch.randn(64, 8), torch.randn(64, 8), torch.randn(64, 2, 4)
     x, w = torch.randn(1024, 1024), torch.randn(1024, 1024)
     cases = {
         "tiny add [64, 8] S(0)+S(0)": (lambda: a + b, lambda dist: _add_case(dist, a, b)),
         "view [64, 8] -> [64, 2, 4] S(0)": (lambda: a.view(64, 2, 4), lambda dist: _view_case(dist, a)),
         "reshape [64, 8] -> [64, 2, 4] S(0)": (lambda: a.reshape(64, 2, 4), lambda dist: _reshape_case(dist, a)),
         "transpose [64, 8] S(0)": (lambda: a.transpose(0, 1), lambda dist: _transpose_case(dist, a)),
+        # a view is computed when first read (ops/views.py): made and used, as code does
+        "view + add [64,2,4] S(0)": (lambda: a.view(64, 2, 4) + c, lambda dist: _view_add_case(dist, a, c)),
         "matmul [1024,1024] S(0)@R": (lambda: x @ w, lambda dist: _mm_case(dist, x, w)),
     }
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
@@ -131,6 +134,11 @@ def _view_case(dist, a):
 def _reshape_case(dist, a):
     da = dist(a, "S0")
     return lambda: da.reshape(64, 2, 4)
+
+
+def _view_add_case(dist, a, c):
+    da, dc = dist(a, "S0"), dist(c, "S0")
+    return lambda: da.view(64, 2, 4) + dc
 
 
 def _transpose_case(dist, a):

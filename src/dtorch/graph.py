@@ -28,12 +28,16 @@ _NUMBERS = itertools.count(1)
 # The tensor classes whose objects the memory scan counts; tensor.py registers dtorch.Tensor (graph.py
 # may not import tensor.py: the layers point down).
 _TENSOR_TYPES: list[type] = []
+# each registered class's ``_h`` slot, read as it lies: a subclass may put a property in front of it (a view's
+# computes its value), and a view whose value was never computed holds no storage of its own
+_HANDLE_SLOTS: dict = {}
 
 
 def register_tensor_type(cls: type) -> type:
-    """Objects of ``cls`` (with ``_spec``, ``_h``, ``_graph``) count in ``get_memory_stats``."""
+    """Objects of ``cls`` (with ``_spec``, ``_h``, ``_graph`` slots) count in ``get_memory_stats``."""
     if cls not in _TENSOR_TYPES:
         _TENSOR_TYPES.append(cls)
+        _HANDLE_SLOTS[cls] = cls.__dict__["_h"].__get__
     return cls
 
 
@@ -200,7 +204,11 @@ class Graph:
         for obj in gc.get_objects():
             # type(), not isinstance(): isinstance reads obj.__class__, which warns on deprecated torch objects
             if issubclass(type(obj), types) and getattr(obj, "_graph", None) is self:
-                h = obj._h
+                slot = next(get for cls, get in _HANDLE_SLOTS.items() if isinstance(obj, cls))
+                try:
+                    h = slot(obj)
+                except AttributeError:  # a view not computed yet
+                    continue
                 out.setdefault(id(h), (h, obj._spec))
         return out
 

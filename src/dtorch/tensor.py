@@ -24,10 +24,13 @@ _new_object = object.__new__
 
 
 class Tensor:
-    # _writes: in-place writes so far (unset until the first; read through ``_version``)
+    # _writes: in-place writes so far (unset until the first; read through ``_version``). The views of this
+    # tensor (ops/views.py) compare it with the count their value was computed at
     # _ag: autograd metadata (dtorch.autograd.node.AutogradMeta), None when the tensor has no history and
     # requires no grad (the one slot every op reads to decide whether to record)
-    __slots__ = ("_spec", "_h", "_graph", "_writes", "_ag", "__weakref__")
+    # _quiet: the writes among ``_writes`` made through ``.data`` (torch does not count them in ``_version``); set
+    # whenever _writes is
+    __slots__ = ("_spec", "_h", "_graph", "_writes", "_ag", "_quiet", "__weakref__")
 
     def __init__(self, *args, device_mesh: DeviceMesh | None = None, placements=None, dtype: torch.dtype | None = None,
                  graph: Graph | None = None):
@@ -88,13 +91,19 @@ class Tensor:
             self._h = handle
             if self._graph.tracks_memory:
                 self._graph._on_handle(handle, self._spec)
-        self._writes = self._version + 1
+        try:
+            self._writes = _get_writes(self) + 1
+        except AttributeError:  # the first write
+            self._writes, self._quiet = 1, 0
 
     @property
     def _version(self) -> int:
-        """How many in-place writes this tensor has had (torch's ``Tensor._version``): a cache of its
-        value (a copy on another mesh) is stale when this moved."""
-        return getattr(self, "_writes", 0)
+        """How many in-place writes this tensor has had (torch's ``Tensor._version``; writes through ``.data``
+        do not count, as in torch): a cache of its value (a copy on another mesh) is stale when this moved."""
+        try:
+            return _get_writes(self) - self._quiet
+        except AttributeError:  # never written
+            return 0
 
     @classmethod
     def from_blocks(cls, blocks, *, device_mesh: DeviceMesh, placements, shape) -> "Tensor":
@@ -338,7 +347,8 @@ class Tensor:
                 out = out.redistribute(target_mesh, [_REPLICATE] * target_mesh.ndim)
         return out
 
-    # detach, clone, requires_grad, grad, backward: dtorch.autograd.tensor_methods (installed by dtorch/__init__)
+    # clone, requires_grad, grad, backward: dtorch.autograd.tensor_methods (installed by dtorch/__init__); detach:
+    # ops/views.py
 
     def __hash__(self):
         return id(self)
@@ -346,7 +356,10 @@ class Tensor:
     # x[index] = value: Tensor.__setitem__ is bound from the op table (ops/index.py)
 
     def contiguous(self, memory_format=None) -> "Tensor":
-        return self  # blocks have no strides to fix: dtorch tensors are always "contiguous"
+        return self  # blocks have no strides to fix: a tensor that is no view is "contiguous" (views: ops/views.py)
+
+    def is_contiguous(self, memory_format=None) -> bool:
+        return True
 
     # torch functions (``torch.matmul(x, w)``, ``F.silu(x)``) route to dtorch's ops
     @classmethod
@@ -380,6 +393,9 @@ class Tensor:
 
 
 register_tensor_type(Tensor)  # get_memory_stats counts live tensors
+# the slot itself: an unset slot read through it raises AttributeError at once (a plain read of one would go
+# through Tensor.__getattr__, the helpful message for torch attributes dtorch lacks: microseconds)
+_get_writes = Tensor.__dict__["_writes"].__get__
 
 
 def _constructor_data(args: tuple, dtype, graph: Graph):

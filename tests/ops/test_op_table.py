@@ -193,6 +193,9 @@ SAMPLES["unbind"] = [Case(one(X, 1))]
 for _n in ("cat", "concat", "concatenate"):
     SAMPLES[_n] = [Case(lambda: (([f(5, 6), g(3, 6)], 0), {})), Case(lambda: (([f(5, 6), g(5, 2)], 1), {}))]
 SAMPLES["stack"] = [Case(lambda: (([f(5, 6), g(5, 6)], 1), {}))]
+SAMPLES["select"] = [Case(one(X, 1, -2)), Case(one(lambda: f(2, 3, 4), 0, 1))]
+SAMPLES["diagonal"] = [Case(one(X)), Case(one(X, 1)), Case(one(lambda: f(2, 5, 4), -1, 2, 1))]
+SAMPLES["data"] = [Case(one(X), ref=lambda x: x.data)]
 SAMPLES["tril"] = [Case(one(X, 1))]
 SAMPLES["triu"] = [Case(one(X, -1))]
 

@@ -22,6 +22,8 @@ own layout happens when it is stored).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..errors import OpError
@@ -38,6 +40,19 @@ def _floating(dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
+# kernels whose backward needs only their inputs' shapes (views: reshape, permute, index, ...), filled by the
+# op families. A node keeps a handle on the input's blocks as they were, without a version check, as torch's
+# views save nothing: writing the input afterwards (through the view itself, ops/views.py) is no error.
+SHAPE_ONLY_KERNELS: set = set()
+# ops whose torch backward uses their result (derivatives.yaml's ``result``): torch refuses the backward once
+# the result was written in place (``a = x.sigmoid(); a[0].mul_(2); a.sum().backward()``), and so does a node of
+# theirs here, though its local VJP recomputes the forward from the inputs. (tests/test_views.py checks the
+# list against torch; max, min and median save it only in their whole-tensor form and are left out.)
+SAVES_RESULT = frozenset({"amax", "amin", "copysign", "cumprod", "exp", "exp2", "expm1", "log_softmax", "logsumexp",
+                          "norm", "prod", "reciprocal", "relu", "rsqrt", "sigmoid", "softmax", "sqrt", "std", "tan",
+                          "tanh"})
+
+
 class NoGradientError(OpError, RuntimeError):
     """The backward reached an op whose local computation torch cannot differentiate (RuntimeError, like
     torch's "derivative for ... is not implemented")."""
@@ -47,7 +62,7 @@ class KernelNode(Node):
     """One kernel on every device. Saves the laid-out inputs it needs to recompute the local forward."""
 
     __slots__ = ("op", "kernel", "in_specs", "out_specs", "kwargs", "device_args", "saved", "diff", "graph",
-                 "outputs_saved", "tape")
+                 "outputs_saved", "tape", "results")
 
     def __init__(self, op, kern, in_specs, out_specs, kwargs, device_args, inputs, handles, outputs, tape=None):
         diff = tuple(requires_grad(t) and _floating(s.dtype) for t, s in zip(inputs, in_specs))
@@ -65,6 +80,8 @@ class KernelNode(Node):
             if t._ag is not None and getattr(t._ag.grad_fn, "leaf", None) is not None:
                 leaf = t._ag.grad_fn.leaf  # an fsdp-gathered parameter (fsdp.RegatherNode): gathered again
                 saved.append((leaf, leaf._version, s))
+            elif kern.name in SHAPE_ONLY_KERNELS:
+                saved.append((type(t)._make(s, h, t._graph), 0, None))
             elif h is t._h:
                 saved.append((t, t._version, None))
             elif t._ag is not None and t._ag.grad_fn is None:
@@ -82,6 +99,8 @@ class KernelNode(Node):
         self.outputs_saved = {k: type(o)._make(o._spec, o._h, o._graph) for k, o in enumerate(outputs)
                               if any(isinstance(p, Partial) and p.reduce_op in ("max", "min")
                                      for p in o._spec.placements)}
+        # (weakly: an output that died cannot have been written) each output and its version, for SAVES_RESULT
+        self.results = [(weakref.ref(o), o._version) for o in outputs] if op in SAVES_RESULT else None
 
     @property
     def name(self):
@@ -121,10 +140,19 @@ class KernelNode(Node):
         self.saved = None
         self.outputs_saved = None
         self.tape = None
+        self.results = None
 
     def apply(self, grads):
         from ..redistribute import relayout
 
+        for k, (ref, version) in enumerate(self.results or ()):
+            out = ref()
+            if out is not None and out._version != version:
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: output {k} of dtorch.{self.op} ({out._spec}) is at version {out._version}; expected "
+                    f"version {version} instead. Write into a copy (y = x.{self.op}().clone()) instead, or run the "
+                    "in-place op after the backward.")
         handles, specs = [], []
         for n, ((t, version, layout), s) in enumerate(zip(self.saved, self.in_specs)):
             if t._version != version:

@@ -130,12 +130,7 @@ def clone(self, *, memory_format=None):
     return out
 
 
-def detach(self):
-    """A new Tensor object with the same value and no history (requires_grad False). Unlike torch, an in-place
-    write to one does not show in the other (they share blocks copy-on-write)."""
-    from ..tensor import Tensor
-
-    return Tensor._make(self._spec, self._graph.runtime.alias(self._h, self._spec), self._graph)
+# detach(): ops/views.py (a view: the same storage, no history)
 
 
 def detach_(self):
@@ -154,5 +149,4 @@ def install(cls) -> None:
     cls.register_hook = register_hook
     cls.retains_grad = property(_retains_grad)
     cls.clone = clone
-    cls.detach = detach
     cls.detach_ = detach_

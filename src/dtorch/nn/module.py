@@ -21,6 +21,7 @@ from ..autograd.node import AutogradMeta
 from ..context import get_default_device_mesh
 from ..errors import DTorchError
 from ..mesh import DeviceMesh
+from ..ops.views import replace_storage
 from .parameter import Buffer
 from ..tensor import Tensor
 
@@ -44,12 +45,12 @@ class Parameter(Tensor):
         self._ag = AutogradMeta(requires_grad=True) if requires_grad and self.dtype.is_floating_point else None
 
     def _set(self, value: Tensor) -> None:
-        """Take ``value``'s storage and layout in place, so every holder of this parameter sees it."""
+        """Take ``value``'s storage and layout in place, so every holder of this parameter sees it (``p.data = value``:
+        a handle of its own on value's blocks, an in-place write to either copies first; views of the old storage
+        keep it, ops/views.replace_storage)."""
         # the old storage is freed (and leaves the memory stats) when its last holder lets go of it
-        # a handle of its own on value's blocks: an in-place write to either copies first
+        replace_storage(self, value)
         ag = self._ag
-        self._init(value._spec, value._graph.runtime.alias(value._h, value._spec), value._graph)
-        self._ag = ag
         if ag is not None and ag.grad is not None and ag.grad._spec.shape != value._spec.shape:
             ag.grad = None
 

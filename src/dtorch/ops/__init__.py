@@ -2,6 +2,7 @@
 from . import registry
 from . import factory, pointwise, view, reduce, matrix, nn, attention, inplace, loss, conv, index, pool, norm2d, misc  # noqa: F401
 from . import random  # noqa: F401
+from . import view_select, view_writes  # noqa: F401  (views: select/diagonal, writes through views)
 
 TABLE = registry.TABLE
 # what dtorch.Tensor takes from the op layer besides the table (Tensor._install_ops)

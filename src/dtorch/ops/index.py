@@ -18,16 +18,14 @@ without moving. A Partial target stays partial: ``sum`` terms get the value on o
 the others, ``avg``/``max``/``min`` terms all get it. The object keeps its identity and placements
 (``inplace.dispatch_inplace``), and under autograd records like any in-place op.
 
-Views are values in dtorch (ops-views.md): ``y = x[1:3]; y[0] = 5`` cannot write through to ``x``, so
-an assignment into a tensor made by basic indexing while its base is alive raises ``ViewWriteError``
-naming the fix (write into the base with one combined index, or ``clone()`` the view first).
+``x[basic index]`` is a view of ``x`` (ops/views.py): ``y = x[1:3]; y[0] = 5`` writes into ``x``, as in torch
+(an assignment into a view goes to its root: ops/view_writes.py).
 """
 from __future__ import annotations
 
 import itertools
 import numbers
 import operator
-import weakref
 
 import numpy as np
 import torch
@@ -39,13 +37,9 @@ from ..spec import DTensorSpec, block_offsets
 from ..tensor import Tensor
 from . import pointwise as pw
 from . import view as vw
-from .inplace import dispatch_inplace
+from .inplace import copy_, dispatch_inplace
 from .registry import OpPlan, dispatch, register, replicated, spec_like, to_dtensors
-
-
-class ViewWriteError(OpError, RuntimeError):
-    """An assignment into a view of a live tensor (torch would write through into the base; dtorch views
-    are values)."""
+from .views import View
 
 
 # ------------------------------------------------------------------------------------------------
@@ -144,6 +138,9 @@ def parse_index(x: Tensor, index):
                 raise vw.UnsupportedIndexError("dtorch indexing with the Python bool False (an empty new dim) is "
                                                "not supported; use x[None][:0]")
             parsed.append(None)  # x[True] adds a dim of 1, as None does
+        elif isinstance(it, (Tensor, torch.Tensor)) and it.ndim == 0 and not it.dtype.is_floating_point \
+                and not it.dtype.is_complex and it.dtype not in (torch.bool, torch.uint8):
+            parsed.append(operator.index(it.item()))  # a 0-d integer tensor indexes like an int, as in torch
         elif isinstance(it, (Tensor, torch.Tensor, list, tuple, np.ndarray)):
             t = _index_tensor(it, x.device_mesh)
             if t.dtype == torch.bool and t.ndim == 0:
@@ -207,30 +204,6 @@ def _torch_index(items, tensors) -> tuple:
         out.append(None if k == "new" else slice(None) if k == "all" else it[1] if k == "int"
                    else tensors[it[1]] if k in ("t", "m") else slice(*it[1:]))
     return tuple(out)
-
-
-# ------------------------------------------------------------------------------------------------
-# views are values: an assignment into a live basic view refuses (see the module doc)
-
-# id(view) -> (weakref to the view, weakref to its base); by id: a WeakKeyDictionary would compare tensors
-# with ==, which is element-wise on tensors
-_VIEW_BASE: dict = {}
-
-
-def note_view(out, base) -> None:
-    if isinstance(out, Tensor) and out is not base:
-        key = id(out)
-        _VIEW_BASE[key] = (weakref.ref(out, lambda _, k=key: _VIEW_BASE.pop(k, None)), weakref.ref(base))
-
-
-def _refuse_view_write(x: Tensor, what: str) -> None:
-    entry = _VIEW_BASE.get(id(x))
-    if entry is not None and entry[0]() is x and entry[1]() is not None:
-        raise ViewWriteError(
-            f"{what}: this tensor was made by indexing another live tensor (a view in torch, which would write "
-            "through into the base). dtorch views are values, so the write would not reach the base: write into "
-            "the base with one combined index (x[1:3, 0] = v instead of x[1:3][0] = v), or take a copy first "
-            "(y = x[1:3].clone()) if only the copy should change")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -323,10 +296,9 @@ def getitem(input, index):
     x = vw._tensor("getitem", input)
     items, tensors = parse_index(x, index)
     basic, positions = _take_positions(items)
-    y = vw._index("getitem", x, basic)
     if not positions:
-        note_view(y, x)
-        return y
+        return vw._index("getitem", x, basic)  # a view of x
+    y = x if all(it[0] == "all" for it in basic) else dispatch("getitem", vw._index_rule, [x], (basic,))
     pos, idx = [], []
     for p, j in positions:
         t = tensors[j]
@@ -381,8 +353,22 @@ def _put_one(xb, v, *idx, items, shape, accumulate, sharded, box, d_own=1, **off
 
 
 def _put_box(out, v, items, box, shape, offs, own):
-    """Basic index: per input dim the local slice of the block and the slice of the value (already the
-    selection's shape) it takes. ``box[k]``: value dim k arrives cut like the target (a whole sharded dim)."""
+    cuts = box_slices(items, box, shape, offs, out.shape)
+    if cuts is None:
+        return out  # the index misses this block
+    local, cut = cuts
+    piece = v[cut].to(out.dtype)
+    if not own:
+        piece = torch.zeros_like(piece)
+    out[local] = piece
+    return out
+
+
+def box_slices(items, box, shape, offs, block_shape):
+    """A basic index (``items`` of a tensor of global ``shape``) on one device's block (``block_shape``, its
+    offsets ``offs["d_off<dim>"]`` on sharded dims): (the index of the part of the box this block holds, in
+    the block; the index of that part in a value of the selection's shape), or None when the box misses the
+    block. ``box[k]``: value dim k arrives cut like the target (a whole sharded dim: taken whole)."""
     local, cut, d, k = [], [], 0, 0
     for it in items:
         kind = it[0]
@@ -391,10 +377,10 @@ def _put_box(out, v, items, box, shape, offs, own):
             k += 1
             continue
         lo = offs.get(f"d_off{d}", 0)
-        n = out.shape[d]
+        n = block_shape[d]
         if kind == "int":
             if not lo <= it[1] < lo + n:
-                return out  # the index misses this block
+                return None
             local.append(it[1] - lo)
         else:
             s, e, st = (0, shape[d], 1) if kind == "all" else it[1:]
@@ -404,11 +390,7 @@ def _put_box(out, v, items, box, shape, offs, own):
             cut.append(slice(None) if box[k] else slice(j0, j1))
             k += 1
         d += 1
-    piece = v[tuple(cut)].to(out.dtype)
-    if not own:
-        piece = torch.zeros_like(piece)
-    out[tuple(local)] = piece
-    return out
+    return tuple(local), tuple(cut)
 
 
 @kernel("index.put")
@@ -425,33 +407,43 @@ def _put_kernel(x, v, *idx, items, ranks, shape, accumulate, sharded, box=None, 
                     **device_kw)
 
 
+def shard_offsets(x: DTensorSpec) -> tuple:
+    """(the dims of ``x`` that are sharded, device_args with each device's offset along each: ``d_off<dim>``)."""
+    sharded = tuple(sorted({p.dim for p in x.placements if isinstance(p, Shard)}))
+    return sharded, {f"d_off{d}": block_offsets(x, d) for d in sharded}
+
+
+def box_value_layout(x: DTensorSpec, items) -> tuple:
+    """A value of the selection's shape written into ``x[items]`` (a basic index): (its placements, ``box``).
+    Replicate, except that a whole sharded dim of x arrives cut like x (``box[k]``: value dim k does), so
+    each device writes its own part of the value without moving it."""
+    v_pl = [Replicate()] * x.mesh.ndim
+    out_of, d, k = {}, 0, 0
+    for it in items:
+        if it[0] != "new":
+            if it[0] != "int":
+                out_of[d] = (k, it[0] == "all")
+            d += 1
+        k += it[0] != "int"
+    box = [False] * k
+    for i, p in enumerate(x.placements):
+        if isinstance(p, Shard) and out_of.get(p.dim, (0, False))[1]:
+            v_pl[i] = Shard(out_of[p.dim][0])
+            box[out_of[p.dim][0]] = True
+    return tuple(v_pl), tuple(box)
+
+
 def _put_rule(specs, items, accumulate, box_ok):
     x, v, idx = specs[0], specs[1], specs[2:]
     mesh = x.mesh
-    sharded = tuple(sorted({p.dim for p in x.placements if isinstance(p, Shard)}))
-    device_args = {f"d_off{d}": block_offsets(x, d) for d in sharded}
+    sharded, device_args = shard_offsets(x)
     sum_dims = [i for i, p in enumerate(x.placements) if isinstance(p, Partial) and p.reduce_op == "sum"]
     if sum_dims:
         own = np.ones(mesh.shape, dtype=np.int64)
         for c in mesh.coordinates():
             own[c] = int(all(c[i] == 0 for i in sum_dims))
         device_args["d_own"] = own
-    v_pl = [Replicate()] * mesh.ndim
-    box = None
-    if box_ok:  # the value is the selection's shape: a whole sharded dim of x arrives cut like x
-        out_of, d, k = {}, 0, 0
-        for it in items:
-            if it[0] != "new":
-                if it[0] != "int":
-                    out_of[d] = (k, it[0] == "all")
-                d += 1
-            k += it[0] != "int"
-        box = [False] * k
-        for i, p in enumerate(x.placements):
-            if isinstance(p, Shard) and out_of.get(p.dim, (0, False))[1]:
-                v_pl[i] = Shard(out_of[p.dim][0])
-                box[out_of[p.dim][0]] = True
-        box = tuple(box)
+    v_pl, box = box_value_layout(x, items) if box_ok else ((Replicate(),) * mesh.ndim, None)
     v_spec = spec_like(v, placements=v_pl, dtype=x.dtype)
     kwargs = {"items": items, "ranks": tuple(s.ndim for s in idx), "shape": x.shape, "accumulate": accumulate,
               "sharded": sharded, "box": box}
@@ -505,8 +497,16 @@ def _index_put(x: Tensor, items, tensors, value, accumulate: bool, what: str) ->
 
 
 def _setitem(self, index, value):
-    _refuse_view_write(self, "x[index] = value")
     items, tensors = parse_index(self, index)
+    if type(self) is View and not tensors:
+        # torch's self[index].copy_(value): a view of the view, written where it lies in the root (its own
+        # geometry decides how: x[1:3][0] = v writes one row of x where it is)
+        v = _value(self, value)
+        sel = _check_value_shape(items, tensors, self, v)
+        while v.ndim > len(sel) and v.shape[0] == 1:
+            v = vw.squeeze(v, 0)
+        copy_(vw._index("setitem", self, items), v)
+        return self
     _index_put(self, items, tensors, value, False, "setitem")
     return self  # (Python drops it for x[i] = v; dtorch.setitem(x, i, v) returns the tensor, as in-place ops do)
 
@@ -523,7 +523,6 @@ def _put_items(x, indices):
 @register(public=False, rule=_put_rule, kernel=_put_kernel, methods=("index_put_",))
 def index_put_(self, indices, values, accumulate=False):
     """``x.index_put_(indices, values, accumulate)``: ``x[indices] = values`` (``+=`` with accumulate)."""
-    _refuse_view_write(self, "index_put_")
     items, tensors = _put_items(self, indices)
     return _index_put(self, items, tensors, values, accumulate, "index_put_")
 
@@ -540,13 +539,13 @@ def _copy_items(x, dim, index):
     idx = index if isinstance(index, (Tensor, torch.Tensor)) else torch.tensor(index)
     if idx.ndim > 1:
         raise OpError(f"dtorch.index_copy: index must be 0-d or 1-d, got shape {list(idx.shape)}")
-    return parse_index(x, (slice(None),) * d + (idx,))
+    # (a 0-d index picks one row that keeps its dim, as torch's index_copy_: not an int index)
+    return parse_index(x, (slice(None),) * d + (idx.reshape(1) if idx.ndim == 0 else idx,))
 
 
 @register(public=False, rule=_put_rule, kernel=_put_kernel, methods=("index_copy_",))
 def index_copy_(self, dim, index, source):
     """``x.index_copy_(dim, index, source)``: rows ``index`` of dim ``dim`` set from ``source``."""
-    _refuse_view_write(self, "index_copy_")
     items, tensors = _copy_items(self, dim, index)
     return _index_put(self, items, tensors, _moved_source(self, dim, source), False, "index_copy_")
 
@@ -565,7 +564,6 @@ def index_copy(input, dim, index, source):
 
 @register(rule=_put_rule, kernel=_put_kernel, methods=("index_fill_",))
 def index_fill_(self, dim, index, value):
-    _refuse_view_write(self, "index_fill_")
     items, tensors = _copy_items(self, dim, index)
     return _index_put(self, items, tensors, value, False, "index_fill_")
 
@@ -710,7 +708,6 @@ def _scatter(name, x, dim, index, src, value, mode, reduce=None, include_self=Tr
         kwargs = {"value": value.item() if isinstance(value, (Tensor, torch.Tensor)) else value}
     static = (d, mode, reduce, include_self)
     if inplace:
-        _refuse_view_write(x, f"{name}_")
         return dispatch_inplace(name, _scatter_rule, tensors, static, kwargs, align=False)
     return dispatch(name, _scatter_rule, tensors, static, kwargs)
 
@@ -855,7 +852,6 @@ def masked_scatter(input, mask, source):
 
 @register(public=False, rule=_put_rule, kernel=_put_kernel, methods=("masked_scatter_",))
 def masked_scatter_(self, mask, source):
-    _refuse_view_write(self, "masked_scatter_")
     m, vals = _masked_scatter(self, mask, source, "masked_scatter_")
     items, tensors = parse_index(self, m)
     return _index_put(self, items, tensors, vals, False, "masked_scatter_")

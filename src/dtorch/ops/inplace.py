@@ -2,8 +2,9 @@
 
 The result is written into ``x``'s own storage: the runtime runs an in-place kernel on ``x``'s blocks
 (``Runtime.write``), copying first when anyone else can see a block (copy-on-write), so the Python
-object keeps its identity and placements and no other tensor sees the change. Views do not write
-through to their base (each tensor is a value; torch would show the change in the view).
+object keeps its identity and placements and no other tensor sees the change, except x's views, which
+show it when next read (ops/views.py). An in-place op on a view writes into its root at the view's
+positions (ops/view_writes.py), so the root and its other views show it too, as in torch.
 
 How: the op's ordinary plan with ``x`` as its first operand. When that plan takes ``x`` as it lies and
 leaves the result in ``x``'s placements, every device writes its own block, with the other operands
@@ -31,6 +32,7 @@ from ..spec import DTensorSpec
 from ..tensor import Tensor
 from . import pointwise as pw
 from .registry import OpPlan, _broadcast_shape, _plan, describe, dispatch, register, to_dtensors
+from .views import WRITER, View
 
 
 class InplaceError(OpError, RuntimeError):
@@ -67,6 +69,8 @@ def dispatch_inplace(name: str, rule, tensors, static: tuple, kwargs: dict | Non
     inputs' local ranks are padded to one length, as element-wise kernels expect (False: kept as they are).
     """
     target = tensors[0]
+    if type(target) is View:  # the write goes into the view's root
+        return WRITER.write(name, rule, tensors, static, kwargs, writes, align)
     tspec = target._spec
     if any(t._graph is not target._graph for t in tensors[1:]):
         check_one_graph(name, tensors)  # (two meshes: the plan below says so)
@@ -75,12 +79,7 @@ def dispatch_inplace(name: str, rule, tensors, static: tuple, kwargs: dict | Non
     c = _plan(name, rule, tuple(t._spec for t in tensors), static)
     plan = c.plan
     out = plan.out_specs[0]
-    if out.shape != tspec.shape:
-        raise InplaceError(f"dtorch.{name}_: output with shape {list(tspec.shape)} doesn't match the broadcast "
-                           f"shape {list(out.shape)}; use the out-of-place x = dtorch.{name}(...) instead")
-    if out.dtype != tspec.dtype and not torch.can_cast(out.dtype, tspec.dtype):
-        raise InplaceError(f"dtorch.{name}_: result type {_dtype_name(out.dtype)} can't be cast to the desired "
-                           f"output type {_dtype_name(tspec.dtype)}; cast x first or use the out-of-place op")
+    check_result(name, out, tspec)
     graph = target._graph
     if plan.in_specs[0] == tspec and out.placements == tspec.placements:
         others = [t if t._spec == s else redistribute_spec(t, s) for t, s in zip(tensors[1:], plan.in_specs[1:])]
@@ -104,6 +103,16 @@ def dispatch_inplace(name: str, rule, tensors, static: tuple, kwargs: dict | Non
         handle = redistribute_spec(result, tspec)._h
     target._written(handle)
     return target
+
+
+def check_result(name: str, out: DTensorSpec, tspec: DTensorSpec) -> None:
+    """torch's refusals of an in-place op whose result (``out``) does not fit its target (``tspec``)."""
+    if out.shape != tspec.shape:
+        raise InplaceError(f"dtorch.{name}_: output with shape {list(tspec.shape)} doesn't match the broadcast "
+                           f"shape {list(out.shape)}; use the out-of-place x = dtorch.{name}(...) instead")
+    if out.dtype != tspec.dtype and not torch.can_cast(out.dtype, tspec.dtype):
+        raise InplaceError(f"dtorch.{name}_: result type {_dtype_name(out.dtype)} can't be cast to the desired "
+                           f"output type {_dtype_name(tspec.dtype)}; cast x first or use the out-of-place op")
 
 
 def _recorded_inplace(name, rule, tensors, static, kwargs, writes: bool) -> Tensor:
@@ -201,6 +210,11 @@ def _copy_rule(specs):
 @register("copy_", rule=_copy_rule, kernel=_copy_kernel, public=False, methods=("copy_",))
 def copy_(self: Tensor, src, non_blocking: bool = False) -> Tensor:
     """``x.copy_(src)``: ``src`` (broadcast to x's shape, cast to its dtype) written into x's own storage."""
+    return _copy(self, src, "copy")
+
+
+def _copy(self: Tensor, src, name: str) -> Tensor:
+    """copy_ (``name`` "copy") and fill_ ("fill": torch lets it write a view whose elements overlap)."""
     if isinstance(src, (bool, numbers.Number)):
         src = torch.tensor(src)
     if not isinstance(src, (Tensor, torch.Tensor)):
@@ -215,7 +229,7 @@ def copy_(self: Tensor, src, non_blocking: bool = False) -> Tensor:
                                f"destination's shape {list(self.shape)}")
         src = src.expand(tuple(self.shape))
     src = redistribute_spec(src, DTensorSpec(self.device_mesh, self._spec.placements, self._spec.shape, src.dtype))
-    return dispatch_inplace("copy", _copy_rule, (self, src), (), writes=True)
+    return dispatch_inplace(name, _copy_rule, (self, src), (), writes=True)
 
 
 @register("fill_", public=False, methods=("fill_",))
@@ -227,7 +241,8 @@ def fill_(self: Tensor, value) -> Tensor:
         if value.ndim != 0:
             raise OpError(f"fill_ only supports 0-dimension value tensor but got tensor with {value.ndim} dimensions.")
         value = value.item()
-    return copy_(self, torch.tensor(value, dtype=self.dtype) if self.dtype != torch.bool else torch.tensor(bool(value)))
+    return _copy(self, torch.tensor(value, dtype=self.dtype) if self.dtype != torch.bool else torch.tensor(bool(value)),
+                 "fill")
 
 
 @register("zero_", public=False, methods=("zero_",))

@@ -29,6 +29,7 @@ from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
 from .registry import _RESOLVED, OpPlan, _broadcast_shape, dispatch, meta_call, register, reject_out, resolve_torch, to_dtensors
+from .views import View
 
 # op name -> how it treats partial inputs: "add" (linear in every operand), "scale" (linear in its
 # first operand when the others are replicated or scalars)
@@ -123,7 +124,7 @@ def pointwise(name: str, fn: str, *args, **kwargs):
     """Run torch function ``fn`` element-wise on a mix of dtorch tensors, torch tensors and scalars."""
     if not kwargs:
         for a in args:
-            if type(a) is not Tensor:
+            if type(a) is not Tensor and type(a) is not View:
                 break
         else:  # tensors only: the short form, no argument analysis
             return dispatch(name, _pointwise_rule, args, (name, fn, None, (), ()))
@@ -254,7 +255,7 @@ def _binop(name: str, fn: str, reflected: bool = False):
 
     def op(self, other):
         tp = type(other)
-        if tp is Tensor:
+        if tp is Tensor or tp is View:
             if not reflected:
                 return dispatch(name, rule, (self, other), tensors_static)
         else:
@@ -282,7 +283,7 @@ def _elementwise_op(name: str, fn: str, *, torch_fns=(), functional=False, metho
     unary_static = (name, fn, None, (), ())  # x.exp(): the key pointwise() would make, made once
 
     def op(input, *args, inplace: bool = False, out=None, **kwargs):
-        if type(input) is Tensor and not args and not kwargs and not inplace and out is None:
+        if (type(input) is Tensor or type(input) is View) and not args and not kwargs and not inplace and out is None:
             return dispatch(name, _pointwise_rule, (input,), unary_static)
         reject_out(f"dtorch.{name}", out)  # else the kernel would write into out's shared blocks
         if inplace:  # F.relu(x, inplace=True): the result written into x's own storage, x returned
@@ -415,12 +416,6 @@ def clone(input, *, memory_format=None):
     if not isinstance(input, Tensor):
         raise OpError(f"dtorch.clone expects a dtorch.Tensor, got {type(input).__name__}")
     return input.clone()
-
-
-@register(public=False, torch_fns=(torch.detach,))
-def detach(input):
-    """``torch.detach``: ``Tensor.detach``."""
-    return input.detach()
 
 
 # -- dtype casts ------------------------------------------------------------------------------------

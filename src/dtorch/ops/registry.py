@@ -237,6 +237,15 @@ def _plan(name, rule, specs, static) -> _Compiled:
     return c
 
 
+def plan_of(name, rule, spec, static) -> _Compiled:
+    """The cached plan of a one-input op, as ``dispatch`` finds it, without running it (a view is made
+    from its plan's output spec; its value is computed when first read: ops/views.py)."""
+    last = _last1_get(name)
+    if last is not None and last[2] is spec and (last[1] is static or last[1] == static):
+        return last[0]
+    return _plan(name, rule, (spec,), static)
+
+
 def _compile(name, rule, specs, static) -> _Compiled:
     plan = make_plan(name, rule, specs, static)
     return _Compiled(plan, plan.in_specs == specs)

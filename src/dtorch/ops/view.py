@@ -31,7 +31,9 @@ from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel, per_device
 from ..spec import DTensorSpec, block_offsets, chunk_size, shard_range
 from ..tensor import Tensor
+from ..autograd.dispatched import SHAPE_ONLY_KERNELS
 from .registry import OpPlan, dispatch, meta_call, register, spec_like, to_dtensors
+from .views import STEP_META, View, is_placements, reinterpret, reshape_is_view, view_op
 
 
 class IndexOutOfRangeError(OpError, IndexError):
@@ -495,7 +497,7 @@ def _tri_rule(specs, upper, diagonal):
 
 
 def _tensor(name, x) -> Tensor:
-    if type(x) is Tensor:
+    if type(x) is Tensor or type(x) is View:
         return x
     x = to_dtensors(name, [x])[0]
     if not isinstance(x, Tensor):
@@ -536,21 +538,26 @@ def _kw(name, kw, key):
     return kw[key]
 
 
+# The view ops return views of their input (ops/views.py): the value is computed when first read, and
+# writes through the view reach its base. ``reshape`` of a view torch cannot view copies (a plain tensor).
+
 def _reshape(name, x, shape):
-    return dispatch(name, _reshape_rule, [x], (shape,))
+    if type(x) is View and not reshape_is_view(x, name, shape):
+        return dispatch(name, _reshape_rule, [x], (shape,))
+    return view_op(name, _reshape_rule, x, (shape,))
 
 
 def _permute(name, x, perm):
     for k, p in enumerate(perm):
         if k != p:
-            return dispatch(name, _permute_rule, (x,), (perm,))
+            return view_op(name, _permute_rule, x, (perm,))
     return x  # the identity permutation: the tensor itself, as torch gives a view of the same data
 
 
 def _index(name, x, items):
     if all(it[0] == "all" for it in items):
         return x
-    return dispatch(name, _index_rule, [x], (items,))
+    return view_op(name, _index_rule, x, (items,))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -567,10 +574,15 @@ def _reshape_as(self, other):
 
 @register(public=False, rule=_reshape_rule, kernel=_reshape_kernel, methods=("view", ("view_as", _view_as)))
 def view(input, *shape, **kw):
+    """``x.view(*sizes)``; ``x.view([placements])`` reads every device's block as it is under other placements
+    (ops/views.py ``reinterpret``: no communication, not a view of x)."""
     shape = shape or (_kw("view", kw, "size"),)
-    if len(shape) == 1 and isinstance(shape[0], torch.dtype):
-        raise OpError("Tensor.view(dtype) (reinterpreting bits) is not supported by dtorch; "
-                      "use .to(dtype) to convert values")
+    if len(shape) == 1:
+        if is_placements(shape):
+            return reinterpret(input, shape[0])
+        if isinstance(shape[0], torch.dtype):
+            raise OpError("Tensor.view(dtype) (reinterpreting bits) is not supported by dtorch; "
+                          "use .to(dtype) to convert values")
     return _reshape("view", input, _sizes(shape, "view"))
 
 
@@ -645,7 +657,7 @@ def transpose(input, dim0, dim1):
     b = dim1 % n if type(dim1) is int and -n <= dim1 < n else _dim(dim1, n, "transpose")
     if a == b:
         return x
-    return dispatch("transpose", _permute_rule, (x,), (_swap(n, a, b),))
+    return view_op("transpose", _permute_rule, x, (_swap(n, a, b),))
 
 
 @lru_cache(maxsize=1024)
@@ -698,7 +710,7 @@ def _expand_as(self, other):
 @register(public=False, rule=_expand_rule, kernel=_expand_kernel, methods=("expand", ("expand_as", _expand_as)))
 def expand(input, *sizes, **kw):
     sizes = sizes or (_kw("expand", kw, "size"),)
-    return dispatch("expand", _expand_rule, [input], (_sizes(sizes, "expand"),))
+    return view_op("expand", _expand_rule, _tensor("expand", input), (_sizes(sizes, "expand"),))
 
 
 @register(rule=_expand_rule, kernel=_expand_kernel, torch_fns=(torch.broadcast_to,))
@@ -744,7 +756,7 @@ def narrow(input, dim, start, length):
 
 
 def _split(name, x, dim, sizes, squeeze=False):
-    return dispatch(name, _split_rule, [x], (dim, tuple(sizes), squeeze))
+    return view_op(name, _split_rule, x, (dim, tuple(sizes), squeeze), n_out=len(sizes))
 
 
 def _cut(name, x, d, cut):
@@ -859,3 +871,16 @@ def tril(input, diagonal=0):
 def triu(input, diagonal=0):
     return dispatch("triu", _tri_rule, [_tensor("triu", input)], (True, operator.index(diagonal)))
 
+
+
+# where each view op's result lies in its input (torch on meta tensors: views.geometry)
+STEP_META.update({
+    _reshape_rule: lambda m, shape: m.view(shape),
+    _permute_rule: lambda m, perm: m.permute(perm),
+    _index_rule: lambda m, items: m[_as_index(items)],
+    _expand_rule: lambda m, sizes: m.expand(sizes),
+    _split_rule: lambda m, dim, sizes, squeeze: m.unbind(dim) if squeeze else torch.split(m, list(sizes), dim),
+})
+# their backward needs no values of their input (autograd keeps no version check on it, as torch's views)
+SHAPE_ONLY_KERNELS.update({_reshape_kernel.name, _permute_kernel.name, _index_kernel.name, _expand_kernel.name,
+                           _split_kernel.name})
