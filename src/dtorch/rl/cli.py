@@ -124,18 +124,21 @@ def check_args(args) -> list[str]:
             problems.append("--plot needs matplotlib: pip install 'dtorch[plot]' (or pip install matplotlib)")
     if problems:
         return problems
-    if args.backend:
-        dtorch.Graph.set_default_graph(dtorch.Graph(backend=args.backend))
     from types import SimpleNamespace
 
+    # the Graph the run uses (a new one for --backend: its workers start with the first tensor)
+    args.graph = dtorch.Graph(backend=args.backend) if args.backend else dtorch.default_graph()
     counts = SimpleNamespace(num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                              num_hidden_layers=args.layers)
-    for role, mesh in (("trainer", train_mesh(args)), ("rollout", gen_mesh(args))):
-        problems += [f"{role}: {p}" for p in _mesh_problems(mesh)]
-        try:
-            check_layout(counts, mesh)
-        except LlamaLayoutError as exc:
-            problems.append(f"{role}: {exc}")
+    with args.graph:
+        for role, mesh in (("trainer", train_mesh(args)), ("rollout", gen_mesh(args))):
+            problems += [f"{role}: {p}" for p in _mesh_problems(mesh)]
+            try:
+                check_layout(counts, mesh)
+            except LlamaLayoutError as exc:
+                problems.append(f"{role}: {exc}")
+    if problems and args.backend:
+        args.graph.runtime.shutdown()
     return problems
 
 
@@ -183,7 +186,18 @@ class RLResult:
 
 
 def train(args, progress: bool = True) -> RLResult:
-    """The GRPO loop the module doc describes; returns the rewards per step and the time of each role."""
+    """The GRPO loop the module doc describes (on the default Graph, with ``--threads`` torch threads); returns
+    the rewards per step and the time of each role."""
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        return _train(args, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(args, progress: bool) -> RLResult:
     from tqdm import tqdm
 
     graph = dtorch.default_graph()
@@ -273,10 +287,12 @@ def role_table(times: dict, steps: int) -> str:
 
 
 def run(args) -> int:
-    graph = dtorch.default_graph()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    r = train(args, progress=not args.no_progress)
+    try:
+        with args.graph:
+            r = train(args, progress=not args.no_progress)
+    finally:
+        if args.backend:
+            args.graph.runtime.shutdown()
     first, last = r.rewards[:10], r.rewards[-10:]
     f, l_ = sum(first) / len(first), sum(last) / len(last)
     print(f"\nmean reward {f:.3f} (first {len(first)} steps) -> {l_:.3f} (last {len(last)} steps), "
@@ -292,8 +308,6 @@ def run(args) -> int:
     if args.plot:
         plot_rewards(r.rewards, Path(args.plot))
         print(f"\nreward curve: {args.plot}")
-    if graph.backend != "inprocess":
-        graph.runtime.shutdown()
     return 0
 
 
