@@ -180,9 +180,9 @@ def model_config(args, task: ReverseDigits):
 
 
 class RLResult:
-    def __init__(self, rewards, times, sync_bytes, param_bytes, syncs, elapsed, samples, greedy_reward):
-        self.rewards, self.times, self.sync_bytes, self.param_bytes = rewards, times, sync_bytes, param_bytes
-        self.syncs, self.elapsed, self.samples, self.greedy_reward = syncs, elapsed, samples, greedy_reward
+    def __init__(self, rewards, times, comm, sync_bytes, param_bytes, elapsed, samples, greedy_reward):
+        self.rewards, self.times, self.comm, self.sync_bytes = rewards, times, comm, sync_bytes
+        self.param_bytes, self.elapsed, self.samples, self.greedy_reward = param_bytes, elapsed, samples, greedy_reward
 
 
 def train(args, progress: bool = True) -> RLResult:
@@ -229,15 +229,18 @@ def _train(args, progress: bool) -> RLResult:
     mask = torch.zeros(args.prompts * args.group, n_prompt + n_new - 1)
     mask[:, n_prompt - 1:] = 1  # log-prob t is of token t + 1: the completion's tokens
     times = dict.fromkeys(ROLES, 0.0)
+    comm = dict.fromkeys(ROLES, 0)  # CommLog bytes
     rewards, sync_bytes = [], 0
     bar = tqdm(range(args.steps), desc="GRPO", unit="step", file=sys.stdout, dynamic_ncols=True, disable=not progress)
     t_start = time.perf_counter()
 
     def timed(role, fn):
         t0 = time.perf_counter()
-        out = fn()
+        with dtorch.CommLog() as log:
+            out = fn()
         graph.sync()  # (the process backend runs asynchronously: each role's work is counted to it)
         times[role] += time.perf_counter() - t0
+        comm[role] += sum(r.nbytes for r in log.records)
         return out
 
     for _ in bar:
@@ -272,15 +275,17 @@ def _train(args, progress: bool) -> RLResult:
     greedy = float(task.reward(test, answers).mean())
     samples = [(task.render(p), task.render(a), task.render(task.answers(p[None])[0])) for p, a in zip(test[:4], answers[:4])]
     param_bytes = sum(p.numel() * p.dtype.itemsize for p in policy.parameters())
-    return RLResult(rewards, times, sync_bytes, param_bytes, args.steps, elapsed, samples, greedy)
+    return RLResult(rewards, times, comm, sync_bytes, param_bytes, elapsed, samples, greedy)
 
 
-def role_table(times: dict, steps: int) -> str:
+def role_table(times: dict, comm: dict, steps: int) -> str:
+    """Time per role (total, per step, share) and the bytes its collectives and moves carry per step."""
     total = sum(times.values()) or 1.0
-    rows = [("role", "total", "per step", "share")]
+    rows = [("role", "total", "per step", "share", "communication per step")]
     for role in ROLES:
-        rows.append((role, f"{times[role]:.2f} s", f"{1e3 * times[role] / steps:.1f} ms", f"{100 * times[role] / total:.0f} %"))
-    widths = [max(len(r[c]) for r in rows) for c in range(4)]
+        rows.append((role, f"{times[role]:.2f} s", f"{1e3 * times[role] / steps:.1f} ms",
+                     f"{100 * times[role] / total:.0f} %", _mib(comm[role] / steps)))
+    widths = [max(len(r[c]) for r in rows) for c in range(5)]
     lines = ["  ".join(c.ljust(w) if k == 0 else c.rjust(w) for k, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -299,7 +304,7 @@ def run(args) -> int:
           f"{l_ / f if f else float('inf'):.1f}x, in {args.steps} steps, {r.elapsed:.1f} s; greedy reward now "
           f"{r.greedy_reward:.3f}\n")
     print("time per role")
-    print(role_table(r.times, args.steps) + "\n")
+    print(role_table(r.times, r.comm, args.steps) + "\n")
     print(f"weight sync: {_mib(r.sync_bytes)} moved between devices per sync (trainer -> rollout layout, device to "
           f"device, only the blocks each device lacks); the parameters are {_mib(r.param_bytes)}\n")
     print("greedy answers now (prompt -> answer, right answer)")
