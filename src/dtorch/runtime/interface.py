@@ -10,7 +10,8 @@ the per-device blocks. Nothing above ``runtime/`` reads a handle's storage. A ba
 * in place: ``write`` runs an in-place kernel on a handle's own blocks, copying first when the storage is
   shared (copy-on-write);
 * redistribution primitives, one mesh dim at a time: ``all_gather``, ``all_reduce``, ``reduce_scatter``,
-  ``all_to_all``, ``local_slice``, ``to_partial``; ``move`` between meshes; ``ring_shift``. The source and
+  ``all_to_all``, ``local_slice``, ``to_partial``; ``move`` between meshes; ``ring_shift``; ``move_into``
+  (many tensors written into other tensors' storage, each in its own layout: the weight sync). The source and
   target placements are ``before.placements[mesh_dim]`` and ``after.placements[mesh_dim]``. Backends do not
   record CommLog: the one redistribution executor (``dtorch.redistribute.executor``) does, once per step.
 
