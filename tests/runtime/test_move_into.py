@@ -153,6 +153,20 @@ def test_targets_used_before_they_are_read(graph):
         torch.testing.assert_close((b + 1).to_torch(), full + 1, rtol=0, atol=0)
 
 
+def test_pairs_take_effect_in_order(graph):
+    """A pair that reads an earlier pair's target, or writes it again, waits for that write (a new bucket)."""
+    full = torch.randn(6, 4)
+    with using(graph):
+        a = dtorch.Tensor(full, device_mesh=LINE, placements=[Shard(1)])
+        b = dtorch.zeros(6, 4, device_mesh=SQUARE, placements=[Shard(1), Shard(0)])
+        c = dtorch.zeros(6, 4, device_mesh=PAIR, placements=[Shard(0)])
+        with CommLog() as log:
+            copy_tensors_([b, c, b], [a, b, a * 3])
+        assert log.total("send_recv") == 3
+        torch.testing.assert_close(c.to_torch(), full, rtol=0, atol=0)
+        torch.testing.assert_close(b.to_torch(), full * 3, rtol=0, atol=0)
+
+
 def test_bad_pairs_are_refused_before_anything_moves(ref):
     with using(ref):
         a = dtorch.zeros(4, 4, device_mesh=LINE, placements=[Shard(0)])

@@ -25,7 +25,8 @@ BUCKET_BYTES = 32 << 20  # bytes landed per bucket (every destination block coun
 
 def copy_tensors_(targets, sources, *, bucket_bytes: int = BUCKET_BYTES, label=None) -> int:
     """Write ``sources[i]`` into ``targets[i]``'s own storage laid out as ``targets[i]`` (cast to its dtype),
-    for every ``i``; returns the bytes that changed device (what CommLog records).
+    for every ``i`` in order (a pair reading an earlier pair's target sees the written value); returns the
+    bytes that changed device (what CommLog records).
 
     Shapes must match pair by pair; sources may be on any mesh of the targets' Graph, with any placements
     (Partial ones are reduced on their own mesh first). No autograd history is recorded, as for a copy under
@@ -49,17 +50,25 @@ def copy_tensors_(targets, sources, *, bucket_bytes: int = BUCKET_BYTES, label=N
     check_one_graph("copy_tensors_", [x for pair in pairs for x in pair])
     rt = pairs[0][0]._graph.runtime
     moved = 0
-    bucket, size = [], 0
+    # the bucket being filled: its pairs, the bytes they land, its targets' and its sources' handles
+    bucket, size, written, read = [], 0, set(), set()
     for t, s in pairs:
+        if id(t._h) in written or id(t._h) in read or id(s._h) in written:
+            # a pair that touches what this bucket writes, or writes what it reads, goes after it (a bucket's
+            # moves run together, its writes arriving while the others read): pairs take effect in order
+            _run(rt, bucket, label)
+            bucket, size, written, read = [], 0, set(), set()
         if any(isinstance(p, Partial) for p in s.placements):  # the sums are reduced where they are, then moved
             s = relayout(s, s._spec.with_placements(tuple(Replicate() if isinstance(p, Partial) else p
                                                           for p in s.placements)))
         bucket.append((t, s))
-        size += t._spec.total_bytes()
+        written.add(id(t._h))
+        read.add(id(s._h))
         moved += moved_bytes(s._spec, t._spec)
+        size += t._spec.total_bytes()
         if size >= bucket_bytes:
             _run(rt, bucket, label)
-            bucket, size = [], 0
+            bucket, size, written, read = [], 0, set(), set()
     if bucket:
         _run(rt, bucket, label)
     return moved
