@@ -79,6 +79,12 @@ def advantages_formula(r, g):
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-4)).view(-1)
 
 
+def test_dtorch_rl_is_reached_from_dtorch():
+    assert dtorch.rl.token_logprobs is token_logprobs and dtorch.rl.grpo_loss is grpo_loss
+    with pytest.raises(AttributeError, match="no attribute 'nonexistent'"):
+        dtorch.nonexistent
+
+
 def test_group_advantages():
     r = torch.rand(12)
     torch.testing.assert_close(group_advantages(r, 4), advantages_formula(r, 4))

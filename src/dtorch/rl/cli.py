@@ -251,9 +251,12 @@ def _train(args, progress: bool) -> RLResult:
         advantages = group_advantages(reward, args.group)
         with torch.no_grad():
             ref_lp = timed("reference", lambda: token_logprobs(reference, seqs) if args.kl else None)
-            old_lp = token_logprobs(policy, seqs) if args.updates > 1 else None
 
         def update():
+            old_lp = None  # one update: on-policy (ratio 1); more: the ratio to the policy that sampled
+            if args.updates > 1:
+                with torch.no_grad():
+                    old_lp = token_logprobs(policy, seqs)
             for _ in range(args.updates):
                 lp = token_logprobs(policy, seqs)
                 loss = grpo_loss(lp, old_lp, ref_lp, advantages, mask, clip_eps=args.clip_eps, kl_coef=args.kl)
