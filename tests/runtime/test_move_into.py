@@ -191,6 +191,20 @@ def test_moved_bytes_is_the_brute_force_count():
             assert moved_bytes(before, after) == changed_owner_bytes(*a, *b, shape, 4), (before, after)
 
 
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_a_redistribute_between_meshes_counts_what_changes_device(ref, case):
+    """A plain cross-mesh redistribute (a Move step) records the same bytes: meshes may share devices."""
+    src_mesh, src_pl, dst_mesh, dst_pl, shape = CASES[case]
+    full = torch.randn(shape)
+    with using(ref):
+        x = dtorch.Tensor(full, device_mesh=src_mesh, placements=src_pl)
+        with CommLog() as log:
+            y = x.redistribute(dst_mesh, dst_pl)
+        torch.testing.assert_close(y.to_torch(), full, rtol=0, atol=0)
+    want = changed_owner_bytes(src_mesh, src_pl, dst_mesh, dst_pl, shape, 4)
+    assert [(r.kind, r.nbytes) for r in log.records] == [("send_recv", want)]
+
+
 def test_other_backends_get_the_default_move_then_write():
     """A backend that does not implement move_into gets the interface's default (move, then an in-place copy)."""
     from dtorch.runtime.inprocess import InProcessRuntime
