@@ -125,7 +125,7 @@ def test_copy_on_write_keeps_other_holders_unchanged(graph):
     with using(graph):
         src = dtorch.Tensor(full, device_mesh=LINE, placements=[Shard(0)])
         dst = dtorch.zeros(5, 3, device_mesh=SQUARE, placements=[Shard(0), Replicate()])
-        alias = dst.detach()  # shares dst's storage
+        alias = dtorch.Tensor(dst)  # a tensor of its own on dst's storage (no view: it must not see the write)
         view_before = dst._version
         copy_tensors_([dst], [src])
         torch.testing.assert_close(dst.to_torch(), full, rtol=0, atol=0)
@@ -136,6 +136,20 @@ def test_copy_on_write_keeps_other_holders_unchanged(graph):
         copy_tensors_([dst], [src * 2])
         torch.testing.assert_close(dst.to_torch(), full * 2, rtol=0, atol=0)
         assert dst._h is handle
+
+
+def test_a_view_target_is_written_as_copy_writes_it(graph):
+    """A view (where the tensor type has them) writes through to its base, as ``copy_`` does."""
+    full = torch.randn(4, 4)
+    with using(graph):
+        src = dtorch.Tensor(full, device_mesh=LINE, placements=[Shard(0)])
+        base = dtorch.zeros(6, 4, device_mesh=SQUARE, placements=[Shard(0), Shard(1)])
+        twin = dtorch.zeros(6, 4, device_mesh=SQUARE, placements=[Shard(0), Shard(1)])
+        view, twin_view = base[1:5], twin[1:5]
+        copy_tensors_([view], [src])
+        twin_view.copy_(src)
+        torch.testing.assert_close(view.to_torch(), full, rtol=0, atol=0)
+        assert torch.equal(base.to_torch(), twin.to_torch())
 
 
 def test_targets_used_before_they_are_read(graph):

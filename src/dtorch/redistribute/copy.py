@@ -13,6 +13,7 @@ with dtorch tensors take this path.
 """
 from __future__ import annotations
 
+from ..autograd.mode import no_grad
 from ..errors import PlacementError
 from ..graph import check_one_graph
 from ..placement import Partial, Replicate
@@ -53,6 +54,12 @@ def copy_tensors_(targets, sources, *, bucket_bytes: int = BUCKET_BYTES, label=N
     # the bucket being filled: its pairs, the bytes they land, its targets' and its sources' handles
     bucket, size, written, read = [], 0, set(), set()
     for t, s in pairs:
+        if getattr(t, "_vroot", None) is not None:  # a view (ops/views.py) writes through its root: copy_ does
+            _run(rt, bucket, label)
+            bucket, size, written, read = [], 0, set(), set()
+            with no_grad():
+                t.copy_(s)
+            continue
         if id(t._h) in written or id(t._h) in read or id(s._h) in written:
             # a pair that touches what this bucket writes, or writes what it reads, goes after it (a bucket's
             # moves run together, its writes arriving while the others read): pairs take effect in order
@@ -75,6 +82,8 @@ def copy_tensors_(targets, sources, *, bucket_bytes: int = BUCKET_BYTES, label=N
 
 
 def _run(rt, bucket: list, label) -> None:
+    if not bucket:
+        return
     handles = move_into(rt, [(s._h, s._spec, t._h, t._spec) for t, s in bucket], label)
     for (t, _), h in zip(bucket, handles):
         t._written(h)
