@@ -113,7 +113,8 @@ def main(argv=None) -> None:
         with graph:
             policy, rollouts = models(cfg)
             n = sum(p.numel() for p in policy.parameters())
-            print(f"{backend}: {n / 1e6:.1f} M parameters, {n * 4 / 1e6:.0f} MB; fsdp4 -> dp2 x tp2, median of {args.iters}")
+            print(f"{backend}: {n / 1e6:.1f} M parameters, {n * 4 / 1e6:.0f} MB; fsdp4 -> dp2 x tp2, "
+                  f"median of {args.iters}")
             for where, rollout in rollouts.items():
                 sync_s, moved, log = time_syncs(graph, rollout, policy, args.iters)
                 check(rollout, policy)

@@ -181,5 +181,5 @@ def _hand_back(logits: Tensor, pad: int, caller):
     return logits.redistribute(mesh, [Replicate() if isinstance(p, Partial) else p for p in placements])
 
 
-__all__ = ["forward_with_arguments", "split_forward_arguments", "packed_sequences", "logits_as_computed", "GenerationError",
-           "CausalLMOutputWithPast"]
+__all__ = ["forward_with_arguments", "split_forward_arguments", "packed_sequences", "logits_as_computed",
+           "GenerationError", "CausalLMOutputWithPast"]

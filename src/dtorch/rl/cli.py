@@ -41,7 +41,8 @@ ROLES = ("rollout", "reference", "policy update", "weight sync")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dtorch rl", description=__doc__.split("\n\n")[0], formatter_class=HelpWithDefaults)
+    p = argparse.ArgumentParser(prog="dtorch rl", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpWithDefaults)
     t = p.add_argument_group("trainer layout (the policy: forward, backward, AdamW)")
     t.add_argument("--train-pp", type=int, default=1, help="pipeline stages")
     t.add_argument("--train-dp", type=int, default=1, help="data parallel: the batch split, gradients all-reduced")
@@ -91,7 +92,8 @@ def check_args(args) -> list[str]:
     problems = []
     sizes = [f"{prefix}_{flag}" for prefix, dims in (("train", TRAIN_DIMS), ("gen", GEN_DIMS)) for flag, _ in dims]
     positive = sizes + ["layers", "hidden", "heads", "kv_heads", "digits", "steps", "prompts", "updates"]
-    problems += [f"--{a.replace('_', '-')} {getattr(args, a)} must be at least 1" for a in positive if getattr(args, a) < 1]
+    problems += [f"--{a.replace('_', '-')} {getattr(args, a)} must be at least 1"
+                 for a in positive if getattr(args, a) < 1]
     if args.group < 2:
         problems.append(f"--group {args.group} must be at least 2 (advantages compare the completions of a prompt)")
     if not args.temperature > 0:
@@ -171,7 +173,8 @@ def gen_mesh(args) -> dtorch.DeviceMesh:
 def model_config(args, task: ReverseDigits):
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate or int(round(args.hidden * 2.75 / 8)) * 8,
+    intermediate = args.intermediate or int(round(args.hidden * 2.75 / 8)) * 8
+    cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=intermediate,
                       num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                       vocab_size=task.vocab_size, max_position_embeddings=64, initializer_range=0.02,
                       bos_token_id=None, eos_token_id=None, pad_token_id=None)  # (no token ends a completion early)
