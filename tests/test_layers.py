@@ -18,8 +18,10 @@ BASE = {"dtorch.errors", "dtorch.placement", "dtorch.mesh", "dtorch.spec", "dtor
 # and device configuration; everything else under runtime/ is a backend's own business
 RUNTIME_SURFACE = {"dtorch.runtime", "dtorch.runtime.interface", "dtorch.runtime.kernels",
                    "dtorch.runtime.registry", "dtorch.runtime.devices"}
-ABOVE_RUNTIME = ("dtorch.graph", "dtorch.tensor", "dtorch.ops", "dtorch.nn", "dtorch.models", "dtorch.autograd",
-                 "dtorch.optim", "dtorch.cli", "dtorch.visualize", "dtorch.redistribute")
+ABOVE_RUNTIME = ("dtorch.graph", "dtorch.tensor", "dtorch.ops", "dtorch.nn", "dtorch.models", "dtorch.rl",
+                 "dtorch.autograd", "dtorch.optim", "dtorch.cli", "dtorch.visualize", "dtorch.redistribute")
+# the top of the stack: built from models (dtorch.rl: RL post-training); nothing below models imports them
+MODELS_LEVEL = ("dtorch.models", "dtorch.rl")
 PROCESS_BACKEND = ("dtorch.runtime.process", "dtorch.runtime.process_plan", "dtorch.runtime.process_pool",
                    "dtorch.runtime.worker", "dtorch.runtime.ray_backend", "dtorch.runtime.ray_worker")
 
@@ -77,10 +79,12 @@ def _violation(src: str, dst: str) -> str | None:
     if _under(src, ("dtorch.redistribute.planner", "dtorch.redistribute.steps")) and \
             dst not in BASE | {"dtorch.redistribute.steps"}:
         return "the redistribute planner and its typed steps are pure: specs in, steps out"
-    if _under(src, "dtorch.graph") and _under(dst, ("dtorch.tensor", "dtorch.ops", "dtorch.nn", "dtorch.models")):
+    if _under(src, "dtorch.graph") and _under(dst, ("dtorch.tensor", "dtorch.ops", "dtorch.nn") + MODELS_LEVEL):
         return "graph does not import tensor or ops"
-    if _under(src, "dtorch.tensor") and _under(dst, ("dtorch.ops", "dtorch.nn", "dtorch.models")):
+    if _under(src, "dtorch.tensor") and _under(dst, ("dtorch.ops", "dtorch.nn") + MODELS_LEVEL):
         return "tensor does not import ops"
+    if _under(dst, MODELS_LEVEL) and not _under(src, MODELS_LEVEL + ("dtorch.cli",)):
+        return "models and rl sit on top: only they and the command line import them"
     if _under(src, ABOVE_RUNTIME) and _under(dst, "dtorch.runtime") and dst not in RUNTIME_SURFACE:
         return "code above runtime/ sees only the runtime interface (handles are opaque)"
     if _under(src, "dtorch.runtime") and _under(dst, ABOVE_RUNTIME) and not _under(dst, "dtorch.redistribute.steps"):
@@ -118,6 +122,10 @@ def test_no_import_points_up_the_stack():
     ("dtorch.ops.pointwise", "dtorch.runtime.kernels", False),
     ("dtorch.tensor", "dtorch.graph", False),
     ("dtorch.runtime.worker", "dtorch.runtime.blocks", False),
+    ("dtorch.nn.utils", "dtorch.rl.grpo", True),
+    ("dtorch.ops.loss", "dtorch.models.llama", True),
+    ("dtorch.rl.grpo", "dtorch.models.forward", False),
+    ("dtorch.cli", "dtorch.rl.cli", False),
 ])
 def test_the_rules_themselves(src, dst, bad):
     assert (_violation(src, dst) is not None) == bad

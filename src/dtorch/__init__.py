@@ -56,3 +56,12 @@ from . import pipeline  # noqa: E402,F401
 DTensor = Tensor
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # dtorch.rl (RL post-training: it builds on dtorch.models) is imported on first use
+    if name == "rl":
+        import importlib
+
+        return importlib.import_module(".rl", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -41,6 +41,9 @@ def main(argv=None) -> int:
     gen = sub.add_parser("generate", add_help=False, help="generate text with a KV cache under a parallel layout "
                          "(a Hugging Face checkpoint or a random Llama)")
     gen.set_defaults(func=_generate)
+    rl = sub.add_parser("rl", add_help=False, help="GRPO on a small Llama: the trainer in one layout, the rollout in "
+                        "another, weights synced device to device (reverse-the-digits task, shipped)")
+    rl.set_defaults(func=_rl)
     walk = sub.add_parser("walkthrough", help="a DTensor walk-through with visualize_sharding")
     walk.set_defaults(func=_walkthrough)
     worker = sub.add_parser("worker", add_help=False, help="start process-backend workers that join a controller "
@@ -70,6 +73,12 @@ def _generate(args) -> int:
     from .models import generate_cli
 
     return generate_cli.main(args.rest)
+
+
+def _rl(args) -> int:
+    from .rl import cli
+
+    return cli.main(args.rest)
 
 
 def _demo(args) -> int:

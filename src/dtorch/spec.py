@@ -158,3 +158,46 @@ def _prod(shape) -> int:
 
 def local_nbytes(spec: DTensorSpec, coord) -> int:
     return _prod(spec.local_shape(coord)) * spec.dtype.itemsize
+
+
+# -- moves between meshes ------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=4096)
+def move_transfers(before: DTensorSpec, after: DTensorSpec, same_layout: bool = False) -> tuple:
+    """Every copy a move from ``before`` to ``after`` needs (any two meshes, the same devices or others):
+    ``(src device id, dst device id, src slices, dst slices, shape)``, in destination-device order.
+
+    Same layout: device k of the source hands its block to device k of the destination (slices None).
+    Otherwise, for each destination block, the regions where it overlaps the source blocks (no partials:
+    reduce them first), each from one replica, preferring a replica the destination device holds itself,
+    so a region only crosses devices when the destination does not hold it already.
+    """
+    src_ids, dst_ids = before.mesh.device_ids, after.mesh.device_ids
+    if same_layout:
+        return tuple((s, d, None, None, before.local_shape(c))
+                     for s, d, c in zip(src_ids, dst_ids, before.mesh.coordinates()))
+    holders: dict = {}  # distinct source boxes -> the device ids holding each (replicas)
+    for r, c in zip(src_ids, before.mesh.coordinates()):
+        holders.setdefault(before.local_box(c), []).append(r)
+    out = []
+    for n, (d, c) in enumerate(zip(dst_ids, after.mesh.coordinates())):
+        dbox = after.local_box(c)
+        for sbox, ranks in holders.items():
+            lo = [max(a[0], b[0]) for a, b in zip(sbox, dbox)]
+            hi = [min(a[0] + a[1], b[0] + b[1]) for a, b in zip(sbox, dbox)]
+            if any(h <= l for l, h in zip(lo, hi)) and len(lo):  # (a 0-d tensor always overlaps)
+                continue
+            shape = tuple(h - l for l, h in zip(lo, hi))
+            src = d if d in ranks else ranks[n % len(ranks)]
+            s_sl = tuple(slice(l - b[0], h - b[0]) for l, h, b in zip(lo, hi, sbox))
+            d_sl = tuple(slice(l - b[0], h - b[0]) for l, h, b in zip(lo, hi, dbox))
+            out.append((src, d, s_sl, d_sl, shape))
+    return tuple(out)
+
+
+def moved_bytes(before: DTensorSpec, after: DTensorSpec, same_layout: bool = False) -> int:
+    """The bytes a move puts on the wire: the regions whose destination device does not hold them already
+    (in the source's dtype; a destination of another dtype casts on arrival)."""
+    size = before.dtype.itemsize
+    return sum(_prod(shape) * size for s, d, _, _, shape in move_transfers(before, after, same_layout) if s != d)

@@ -156,6 +156,19 @@ def forward_with_arguments(model, input_ids, attention_mask=None, position_ids=N
     return logits if returned_cache is None else CausalLMOutputWithPast(logits=logits, past_key_values=returned_cache)
 
 
+def logits_as_computed(model, input_ids, attention_mask=None) -> Tensor:
+    """The logits ``[B, S, vocab]`` of ``model(input_ids, attention_mask=...)`` laid out as the model computed
+    them, never gathered: on its last stage's mesh, batch over dp/fsdp, sequence over the cp dims, vocab over
+    tp. For code that reduces them on the devices (log-probs of given tokens, losses); recorded under grad
+    mode like any forward."""
+    ids = check_ids(input_ids)
+    b, s = ids.shape
+    step = CachedForward(model, ids, valid_columns(attention_mask, b, 0, s), _positions(None, b, s, 0), None,
+                         recording=_recording(model))
+    logits = model.lm_head(model.model(step.ids, step=step))  # [B, pad + S, vocab]
+    return logits[:, step.pad:] if step.pad else logits
+
+
 def _hand_back(logits: Tensor, pad: int, caller):
     """The logits of the real columns in the caller's layout: torch (keeping a history under grad mode) for
     torch ids, on the ids' mesh and placements for dtorch ids."""
@@ -168,5 +181,5 @@ def _hand_back(logits: Tensor, pad: int, caller):
     return logits.redistribute(mesh, [Replicate() if isinstance(p, Partial) else p for p in placements])
 
 
-__all__ = ["forward_with_arguments", "split_forward_arguments", "packed_sequences", "GenerationError",
-           "CausalLMOutputWithPast"]
+__all__ = ["forward_with_arguments", "split_forward_arguments", "packed_sequences", "logits_as_computed",
+           "GenerationError", "CausalLMOutputWithPast"]

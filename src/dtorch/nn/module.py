@@ -454,17 +454,27 @@ class Module:
                 problems.insert(0, "Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
         if problems:
             raise StateDictError(f"Error(s) in loading state_dict for {type(self).__name__}:\n\t" + "\n\t".join(problems))
+        on_devices = {}  # dtorch values of this Graph: written device to device, in batches (weight sync's path)
         for key, mod, name, t in entries:
             if key in state_dict:
                 v = state_dict[key]
                 form = mod._saved_form(name)
+                here = isinstance(v, Tensor) and v._graph is t._graph
                 if form is not None and tuple(v.shape) != tuple(t.shape):  # the saved layout: repeat the rows
-                    v = form.load(v.to_torch() if isinstance(v, Tensor) else v)
+                    v = form.load(v if here or not isinstance(v, Tensor) else v.to_torch())
+                if here:
+                    on_devices[id(t)] = (t, v)  # (a tied parameter: the last of its names wins)
+                    continue
                 value = Tensor(v, device_mesh=t.device_mesh, placements=t.placements, dtype=t.dtype)
                 if isinstance(t, Parameter):
                     t._set(value)
                 else:
                     mod._buffers[name] = value
+        if on_devices:
+            from ..redistribute.copy import copy_tensors_
+
+            with no_grad():
+                copy_tensors_(*zip(*on_devices.values()))
         return _IncompatibleKeys(missing, unexpected)
 
     # -- dtype, mode -------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Gradient clipping (``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``) for dtorch parameters.
+"""Gradient clipping (``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``) for dtorch parameters, and
+``copy_parameters_``: one model's parameters written into another's, each in its own layout (weight sync).
 
 The total norm never gathers a parameter or a gradient. Per gradient, each device reduces its own
 block (sum of |g|^p, or max/min |g|): over sharded mesh dims that is a Partial scalar. On each mesh
@@ -15,12 +16,14 @@ import torch
 
 from ..ops.reduce import norm as _norm
 from ..ops.view import cat as _cat, stack as _stack
+from ..autograd.mode import no_grad
 from ..placement import Partial, Replicate
+from ..redistribute.copy import BUCKET_BYTES, copy_tensors_
 from ..tensor import Tensor
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
-__all__ = ["clip_grad_norm_", "clip_grad_value_", "get_total_norm", "clip_grads_with_norm_"]
+__all__ = ["clip_grad_norm_", "clip_grad_value_", "get_total_norm", "clip_grads_with_norm_", "copy_parameters_"]
 
 
 def _tensors(tensors, what: str) -> list:
@@ -137,3 +140,58 @@ def clip_grad_value_(parameters, clip_value: float, foreach=None) -> None:
     for p in _tensors(parameters, "parameters"):
         if p.grad is not None:
             p.grad.clamp_(min=-clip_value, max=clip_value)
+
+
+def copy_parameters_(dst_model, src_model, *, bucket_bytes: int = BUCKET_BYTES) -> int:
+    """Write every parameter of ``src_model`` into the storage of ``dst_model``'s parameter of the same name,
+    in ``dst_model``'s layout (its meshes, placements and dtype): the weight sync of RL post-training, from a
+    trainer's layout to a rollout model's, on the same devices or on others. Returns the bytes that changed
+    device.
+
+    Device to device, never through the controller: each destination device receives only the regions of
+    its blocks it does not hold already, from one device holding them, in batched moves of about
+    ``bucket_bytes`` (``redistribute.copy``). The parameters keep their identity (an optimizer's references
+    stay valid); no autograd history is recorded. A parameter held in another form than it is saved (kv heads
+    repeated for tp wider than their count) is converted on the source's devices first. The names must match
+    both ways and the shapes pair by pair: one error lists every problem, before anything is written."""
+    dst = _named_parameters(dst_model, "dst_model")
+    src = _named_parameters(src_model, "src_model")
+    missing = [k for k in dst if k not in src]
+    unexpected = [k for k in src if k not in dst]
+    problems = []
+    if missing:
+        problems.append("missing in src_model: " + ", ".join(missing))
+    if unexpected:
+        problems.append("not in dst_model: " + ", ".join(unexpected))
+    targets, sources, seen = [], [], set()
+    for key, (p, form) in dst.items():
+        if key not in src or id(p) in seen:  # (a tied parameter is written once, from its first name)
+            continue
+        seen.add(id(p))
+        q, src_form = src[key]
+        if _saved_shape(p, form) != _saved_shape(q, src_form):
+            problems.append(f"{key}: {list(q.shape)} in src_model, {list(p.shape)} in dst_model")
+            continue
+        if tuple(q.shape) != tuple(p.shape):  # another held form: through the saved one, on q's devices
+            with no_grad():
+                q = src_form.save(q) if src_form else q
+                q = form.load(q) if form else q
+        targets.append(p)
+        sources.append(q)
+    if problems:
+        raise ValueError(f"copy_parameters_({type(dst_model).__name__}, {type(src_model).__name__}): the models' "
+                         "parameters do not correspond: " + "; ".join(problems)
+                         + ". Both models must be the same architecture (e.g. one config, two layouts).")
+    return copy_tensors_(targets, sources, bucket_bytes=bucket_bytes)
+
+
+def _named_parameters(model, what: str) -> dict:
+    """name -> (parameter, the form it is saved in or None), every name of a tied parameter included."""
+    entries = getattr(model, "_state_entries", None)
+    if entries is None:
+        raise TypeError(f"copy_parameters_: {what} must be a dtorch.nn.Module, got {type(model).__name__}")
+    return {key: (t, mod._saved_form(name)) for key, mod, name, t in entries() if name in mod._parameters}
+
+
+def _saved_shape(t: Tensor, form) -> tuple:
+    return tuple(form.saved_shape(t.shape)) if form else tuple(t.shape)

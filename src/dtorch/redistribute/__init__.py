@@ -13,7 +13,7 @@ from .planner import Plan, plan_redistribute
 from .steps import AllGather, AllReduce, AllToAll, LocalSlice, Move, ReduceScatter, Step, ToPartial
 
 __all__ = ["redistribute", "redistribute_spec", "plan_redistribute", "Plan", "Step", "AllGather", "AllReduce",
-           "ReduceScatter", "AllToAll", "LocalSlice", "ToPartial", "Move"]
+           "ReduceScatter", "AllToAll", "LocalSlice", "ToPartial", "Move", "copy_tensors_"]
 
 
 def redistribute(t, device_mesh: DeviceMesh | None = None, placements=None):
@@ -45,3 +45,6 @@ def relayout(t, dst: DTensorSpec):
     if src == dst:
         return t
     return type(t)._make(dst, execute(plan_redistribute(src, dst), t._h, t._graph.runtime), t._graph)
+
+
+from .copy import copy_tensors_  # noqa: E402  (it lays out sources with relayout, above)

@@ -7,7 +7,7 @@ never record CommLog: every record comes from here (ring shifts included, ``ring
 from __future__ import annotations
 
 from .. import commlog
-from ..spec import DTensorSpec
+from ..spec import DTensorSpec, moved_bytes
 from .planner import Plan
 
 
@@ -45,3 +45,15 @@ def ring_shift(rt, handle, spec: DTensorSpec, mesh_dim: int, shift: int = 1):
         mesh = spec.mesh
         commlog.record("send_recv", mesh.dim_label(mesh_dim), spec.total_bytes(), mesh.device_ids)
     return rt.ring_shift(handle, spec, mesh_dim, shift)
+
+
+def move_into(rt, moves, label=None) -> list:
+    """Run one batch of ``Runtime.move_into`` (``(source handle, source spec, target handle, target spec)``
+    each): one send_recv record for the batch, whose bytes are the regions that change device (a region a
+    device holds in both layouts stays where it is)."""
+    if commlog.is_recording() and moves:
+        devices = {}
+        for _, before, _, after in moves:
+            devices.update(dict.fromkeys(before.mesh.device_ids + after.mesh.device_ids))
+        commlog.record("send_recv", label, sum(moved_bytes(b, a) for _, b, _, a in moves), tuple(devices))
+    return rt.move_into(moves)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ..placement import Placement
-from ..spec import DTensorSpec
+from ..spec import DTensorSpec, moved_bytes
 
 
 class Step:
@@ -147,8 +147,9 @@ class Move(Step):
         return rt.move(handle, before, after, self.same_layout)
 
     def wire_bytes(self, before, after) -> int:
-        # what lands: each target block (region) is sent once, from one source replica
-        return after.total_bytes()
+        # what crosses devices: each target region once, from one source replica, none that its destination
+        # device holds already (meshes may share devices)
+        return moved_bytes(before, after, self.same_layout)
 
     def devices(self, before, after) -> tuple:
         return tuple(before.mesh.device_ids) + tuple(after.mesh.device_ids)

@@ -10,7 +10,8 @@ the per-device blocks. Nothing above ``runtime/`` reads a handle's storage. A ba
 * in place: ``write`` runs an in-place kernel on a handle's own blocks, copying first when the storage is
   shared (copy-on-write);
 * redistribution primitives, one mesh dim at a time: ``all_gather``, ``all_reduce``, ``reduce_scatter``,
-  ``all_to_all``, ``local_slice``, ``to_partial``; ``move`` between meshes; ``ring_shift``. The source and
+  ``all_to_all``, ``local_slice``, ``to_partial``; ``move`` between meshes; ``ring_shift``; ``move_into``
+  (many tensors written into other tensors' storage, each in its own layout: the weight sync). The source and
   target placements are ``before.placements[mesh_dim]`` and ``after.placements[mesh_dim]``. Backends do not
   record CommLog: the one redistribution executor (``dtorch.redistribute.executor``) does, once per step.
 
@@ -27,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..spec import DTensorSpec
-from .kernels import Kernel
+from .kernels import Kernel, kernel
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,29 @@ class Runtime(ABC):
     def move(self, handle, before: DTensorSpec, after: DTensorSpec, same_layout: bool):
         """Hand a tensor from ``before.mesh`` to ``after.mesh`` (no partials unless ``same_layout``)."""
 
+    def move_into(self, moves: Sequence[tuple]) -> list:
+        """Write many tensors into other tensors' storage, each laid out as its target: ``moves`` holds
+        ``(source handle, source spec, target handle, target spec)`` with one global shape per pair, the
+        meshes the same, sharing devices or apart, no partials on either side; a source of another dtype is
+        cast on arrival.
+
+        Each destination device copies the regions it holds itself from its own blocks and receives each
+        other region once, from one device holding it (``spec.move_transfers``): nothing passes through
+        this process. A target block anyone else can see is replaced, not written (copy-on-write). The
+        moves of one call may be in flight together, and a backend may complete a target only where it is
+        first read. Returns, per move, the handle holding the target now (the target itself unless its
+        storage was shared).
+
+        This default moves each source and copies it in (``move`` then ``write``); backends write the
+        regions straight into the targets' blocks.
+        """
+        out = []
+        for src, before, target, after in moves:
+            landed = DTensorSpec(after.mesh, after.placements, after.shape, before.dtype)
+            moved = self.move(src, before, landed, False)
+            out.append(self.write(_copy_into_kernel, target, after, [moved], [landed], {}))
+        return out
+
     @abstractmethod
     def ring_shift(self, handle, spec: DTensorSpec, mesh_dim: int, shift: int = 1):
         """Every device sends its block to the device ``shift`` steps further along ``mesh_dim`` (cyclic).
@@ -209,3 +233,8 @@ class Runtime(ABC):
 
     def shutdown(self) -> None:
         pass
+
+
+@kernel("runtime.copy_into")
+def _copy_into_kernel(target, src):
+    target.copy_(src)

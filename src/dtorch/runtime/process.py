@@ -674,6 +674,26 @@ class ProcessRuntime(Runtime):
             self.sync()
         return out
 
+    def move_into(self, moves) -> list:
+        """One record for the whole batch: every worker of the meshes posts its sends and receives of every
+        move at once (``Worker.op_mi``) and runs on; a target completes where it is first read. The targets
+        keep their ids (a worker whose block is shared gives it fresh storage under the same id, as ``write``)."""
+        pairs = tuple((before, after) for _, before, _, after in moves)
+        ranks = set()
+        for before, after in pairs:
+            self._ensure(before.mesh)
+            self._ensure(after.mesh)
+            ranks.update(before.mesh.device_ids + after.mesh.device_ids)
+        ranks = tuple(sorted(ranks))
+        pid = self._define(("mi", pairs), ("defmi", pairs), ranks)
+        ids = tuple((self._id(src), self._id(target)) for src, _, target, _ in moves)
+        tag = self._tags(sum(len(pp.move_transfers(before, after)) for before, after in pairs))
+        seq = self._note(("step", f"move_into of {len(moves)} tensors", pairs[0][0]))
+        self._emit(ranks, ("mi", seq, pid, ids, tag))
+        if self.sync_every_op:
+            self.sync()
+        return [target for _, _, target, _ in moves]
+
     def ring_shift(self, h: Handle, spec: DTensorSpec, mesh_dim: int, shift: int = 1) -> Handle:
         mesh = spec.mesh
         self._ensure(mesh)

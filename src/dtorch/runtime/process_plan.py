@@ -10,7 +10,7 @@ from functools import lru_cache
 import torch
 
 from ..placement import Replicate
-from ..spec import DTensorSpec
+from ..spec import DTensorSpec, move_transfers  # noqa: F401  (moves between meshes: pure spec arithmetic)
 from .blocks import cut_shape, nbytes  # noqa: F401  (the workers' and the controller's byte arithmetic)
 
 CHUNK = 4 << 20  # bytes per TCPStore value: the libuv store refuses payloads over 8 MiB
@@ -274,41 +274,6 @@ def shm_take(path: str, size: int, dtype: torch.dtype, shape, unlink: bool = Tru
     if unlink:
         os.unlink(path)
     return out
-
-
-# -- cross-mesh moves ----------------------------------------------------------------------------
-
-
-@lru_cache(maxsize=4096)
-def move_transfers(before: DTensorSpec, after: DTensorSpec, same_layout: bool) -> tuple:
-    """Every copy a move between meshes needs: (src rank, dst rank, src slices, dst slices, shape).
-
-    Same layout: device k of the source hands its block to device k of the destination. Otherwise,
-    for each destination block, the regions where it overlaps the source blocks (no partials here: the
-    planner reduces them first), each from one replica, preferring a replica the destination holds.
-    """
-    src_ids, dst_ids = before.mesh.device_ids, after.mesh.device_ids
-    if same_layout:
-        return tuple((s, d, None, None, before.local_shape(c))
-                     for s, d, c in zip(src_ids, dst_ids, before.mesh.coordinates()))
-    # distinct source boxes and the ranks holding each (replicas)
-    holders: dict = {}
-    for r, c in zip(src_ids, before.mesh.coordinates()):
-        holders.setdefault(before.local_box(c), []).append(r)
-    out = []
-    for n, (d, c) in enumerate(zip(dst_ids, after.mesh.coordinates())):
-        dbox = after.local_box(c)
-        for sbox, ranks in holders.items():
-            lo = [max(a[0], b[0]) for a, b in zip(sbox, dbox)]
-            hi = [min(a[0] + a[1], b[0] + b[1]) for a, b in zip(sbox, dbox)]
-            if any(h <= l for l, h in zip(lo, hi)) and len(lo):
-                continue
-            shape = tuple(h - l for l, h in zip(lo, hi))
-            src = d if d in ranks else ranks[n % len(ranks)]
-            s_sl = tuple(slice(l - b[0], h - b[0]) for l, h, b in zip(lo, hi, sbox))
-            d_sl = tuple(slice(l - b[0], h - b[0]) for l, h, b in zip(lo, hi, dbox))
-            out.append((src, d, s_sl, d_sl, shape))
-    return tuple(out)
 
 
 # -- collectives on one mesh dim ---------------------------------------------------------------------

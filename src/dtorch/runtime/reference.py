@@ -27,7 +27,7 @@ import torch
 
 from ..errors import RuntimeBackendError
 from ..placement import Partial, Replicate, Shard
-from ..spec import DTensorSpec
+from ..spec import DTensorSpec, move_transfers
 from .blocks import assemble, cut_global, cut_shard, dim_groups, reduce_list
 from .devices import DeviceConfig, read_device_config, torch_devices
 from .interface import Executable, Runtime
@@ -272,6 +272,32 @@ class ReferenceRuntime(Runtime):
                     block[dst_idx] = b[src_idx].to(devs[n])
             out.append(block)
         return self._new(out, after, "move (regions)")
+
+    def move_into(self, moves) -> list:
+        out = []
+        for src, before, target, after in moves:
+            what = "move_into"
+            if before.partial_dims() or after.partial_dims() or before.shape != after.shape:
+                raise RuntimeBackendError(f"reference backend: move_into takes one shape and no partials, got "
+                                          f"{before} -> {after}")
+            blocks = self._blocks(src, before, what)
+            self._check(target, after, what)
+            if self._users.shared(target._keys):  # copy-on-write: every element is written, so fresh storage
+                target = Blocks([torch.empty_like(b) for b in target.blocks], self._users)
+            index = {d: n for n, d in enumerate(before.mesh.device_ids)}
+            position = {d: n for n, d in enumerate(after.mesh.device_ids)}
+            filled = [0] * len(target.blocks)
+            for s_id, d_id, s_sl, d_sl, shape in move_transfers(before, after):
+                dst = target.blocks[position[d_id]]
+                dst[d_sl].copy_(blocks[index[s_id]][s_sl].to(dst.device))
+                filled[position[d_id]] += int(np.prod(shape, dtype=np.int64))
+            for n, b in enumerate(target.blocks):  # the regions tile every block exactly
+                if filled[n] != b.numel():
+                    raise RuntimeBackendError(f"reference backend, move_into: device {after.mesh.device_ids[n]} received "
+                                              f"{filled[n]} of its {b.numel()} elements ({before} -> {after})")
+            self._check(target, after, what)
+            out.append(target)
+        return out
 
     def ring_shift(self, h: Blocks, spec: DTensorSpec, mesh_dim: int, shift: int = 1) -> Blocks:
         mesh = spec.mesh

@@ -48,7 +48,7 @@ _NATIVE = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.co
            torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8}
 _HALF = (torch.float16, torch.bfloat16)
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_NUMBERED = ("put", "zeros", "fread", "get", "k", "w", "s", "r")  # records whose second field is the op's number
+_NUMBERED = ("put", "zeros", "fread", "get", "k", "w", "s", "r", "mi")  # records whose second field is the op's number
 SHM_COLLECTIVE_MAX = 32 << 20  # bytes per member up to which same-host all_reduce/all_gather go through /dev/shm
 
 
@@ -546,6 +546,55 @@ class Worker:
 
     def p_move(self, x, before, after, same_layout, tag):
         return self.move(pp.move_transfers(before, after, same_layout), after, x, tag)
+
+    def op_defmi(self, pid, pairs):
+        self.defs[pid] = tuple((before, after, pp.move_transfers(before, after)) for before, after in pairs)
+
+    def op_mi(self, seq, pid, ids, tag):
+        """Write each source into its target's own block (``Runtime.move_into``): regions held here are
+        copied, the others received (straight into the block where the region is contiguous) from the one
+        rank ``move_transfers`` names, and what other ranks need from here is sent. Every send and receive
+        of the batch is posted at once; each target waits in ``t.pending`` until it is first read."""
+        me = self.rank
+        ops, landing = [], []  # landing: (target id, block, [receive op index], [(buffer, dst slices, shape)])
+        k = tag
+        for (before, after, transfers), (src_id, tgt_id) in zip(self.defs[pid], ids):
+            x = self.t.get(src_id)  # None where this rank holds no block of the source
+            block = None
+            if any(t[1] == me for t in transfers):
+                if not writable(self.t[tgt_id]):  # shared: fresh storage (every element is written)
+                    self.t[tgt_id] = torch.empty_like(self.t[tgt_id], memory_format=torch.contiguous_format)
+                block = self.t[tgt_id]
+                landing.append((tgt_id, block, [], [], before.dtype))
+            for src, dst, s_sl, d_sl, shape in transfers:
+                if src == dst == me:
+                    block[d_sl].copy_(x[s_sl])
+                elif dst == me:
+                    region = block[d_sl]
+                    if region.is_contiguous() and region.dtype == before.dtype:
+                        buf = pp.as_bytes(region)  # a view: the bytes land in the block itself
+                    else:
+                        buf = torch.empty(pp.nbytes(shape, before.dtype), dtype=torch.uint8, device=block.device)
+                        landing[-1][3].append((buf, d_sl, shape))
+                    if buf.numel():
+                        landing[-1][2].append(len(ops))
+                        ops.append(dist.P2POp(dist.irecv, buf, src, tag=k))
+                elif src == me:
+                    piece = pp.as_bytes(x[s_sl])
+                    if piece.numel():
+                        ops.append(dist.P2POp(dist.isend, piece, dst, tag=k))
+                k += 1
+        works, per_op = [], True
+        if ops:
+            self.sends = [w for w in self.sends if not w.is_completed()]
+            works = dist.batch_isend_irecv(ops)
+            per_op = len(works) == len(ops)  # one work per op (gloo); else coalesced (NCCL): wait for all
+            self.sends += [w for op, w in zip(ops, works) if op.op is dist.isend] if per_op else works
+        for tgt_id, block, recv_ops, copies, dtype in landing:
+            waits = [works[i] for i in recv_ops] if per_op else works if recv_ops else []
+            if waits:
+                del self.t[tgt_id]
+                self.t.pending[tgt_id] = _Incoming(waits, copies, block, dtype)
 
     def group(self, ranks):
         return self.groups[tuple(sorted(ranks))]
