@@ -161,6 +161,17 @@ def test_masked_fill_with_a_torch_value_that_requires_grad():
     _both(lambda x, v: x.masked_fill(mask, v[1]) * x, _randn(6, 8, seed=1), [_randn(3, seed=2)])
 
 
+def test_in_place_masked_fill_with_a_torch_value_that_requires_grad():
+    mask = _randn(6, 8, seed=4) > 0
+
+    def fill_(x, v):
+        y = x * 1
+        y.masked_fill_(mask, v[1])
+        return y * y
+
+    _both(fill_, _randn(6, 8, seed=1), [_randn(3, seed=2)])
+
+
 def test_autograd_grad_of_torch_tensors():
     """``dtorch.autograd.grad`` with torch tensors among the inputs: torch gradients, through torch's graph
     where the tensor used was computed from the one asked about; nothing stored in ``.grad``."""

@@ -186,10 +186,11 @@ for _name, _fn, *_ in pw._UNARY + pw._BINARY:
 
 @register("masked_fill_", rule=pw._pointwise_rule, kernel=_inplace_kernel, public=False, methods=("masked_fill_",))
 def masked_fill_(self, mask, value):
-    if isinstance(value, torch.Tensor) and value.ndim == 0:
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.requires_grad:
         value = value.item()
-    if isinstance(value, Tensor):
-        return copy_(self, pw.masked_fill(self, mask, value))
+    if isinstance(value, (Tensor, torch.Tensor)):  # (a torch value that requires grad gets its gradient)
+        # out of place on a copy: the backward of the select must not read self, which the copy_ writes
+        return copy_(self, pw.masked_fill(self.clone(), mask, value))
     return elementwise_("masked_fill", "torch.masked_fill", self, mask, value)
 
 
