@@ -191,38 +191,38 @@ def test_torch_tensor_on_the_left_tensor_keywords_and_torch_spellings():
 
 # -- out= and comparisons with non-tensors -------------------------------------------------------
 
-def test_out_is_refused_on_every_route_and_nothing_is_written():
-    # dtorch tensors are values: out= would write into blocks other tensors share (x.clone() shares x's)
+def test_out_writes_the_result_into_out_on_every_route():
+    """torch's ``out=``: the result is written into out's own storage in out's layout, out is returned (the
+    same object), and views of out see the write."""
     x = distribute(A, MESH_2D, [Shard(0), Shard(2)])
     w = distribute(torch.randn(7, 3), MESH_2D, [Replicate(), Replicate()])
-    o = distribute(torch.zeros(5, 6, 7), MESH_2D, [Shard(0), Shard(2)])
-    shared = o.clone()
-    wrong = [distribute(torch.zeros(5, 6, 7), MESH_2D, [Partial(), Replicate()]),  # a Partial out
-             distribute(torch.zeros(2, 3), MESH_2D, [Replicate(), Replicate()])]   # a wrong-shape out
-    t = torch.zeros(5, 6, 7)
+    xt, wt = x.to_torch(), w.to_torch()
     calls = [
-        ("torch.add", lambda out: torch.add(x, 1, out=out)),
-        ("torch.exp", lambda out: torch.exp(x, out=out)),
-        ("torch.sum", lambda out: torch.sum(x, 0, out=out)),
-        ("torch.matmul", lambda out: torch.matmul(x, w, out=out)),
-        ("torch.cat", lambda out: torch.cat([x, x], out=out)),
-        ("torch.where", lambda out: torch.where(x > 0, x, x, out=out)),
-        ("dtorch.add", lambda out: dtorch.add(x, 1, out=out)),
-        ("dtorch.add", lambda out: x.add(1, out=out)),
-        ("dtorch.exp", lambda out: x.exp(out=out)),
-        ("dtorch.where", lambda out: dtorch.where(x > 0, x, 0.0, out=out)),
-        ("dtorch.sum", lambda out: dtorch.sum(x, 0, out=out)),
-        ("dtorch.matmul", lambda out: dtorch.matmul(x, w, out=out)),
-        ("dtorch.cat", lambda out: dtorch.cat([x, x], out=out)),
-        ("dtorch.zeros", lambda out: dtorch.zeros(2, out=out)),
+        (lambda out: torch.add(x, 1, out=out), xt + 1),
+        (lambda out: torch.exp(x, out=out), xt.exp()),
+        (lambda out: torch.sum(x, 0, out=out), xt.sum(0)),
+        (lambda out: torch.matmul(x, w, out=out), xt @ wt),
+        (lambda out: torch.cat([x, x], out=out), torch.cat([xt, xt])),
+        (lambda out: torch.where(x > 0, x, x * 2, out=out), torch.where(xt > 0, xt, xt * 2)),
+        (lambda out: dtorch.add(x, 1, out=out), xt + 1),
+        (lambda out: x.add(1, out=out), xt + 1),
+        (lambda out: x.exp(out=out), xt.exp()),
+        (lambda out: dtorch.where(x > 0, x, 0.0, out=out), torch.where(xt > 0, xt, 0.0)),
+        (lambda out: dtorch.addcmul(x, x, x, value=2, out=out), torch.addcmul(xt, xt, xt, value=2)),
+        (lambda out: dtorch.sum(x, 0, out=out), xt.sum(0)),
+        (lambda out: dtorch.matmul(x, w, out=out), xt @ wt),
+        (lambda out: dtorch.cat([x, x], out=out), torch.cat([xt, xt])),
+        (lambda out: dtorch.zeros(2, out=out), torch.zeros(2)),
     ]
-    for spelling, call in calls:
-        for out in [t, o] + wrong:
-            with pytest.raises(dtorch.OpError, match=re.escape(f"write `y = {spelling}(...)`")):
-                call(out)
-    assert torch.equal(t, torch.zeros(5, 6, 7))
-    for out in (o, shared, *wrong):
-        assert torch.equal(out.to_torch(), torch.zeros(out.shape))
+    for call, expected in calls:
+        for placements in ([Shard(0), Replicate()], [Partial(), Replicate()], [Replicate(), Replicate()]):
+            out = distribute(torch.full(expected.shape, 7.0), MESH_2D, placements)
+            ident = id(out)
+            row = out[0]  # a live view of out
+            got = call(out)
+            assert got is out and id(out) == ident and out.placements == placements
+            check(out, expected)
+            check(row, expected[0])
     check(x, A)
     # out=None is torch's default and changes nothing
     check(torch.add(x, 1, out=None), A + 1)
@@ -230,11 +230,34 @@ def test_out_is_refused_on_every_route_and_nothing_is_written():
     check(dtorch.sum(x, 0, out=None), A.sum(0))
 
 
-def test_out_refused_with_only_the_out_argument_distributed():
+def test_out_errors_leave_out_unchanged():
+    x = distribute(A, MESH_2D, [Shard(0), Shard(2)])
+    wrong_shape = distribute(torch.zeros(2, 3), MESH_2D, [Replicate(), Replicate()])
+    with pytest.raises(dtorch.OpError, match=r"out has shape \[2, 3\] but the result has shape \[5, 6, 7\]"):
+        torch.add(x, 1, out=wrong_shape)
+    ints = distribute(torch.zeros(5, 6, 7, dtype=torch.long), MESH_2D, [Replicate(), Replicate()])
+    with pytest.raises(dtorch.OpError, match="can't be cast to the desired output type"):
+        torch.exp(x, out=ints)
+    t = torch.zeros(5, 6, 7)
+    with pytest.raises(NotImplementedError, match="needs a dtorch tensor as out"):
+        torch.add(x, 1, out=t)
+    assert torch.equal(t, torch.zeros(5, 6, 7))
+    assert torch.equal(wrong_shape.to_torch(), torch.zeros(2, 3))
+    assert torch.equal(ints.to_torch(), torch.zeros(5, 6, 7, dtype=torch.long))
+    # like torch: no out= while autograd records
+    y = x.detach().requires_grad_()
+    o = distribute(torch.zeros(5, 6, 7), MESH_2D, [Replicate(), Replicate()])
+    with pytest.raises(RuntimeError, match="don't support automatic differentiation"):
+        torch.exp(y, out=o)
+    with dtorch.no_grad():
+        torch.exp(y, out=o)
+    check(o, A.exp())
+
+
+def test_out_with_only_the_out_argument_distributed():
     o = distribute(torch.zeros(3), MESH_2D, [Shard(0), Replicate()])
-    with pytest.raises(NotImplementedError, match=r"write `y = torch\.add\(\.\.\.\)`"):
-        torch.add(torch.ones(3), 1, out=o)
-    assert torch.equal(o.to_torch(), torch.zeros(3))
+    assert torch.add(torch.ones(3), 1, out=o) is o
+    check(o, torch.full((3,), 2.0))
 
 
 def test_comparison_with_none_and_other_objects_like_torch():

@@ -28,7 +28,7 @@ from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
-from .registry import _RESOLVED, OpPlan, _broadcast_shape, dispatch, meta_call, register, reject_out, resolve_torch, to_dtensors
+from .registry import _RESOLVED, OpPlan, _broadcast_shape, dispatch, meta_call, register, resolve_torch, to_dtensors, write_out
 from .views import View
 
 # op name -> how it treats partial inputs: "add" (linear in every operand), "scale" (linear in its
@@ -285,7 +285,8 @@ def _elementwise_op(name: str, fn: str, *, torch_fns=(), functional=False, metho
     def op(input, *args, inplace: bool = False, out=None, **kwargs):
         if (type(input) is Tensor or type(input) is View) and not args and not kwargs and not inplace and out is None:
             return dispatch(name, _pointwise_rule, (input,), unary_static)
-        reject_out(f"dtorch.{name}", out)  # else the kernel would write into out's shared blocks
+        if out is not None:  # (torch's out=: the result written into out's own storage)
+            return write_out(f"dtorch.{name}", out, op(input, *args, inplace=inplace, **kwargs))
         if inplace:  # F.relu(x, inplace=True): the result written into x's own storage, x returned
             if not isinstance(input, Tensor):
                 raise OpError(f"dtorch.{name}(inplace=True) writes into a dtorch.Tensor, got {type(input).__name__}")
@@ -386,7 +387,8 @@ def _tensor_where(self, condition, other):
 @register(rule=_pointwise_rule, kernel=_pointwise_kernel, methods=(("where", _tensor_where),), torch_fns=(torch.where,))
 def where(condition, input=None, other=None, *, out=None):
     """``torch.where(condition, input, other)``; inputs may be dtorch tensors or scalars."""
-    reject_out("dtorch.where", out)
+    if out is not None:
+        return write_out("dtorch.where", out, where(condition, input, other))
     if input is None and other is None:
         raise NotImplementedError("dtorch.where(condition) (the nonzero form) is not supported; pass input and other")
     return pointwise("where", "torch.where", condition, input, other)
@@ -406,7 +408,8 @@ def masked_fill(input, mask, value):
 
 @register(rule=_pointwise_rule, kernel=_pointwise_kernel, methods=("addcmul",), torch_fns=(torch.addcmul,))
 def addcmul(input, tensor1, tensor2, *, value=1, out=None):
-    reject_out("dtorch.addcmul", out)
+    if out is not None:
+        return write_out("dtorch.addcmul", out, addcmul(input, tensor1, tensor2, value=value))
     return pointwise("addcmul", "torch.addcmul", input, tensor1, tensor2, value=value)
 
 

@@ -118,7 +118,7 @@ def register(name: str | None = None, *, rule=None, kernel=None, methods=(), tor
             raise RuntimeError(f"op {n!r} registered twice ({TABLE[n].fn} and {fn})")
         op = TABLE[n] = Op(n, fn, rule, kernel, tuple(methods), tuple(torch_fns), functional, public)
         if public:
-            PUBLIC[n] = _refusing_out(n, fn)
+            PUBLIC[n] = _taking_out(n, fn)
         if functional:
             FUNCTIONAL[n] = fn
         for tf in op.torch_fns:
@@ -379,20 +379,38 @@ class UnsupportedError(OpError, NotImplementedError):
     """A torch feature dtorch does not implement (yet): an operator, a Tensor method, ``out=``."""
 
 
-def reject_out(spelling: str, out) -> None:
-    """Refuse ``out=`` (``None`` is torch's default and fine): dtorch tensors are values, never written in
-    place (in-place support is a separate, later design), so there is nothing to write into."""
-    if out is not None:
+def write_out(spelling: str, out, result):
+    """torch's ``out=``: ``result`` written into ``out``'s own storage, laid out as ``out`` is (it must be a
+    dtorch tensor of the result's shape, of a dtype the result casts to), and ``out`` returned; the outputs of
+    a multi-output op go into a tuple of ``out`` tensors. ``out=None`` (torch's default) returns ``result``."""
+    if out is None:
+        return result
+    if isinstance(result, tuple):
+        if not isinstance(out, (tuple, list)) or len(out) != len(result):
+            raise OpError(f"{spelling}(..., out=...) returns {len(result)} tensors: pass out as a tuple of "
+                          f"{len(result)} dtorch tensors")
+        return tuple(write_out(spelling, o, r) for o, r in zip(out, result))
+    if not isinstance(out, Tensor):
         raise UnsupportedError(
-            f"{spelling}(..., out=...) is not supported: dtorch tensors are values that are never written in "
-            f"place. Drop out= and use the returned tensor: write `y = {spelling}(...)` instead of "
-            f"`{spelling}(..., out=y)`")
+            f"{spelling}(..., out=...) needs a dtorch tensor as out (the result lives on a mesh), got "
+            f"{type(out).__name__}: pass a dtorch tensor of shape {list(result.shape)}, or write "
+            f"`y = {spelling}(...)` instead of `{spelling}(..., out=y)`")
+    if _grad_enabled() and (result._ag is not None or out._ag is not None):
+        raise RuntimeError(f"{spelling}(): functions with out=... arguments don't support automatic "
+                           "differentiation, but one of the arguments requires grad")  # (torch's words)
+    if tuple(out.shape) != tuple(result.shape):
+        raise OpError(f"{spelling}(..., out=...): out has shape {list(out.shape)} but the result has shape "
+                      f"{list(result.shape)}; dtorch does not resize out: pass a tensor of the result's shape")
+    if not torch.can_cast(result.dtype, out.dtype):
+        raise OpError(f"{spelling}(..., out=...): result type {result.dtype} can't be cast to the desired output "
+                      f"type {out.dtype}")
+    return out.copy_(result)
 
 
-def _refusing_out(n: str, fn: Callable) -> Callable:
-    """``dtorch.<n>``: ``fn`` behind an ``out=`` check, unless ``fn`` takes ``out`` itself (then it checks).
+def _taking_out(n: str, fn: Callable) -> Callable:
+    """``dtorch.<n>``: ``fn`` with torch's ``out=`` (``write_out``), unless ``fn`` takes ``out`` itself.
     Only the ``dtorch.<n>`` entry is wrapped: Tensor methods and torch.nn.functional spellings take no
-    ``out`` in torch either, and ``torch.<fn>(..., out=)`` is refused in torch_function_dispatch."""
+    ``out`` in torch either, and ``torch.<fn>(..., out=)`` is handled in torch_function_dispatch."""
     try:
         if "out" in inspect.signature(fn).parameters:
             return fn
@@ -402,7 +420,8 @@ def _refusing_out(n: str, fn: Callable) -> Callable:
     @functools.wraps(fn)
     def entry(*args, **kwargs):
         if "out" in kwargs:
-            reject_out(f"dtorch.{n}", kwargs.pop("out"))
+            out = kwargs.pop("out")
+            return write_out(f"dtorch.{n}", out, fn(*args, **kwargs))
         return fn(*args, **kwargs)
 
     return entry
@@ -455,9 +474,11 @@ def unsupported_message(spelling: str, what: str = "") -> str:
 
 
 def torch_function_dispatch(func, args, kwargs):
-    if "out" in kwargs:  # torch.add(x, 1, out=t): nothing is written in place (kwargs is torch's: copy it)
+    if "out" in kwargs:  # torch.add(x, 1, out=t): the result written into t (kwargs is torch's: copy it)
         kwargs = dict(kwargs)
-        reject_out(torch_public_name(func), kwargs.pop("out"))
+        out = kwargs.pop("out")
+        if out is not None:
+            return write_out(torch_public_name(func), out, torch_function_dispatch(func, args, kwargs))
     target = TORCH_FUNCTIONS.get(func)
     if target is None:
         spelling = torch_public_name(func)
