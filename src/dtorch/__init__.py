@@ -43,6 +43,11 @@ from .autograd import enable_grad, is_grad_enabled, no_grad, set_grad_enabled  #
 from .autograd.tensor_methods import install as _install_autograd  # noqa: E402
 
 _install_autograd(Tensor)
+# torch.autograd.backward(loss) / torch.autograd.grad(loss, [w]) on dtorch tensors: dtorch's own (not ops of the table)
+from .ops.registry import TORCH_FUNCTIONS as _TORCH_FUNCTIONS  # noqa: E402
+
+_TORCH_FUNCTIONS[_torch.autograd.backward] = autograd.backward
+_TORCH_FUNCTIONS[_torch.autograd.grad] = autograd.grad
 from .autograd.checkpoint import route_torch_checkpoint as _route_torch_checkpoint  # noqa: E402
 
 _route_torch_checkpoint()  # torch.utils.checkpoint.checkpoint on dtorch tensors: dtorch's checkpoint

@@ -190,3 +190,21 @@ def test_autograd_grad_of_torch_tensors():
     torch.testing.assert_close(gx.to_torch(), rx, **TOL)
     with pytest.raises(RuntimeError, match="not have been used in the graph"):
         dtorch.autograd.grad((x @ w).sum(), [w, unused])
+
+
+def test_torch_autograd_backward_and_grad_on_dtorch_tensors():
+    """``torch.autograd.backward(loss)`` / ``torch.autograd.grad(loss, [x])`` with dtorch tensors run dtorch's
+    backward (torch hands them over through __torch_function__), with torch's keyword arguments."""
+    x = dtorch.Tensor(_randn(6, 8, seed=1), device_mesh=MESH, placements=[Shard(0), Replicate()]).requires_grad_()
+    xr = x.to_torch().requires_grad_()
+    torch.autograd.backward((x.tanh() * x).sum())
+    torch.autograd.backward((xr.tanh() * xr).sum())
+    torch.testing.assert_close(x.grad.to_torch(), xr.grad, **TOL)
+    (gx,) = torch.autograd.grad((x * x).sum(), [x])
+    (rx,) = torch.autograd.grad((xr * xr).sum(), [xr])
+    torch.testing.assert_close(gx.to_torch(), rx, **TOL)
+    unused = dtorch.Tensor(_randn(3, seed=2), device_mesh=MESH).requires_grad_()
+    gx, gu = torch.autograd.grad((x * 2).sum(), [x, unused], materialize_grads=True)
+    torch.testing.assert_close(gu.to_torch(), torch.zeros(3))
+    with pytest.raises(NotImplementedError, match="dtorch.autograd.grad"):
+        torch.autograd.backward((x * 2).sum(), inputs=[x])

@@ -523,7 +523,8 @@ def test_tensor_attributes_come_from_the_table():
             f_, target = tf if isinstance(tf, tuple) else (tf, op.fn)
             declared.setdefault(f_, []).append(target)
     assert all(TORCH_FUNCTIONS[f_] is targets[0] for f_, targets in declared.items())
-    assert set(TORCH_FUNCTIONS) == set(declared)  # nothing is routed from outside the table
+    # nothing else is routed from outside the table but autograd's entry points (dtorch/__init__), not ops
+    assert set(TORCH_FUNCTIONS) - set(declared) == {torch.autograd.backward, torch.autograd.grad}
 
 
 def test_install_refuses_an_attribute_defined_twice():
