@@ -85,9 +85,8 @@ class Tensor:
         """An in-place op wrote this tensor: ``handle`` holds its value now (its own handle, or the
         runtime's copy-on-write copy)."""
         if handle is not self._h:
-            self._h = handle
-            if self._graph.tracks_memory:
-                self._graph._on_handle(handle, self._spec)
+            old, self._h = self._h, handle
+            self._graph._handle_replaced(old, handle, self._spec)  # memory accounting: same kind, new storage
         self._writes = self._version + 1
 
     @property

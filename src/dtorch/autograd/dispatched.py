@@ -22,12 +22,15 @@ own layout happens when it is stored).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..errors import OpError
 from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel, vjp_kernel
 from ..spec import DTensorSpec
+from .fsdp import regather_source
 from .node import Node, attach, requires_grad
 
 _R = Replicate()
@@ -47,7 +50,7 @@ class KernelNode(Node):
     """One kernel on every device. Saves the laid-out inputs it needs to recompute the local forward."""
 
     __slots__ = ("op", "kernel", "in_specs", "out_specs", "kwargs", "device_args", "saved", "diff", "graph",
-                 "outputs_saved", "tape")
+                 "outputs_saved", "tape", "memory", "prefetched")
 
     def __init__(self, op, kern, in_specs, out_specs, kwargs, device_args, inputs, handles, outputs, tape=None):
         diff = tuple(requires_grad(t) and _floating(s.dtype) for t, s in zip(inputs, in_specs))
@@ -59,17 +62,18 @@ class KernelNode(Node):
         self.kwargs = kwargs
         self.device_args = device_args
         self.diff = diff
-        self.graph = inputs[0]._graph
+        self.graph = graph = inputs[0]._graph
+        self.memory = self.prefetched = None
         saved = []
         for t, s, h in zip(inputs, in_specs, handles):
-            if t._ag is not None and getattr(t._ag.grad_fn, "leaf", None) is not None:
-                leaf = t._ag.grad_fn.leaf  # an fsdp-gathered parameter (fsdp.RegatherNode): gathered again
-                saved.append((leaf, leaf._version, s))
+            source = regather_source(t)
+            if source is not None:
+                # an fsdp-gathered parameter (autograd/fsdp.py): keep its shard, gather it again in the backward
+                saved.append((source, source._version, s))
             elif h is t._h:
                 saved.append((t, t._version, None))
             elif t._ag is not None and t._ag.grad_fn is None:
-                # a leaf (a parameter) laid out anew: lay it out again in the backward rather than keep the
-                # copy (fsdp: the gathered weight is freed after use and gathered again for the backward)
+                # a leaf (a parameter) laid out anew: lay it out again in the backward rather than keep the copy
                 saved.append((t, t._version, s))
             else:
                 saved.append((type(t)._make(s, h, t._graph), 0, None))
@@ -78,10 +82,37 @@ class KernelNode(Node):
         # (Executable.run_tracked), so the backward differentiates it instead of recomputing the forward.
         # Not when an input is laid out again in the backward (fsdp): the graph would keep the gathered copy.
         self.tape = tape if tape is not None and all(layout is None for _, _, layout in saved) else None
+        if self.tape is not None and graph.tracks_memory:  # what the local graph saves besides inputs and outputs
+            self.memory = graph.count_memory(self, self.out_specs[0].mesh, self.tape[0].tape_bytes(self.tape[1]))
         # outputs that are Partial(max|min) keep their local extremes: the backward masks the cotangent
         self.outputs_saved = {k: type(o)._make(o._spec, o._h, o._graph) for k, o in enumerate(outputs)
                               if any(isinstance(p, Partial) and p.reduce_op in ("max", "min")
                                      for p in o._spec.placements)}
+
+    @property
+    def regathers(self) -> bool:
+        return self.saved is not None and any(layout is not None for _, _, layout in self.saved)
+
+    def _laid_out(self, n: int):
+        """Saved input ``n`` as the kernel takes it: a parameter saved in another layout (an fsdp shard) or
+        dtype (mixed precision) is cast and gathered again."""
+        from ..redistribute import relayout
+
+        t, _, layout = self.saved[n]
+        if layout is None:
+            return t
+        graph = t._graph
+        with graph.memory_kind("gathered") if graph.tracks_memory else contextlib.nullcontext():
+            if t.dtype != layout.dtype:
+                t = t.to(layout.dtype)
+            return relayout(t, layout)
+
+    def prefetch(self) -> None:
+        """Gather the inputs saved as shards now, ahead of ``apply`` (the engine calls it one node early, so an
+        asynchronous backend moves them while the node before computes)."""
+        if self.saved is not None and self.prefetched is None:
+            self.prefetched = {n: self._laid_out(n) for n, (_, _, layout) in enumerate(self.saved)
+                               if layout is not None}
 
     @property
     def name(self):
@@ -121,11 +152,15 @@ class KernelNode(Node):
         self.saved = None
         self.outputs_saved = None
         self.tape = None
+        self.prefetched = None
+        self.graph.uncount_memory(self.memory)
+        self.memory = None
 
     def apply(self, grads):
         from ..redistribute import relayout
 
         handles, specs = [], []
+        prefetched, self.prefetched = self.prefetched or {}, None
         for n, ((t, version, layout), s) in enumerate(zip(self.saved, self.in_specs)):
             if t._version != version:
                 raise RuntimeError(
@@ -134,7 +169,7 @@ class KernelNode(Node):
                     f"version {version} instead. Write a copy (x.clone()) instead, or run the in-place op after "
                     "the backward.")
             if layout is not None:
-                t = relayout(t, layout)
+                t = prefetched[n] if n in prefetched else self._laid_out(n)
             if self.diff[n] and not _extreme_input_ok(s, self.out_specs):
                 raise OpError(f"dtorch.{self.op}: no gradient through a Partial(max|min) input ({s}); "
                               "redistribute it to Replicate before the op")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..errors import OpError
 from ..placement import Partial, Replicate
 from ..spec import DTensorSpec
-from .mode import set_grad_enabled
+from .mode import backward_pass, set_grad_enabled
 from .node import Node, requires_grad
 
 
@@ -69,7 +69,7 @@ def run_backward(outputs, grad_outputs, retain_graph: bool = False, inputs=None,
             wanted[id(t)] = t
     captured: dict = {}
 
-    with set_grad_enabled(False):
+    with set_grad_enabled(False), backward_pass():
         for out, g in roots:
             ag = out._ag
             if ag.grad_fn is None:
@@ -84,10 +84,12 @@ def run_backward(outputs, grad_outputs, retain_graph: bool = False, inputs=None,
             for t in wanted.values():
                 if t._ag.grad_fn is not None:
                     wanted_nonleaf[(t._ag.grad_fn, t._ag.output_nr)] = t
-        for node in nodes:
+        for i, node in enumerate(nodes):
             grads = [buffers.pop((node, k), None) for k in range(node.n_out)]
             if all(g is None for g in grads):
                 continue
+            if i + 1 < len(nodes):
+                _prefetch(nodes[i + 1], buffers)
             if node.released:
                 raise RuntimeError(
                     "Trying to backward through the graph a second time (or directly access saved tensors after "
@@ -136,7 +138,16 @@ def run_backward(outputs, grad_outputs, retain_graph: bool = False, inputs=None,
                 g = meta.grad_form(g)
             g = as_grad_of(g, leaf._spec)
             meta.grad = g if meta.grad is None else meta.grad + g
+            meta.grad._graph.label_memory(meta.grad._h, "grads")
     return None
+
+
+def _prefetch(node, buffers) -> None:
+    """Let the node after this one gather its fsdp shards now (``KernelNode.prefetch``), when a gradient has
+    reached it already (so it will run): the gathers overlap this node's work on asynchronous backends."""
+    if getattr(node, "regathers", False) and not node.released \
+            and any((node, k) in buffers for k in range(node.n_out)):
+        node.prefetch()
 
 
 def filled_like(t, value):

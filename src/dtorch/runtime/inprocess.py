@@ -526,11 +526,27 @@ class _Executable(Executable):
         res = [Shards(grid=self._fit(y.detach(), g, local, self.kernel.name)[0]) for y, (g, local) in zip(outs, self.out_fix)]
         grid = broadcast_shape([x.shape[: self.nd] for x in leaves + xs] + [
             v.shape for v in kwargs.values() if isinstance(v, torch.Tensor) and v.ndim == self.nd])
-        return res, (leaves, outs, grid)
+        return res, (leaves, outs, grid, xs)
+
+    def tape_bytes(self, tape) -> int:
+        """What torch's graph of the grid computation saves besides the inputs and outputs (softmax
+        probabilities, normalised activations, ...), per device: the saved storages' bytes over the number of
+        devices the grid computation spans (a replicated computation is held whole by each device)."""
+        leaves, outs, grid, xs = tape
+        known = {x.untyped_storage().data_ptr() for x in xs}
+        known.update(y.untyped_storage().data_ptr() for y in outs)
+        extra = {}
+        for t in _saved_tensors(outs):
+            s = t.untyped_storage()
+            ptr = s.data_ptr()
+            if ptr not in known:
+                extra[ptr] = s.nbytes()
+        cells = int(np.prod(grid)) if grid else 1
+        return sum(extra.values()) // max(cells, 1)
 
     def vjp_tracked(self, tape, cotangents, ct_specs, has_ct, grad_specs) -> list:
         """The gradients of the tracked inputs (laid out as ``grad_specs``) for the outputs' cotangents."""
-        leaves, outs, grid = tape
+        leaves, outs, grid, _ = tape
         rt = self.runtime()
         cts = [h.grid if h.grid is not None else rt.as_grid(h, s) for h, s in zip(cotangents, ct_specs)]
         grid = broadcast_shape([grid] + [c.shape[: self.nd] for c in cts])
@@ -548,6 +564,27 @@ class _Executable(Executable):
                          self.nd)
             res.append(Shards(grid=self._fit(g, target, spec.even_local_shape(), "vjp")[0]))
         return res
+
+
+def _saved_tensors(outs):
+    """The tensors torch's autograd graph behind ``outs`` saved for the backward (its nodes' ``_saved_*``
+    attributes), walking the graph down to the leaves."""
+    seen, stack = set(), [y.grad_fn for y in outs if y.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        for name in dir(fn):
+            if name.startswith("_saved_"):
+                try:
+                    v = getattr(fn, name)
+                except RuntimeError:  # freed already
+                    continue
+                for t in (v if isinstance(v, (tuple, list)) else (v,)):
+                    if isinstance(t, torch.Tensor):
+                        yield t
+        stack.extend(nxt for nxt, _ in fn.next_functions)
 
 
 _new_shards = object.__new__

@@ -75,6 +75,11 @@ class Executable(ABC):
         """The gradient handles (laid out as ``grad_specs``) of the ``diff`` inputs of a ``run_tracked`` call."""
         raise NotImplementedError
 
+    def tape_bytes(self, tape):
+        """Bytes per device (an int, or a vector in mesh order) the tape's saved tensors hold beyond the
+        call's inputs and outputs (memory accounting: what no handle shows)."""
+        return 0
+
 
 class Runtime(ABC):
     name: str = "abstract"
