@@ -254,15 +254,18 @@ class Graph:
         self._live[mesh] = self._live.get(mesh, 0) - per_device
         self._add(mesh, kind, per_device)
 
-    def _handle_replaced(self, old, new, spec) -> None:
-        """A tensor's storage moved to ``new`` (a copy-on-write write): it keeps the kind ``old`` had."""
+    def _rehandle(self, t, new) -> None:
+        """Tensor ``t``'s storage moves to handle ``new`` (a copy-on-write write); it keeps its kind."""
+        old = t._h
         token = self._token_of.get(id(old))
         entry = None if token is None else self._held.get(token)
         kind = entry[2] if entry is not None else self._labels.get(old)
+        t._h = new
+        del old, entry  # (the old storage may die here, before the new one is counted)
         if self.tracks_memory:
             before, self._kind_now = self._kind_now, kind or self._kind_now
             try:
-                self._on_handle(new, spec)
+                self._on_handle(new, t._spec)
             finally:
                 self._kind_now = before
         elif kind is not None:

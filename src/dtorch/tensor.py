@@ -85,8 +85,7 @@ class Tensor:
         """An in-place op wrote this tensor: ``handle`` holds its value now (its own handle, or the
         runtime's copy-on-write copy)."""
         if handle is not self._h:
-            old, self._h = self._h, handle
-            self._graph._handle_replaced(old, handle, self._spec)  # memory accounting: same kind, new storage
+            self._graph._rehandle(self, handle)  # self._h = handle; the memory accounting keeps its kind
         self._writes = self._version + 1
 
     @property

@@ -23,6 +23,7 @@ own layout happens when it is stored).
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -50,7 +51,7 @@ class KernelNode(Node):
     """One kernel on every device. Saves the laid-out inputs it needs to recompute the local forward."""
 
     __slots__ = ("op", "kernel", "in_specs", "out_specs", "kwargs", "device_args", "saved", "diff", "graph",
-                 "outputs_saved", "tape", "memory", "prefetched")
+                 "outputs_saved", "tape", "kept", "memory", "prefetched")
 
     def __init__(self, op, kern, in_specs, out_specs, kwargs, device_args, inputs, handles, outputs, tape=None):
         diff = tuple(requires_grad(t) and _floating(s.dtype) for t, s in zip(inputs, in_specs))
@@ -63,7 +64,7 @@ class KernelNode(Node):
         self.device_args = device_args
         self.diff = diff
         self.graph = graph = inputs[0]._graph
-        self.memory = self.prefetched = None
+        self.memory = self.prefetched = self.kept = None
         saved = []
         for t, s, h in zip(inputs, in_specs, handles):
             source = regather_source(t)
@@ -82,8 +83,17 @@ class KernelNode(Node):
         # (Executable.run_tracked), so the backward differentiates it instead of recomputing the forward.
         # Not when an input is laid out again in the backward (fsdp): the graph would keep the gathered copy.
         self.tape = tape if tape is not None and all(layout is None for _, _, layout in saved) else None
-        if self.tape is not None and graph.tracks_memory:  # what the local graph saves besides inputs and outputs
-            self.memory = graph.count_memory(self, self.out_specs[0].mesh, self.tape[0].tape_bytes(self.tape[1]))
+        if self.tape is not None:
+            # torch's graph of the local computation keeps what its derivative needs (on the inputs' storage);
+            # the node keeps only what tells an in-place write of an input that still lives, its version, and
+            # the handles of the inputs and outputs whose storage that graph saved (the memory accounting
+            # counts storage by handle: they stay counted while the graph holds them)
+            self.saved = [(weakref.ref(t), version, None) for t, version, _ in saved]
+            ex, local = self.tape
+            ins, outs = ex.tape_keeps(local, diff)
+            self.kept = [handles[i] for i in ins] + [outputs[k]._h for k in outs]
+            if graph.tracks_memory:  # what the local graph saves besides the inputs and outputs
+                self.memory = graph.count_memory(self, self.out_specs[0].mesh, self.tape[0].tape_bytes(self.tape[1]))
         # outputs that are Partial(max|min) keep their local extremes: the backward masks the cotangent
         self.outputs_saved = {k: type(o)._make(o._spec, o._h, o._graph) for k, o in enumerate(outputs)
                               if any(isinstance(p, Partial) and p.reduce_op in ("max", "min")
@@ -152,6 +162,7 @@ class KernelNode(Node):
         self.saved = None
         self.outputs_saved = None
         self.tape = None
+        self.kept = None
         self.prefetched = None
         self.graph.uncount_memory(self.memory)
         self.memory = None
@@ -161,8 +172,11 @@ class KernelNode(Node):
 
         handles, specs = [], []
         prefetched, self.prefetched = self.prefetched or {}, None
+        tracked = self.tape is not None
         for n, ((t, version, layout), s) in enumerate(zip(self.saved, self.in_specs)):
-            if t._version != version:
+            if tracked:
+                t = t()  # (a weak reference: an input gone since cannot have been written since)
+            if t is not None and t._version != version:
                 raise RuntimeError(
                     f"one of the variables needed for gradient computation has been modified by an inplace "
                     f"operation: input {n} of dtorch.{self.op} ({t._spec}) is at version {t._version}; expected "
@@ -173,7 +187,8 @@ class KernelNode(Node):
             if self.diff[n] and not _extreme_input_ok(s, self.out_specs):
                 raise OpError(f"dtorch.{self.op}: no gradient through a Partial(max|min) input ({s}); "
                               "redistribute it to Replicate before the op")
-            handles.append(t._h)
+            if not tracked:
+                handles.append(t._h)
             specs.append(s)
         has_ct, ct_specs = [], []
         cts = [None if g is None or not _floating(spec.dtype) else g for spec, g in zip(self.out_specs, grads)]
@@ -199,7 +214,7 @@ class KernelNode(Node):
             if self.tape is not None:
                 ex, tape = self.tape
                 grad_specs = self._folded(grad_specs)
-                outs = ex.vjp_tracked(tape, handles[len(specs):], ct_specs, tuple(has_ct), grad_specs)
+                outs = ex.vjp_tracked(tape, handles, ct_specs, tuple(has_ct), grad_specs)
             else:
                 ex = rt.executable(vjp_kernel(self.kernel), tuple(specs) + tuple(ct_specs), grad_specs)
                 outs = ex.run(handles, {**self.kwargs, "vjp": (self.diff, tuple(has_ct))}, self.device_args)

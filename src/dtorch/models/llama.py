@@ -423,7 +423,8 @@ class LlamaForCausalLM(nn.Module):
     dtorch tensor it returns dtorch logits on the ids' mesh, batch and sequence placed like the ids.
     """
 
-    def __init__(self, config, device_mesh: DeviceMesh | None = None):
+    def __init__(self, config, device_mesh: DeviceMesh | None = None, *, mp_policy=None,
+                 reshard_after_forward: bool = True):
         super().__init__()
         mesh = get_default_device_mesh(device_mesh)
         self.config = config
@@ -438,6 +439,10 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head = nn.ColumnParallelLinear(config.hidden_size, config.vocab_size, bias=False)
             init_weights_like_hf(self.lm_head, config)
         self._caller = None
+        if mp_policy is not None or not reshard_after_forward or "fsdp" in (mesh.dim_names or ()):
+            # FSDP units (autograd/fsdp.py): each module gathers its own weights, the next one's ahead;
+            # mp_policy (dtorch.MixedPrecisionPolicy): bf16 compute over float32 master weights
+            nn.fully_shard_modules(self, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
 
     @property
     def device_mesh(self) -> DeviceMesh:

@@ -394,6 +394,7 @@ class _Executable(Executable):
         self.grid = self.grid_dev is not None and all(s.is_even() for s in in_specs + out_specs)
         self.wants_lead = "lead" in inspect.signature(kernel.fn).parameters
         self.coords = mesh.coordinates()
+        self.keeps = {}  # differentiated inputs -> tape_keeps
         self.in_reshape = None
         if self.grid and kernel.align:
             r = max((len(s.shape) for s in in_specs), default=0)
@@ -527,6 +528,18 @@ class _Executable(Executable):
         grid = broadcast_shape([x.shape[: self.nd] for x in leaves + xs] + [
             v.shape for v in kwargs.values() if isinstance(v, torch.Tensor) and v.ndim == self.nd])
         return res, (leaves, outs, grid, xs)
+
+    def tape_keeps(self, tape, diff: tuple) -> tuple:
+        """Which inputs and outputs torch's graph saved: found by walking the graph once per set of
+        differentiated inputs (torch's derivative formulas choose what to save by which inputs need a
+        gradient, not by their values), then read from a cache."""
+        keeps = self.keeps.get(diff)
+        if keeps is None:
+            leaves, outs, grid, xs = tape
+            saved = {t.untyped_storage().data_ptr() for t in _saved_tensors(outs)}
+            keeps = self.keeps[diff] = (tuple(i for i, x in enumerate(xs) if x.untyped_storage().data_ptr() in saved),
+                                        tuple(k for k, y in enumerate(outs) if y.untyped_storage().data_ptr() in saved))
+        return keeps
 
     def tape_bytes(self, tape) -> int:
         """What torch's graph of the grid computation saves besides the inputs and outputs (softmax

@@ -75,6 +75,11 @@ class Executable(ABC):
         """The gradient handles (laid out as ``grad_specs``) of the ``diff`` inputs of a ``run_tracked`` call."""
         raise NotImplementedError
 
+    def tape_keeps(self, tape, diff: tuple) -> tuple:
+        """(input positions, output positions) whose storage the tape saved (the backward reads them); the
+        caller keeps their handles while it keeps the tape, so the memory accounting sees them."""
+        return tuple(range(len(diff))), ()
+
     def tape_bytes(self, tape):
         """Bytes per device (an int, or a vector in mesh order) the tape's saved tensors hold beyond the
         call's inputs and outputs (memory accounting: what no handle shows)."""
