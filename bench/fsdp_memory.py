@@ -13,13 +13,18 @@ parameters), batch 8 x seq 64 on fsdp=8. Printed:
 - ``--rss``: the peak RSS of the simulated step (one process, all 8 devices) against Hugging Face's step on
   one device, each in a fresh process, beyond the process's RSS before the step;
 - ``--process``: the same step on the process backend: each worker's peak RSS during the step beyond its
-  RSS before it, against the accounting's peak beyond its base for that device.
+  RSS before it, against the accounting's peak beyond its base for that device (what the accounting does
+  not see: the kernels' own temporaries, such as the local graph a backward recomputes).
+
+RSS is read with glibc's free memory handed back first (``malloc_trim``) and a fixed mmap threshold, so it
+follows what is live.
 
     .venv/bin/python bench/fsdp_memory.py [--layers 8] [--hidden 512] [--rss] [--process]
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -114,6 +119,8 @@ def rss_child(which: str, args) -> dict:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
 
+    from dtorch.runtime.worker import trim_allocator
+
     torch.manual_seed(0)
     cfg = make_config(args, args.layers)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
@@ -133,6 +140,8 @@ def rss_child(which: str, args) -> dict:
         step = lambda: _step(model, opt, ids)  # noqa: E731
     step()
     step()
+    gc.collect()
+    trim_allocator()  # what the allocator holds free is not the step's
     rss, _ = status()
     reset_peak()
     step()
@@ -140,9 +149,14 @@ def rss_child(which: str, args) -> dict:
     return {"rss_before": rss, "peak_growth": peak - rss, "peak": peak}
 
 
+# glibc raises its mmap threshold as large blocks are freed (up to 32 MiB), after which freed blocks stay
+# in the heap and count in RSS: a fixed threshold makes RSS follow what is live (every process measured here)
+FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
 def _run_child(which: str, argv) -> dict:
     out = subprocess.run([sys.executable, __file__, "--rss-child", which, *argv], capture_output=True, text=True,
-                         check=True, env=dict(os.environ))
+                         check=True, env={**os.environ, **FIXED_MMAP_THRESHOLD})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -197,6 +211,7 @@ def main(argv=None):
               f"{ours['peak_growth'] / max(hf['peak_growth'], 1):.2f}x (acceptance <= 1.3); peak RSS "
               f"{ours['peak'] / MiB:.0f} vs {hf['peak'] / MiB:.0f}")
     if args.process:
+        os.environ.update(FIXED_MMAP_THRESHOLD)  # (the workers inherit it)
         proc = measure(args, args.layers, backend="process")
         rows = proc["workers"]
         print("  process backend, per worker: peak RSS growth during the step / the accounting's peak growth: "

@@ -31,7 +31,7 @@ from ..errors import OpError
 from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel, vjp_kernel
 from ..spec import DTensorSpec
-from .fsdp import regather_source
+from .fsdp import GatherNode, regather_source
 from .node import Node, attach, requires_grad
 
 _R = Replicate()
@@ -157,6 +157,31 @@ class KernelNode(Node):
             out.append(spec)
         return tuple(out)
 
+    def _summed_gathered(self, grad_specs) -> tuple:
+        """Stacked grids compute every device's gradient term of an fsdp-gathered weight in one GEMM, summed:
+        kept so (Replicate where it would be Partial) rather than spread into one full-size term per device.
+        The reduction those terms would get at the weight's ``GatherNode`` (a reduce-scatter on fsdp, an
+        all-reduce on dp, in its reduce dtype) is recorded in CommLog here, as the devices run it; the node
+        then only cuts its shard. (grad specs, which are summed)."""
+        from ..redistribute.executor import record_only
+        from ..redistribute.planner import plan_redistribute
+        from .engine import grad_spec
+
+        out, summed = [], []
+        for spec, (producer, _, _) in zip(grad_specs, self.edges):
+            if isinstance(producer, GatherNode) and _P in spec.placements:
+                dtype = producer.reduce_dtype or spec.dtype
+                target = grad_spec(producer.leaf._spec)
+                record_only(plan_redistribute(DTensorSpec(spec.mesh, spec.placements, spec.shape, dtype),
+                                              DTensorSpec(target.mesh, target.placements, target.shape, dtype)))
+                spec = DTensorSpec(spec.mesh, tuple(_R if p == _P else p for p in spec.placements), spec.shape,
+                                   spec.dtype)
+                summed.append(True)
+            else:
+                summed.append(False)
+            out.append(spec)
+        return tuple(out), tuple(summed)
+
     def release(self):
         super().release()
         self.saved = None
@@ -216,8 +241,14 @@ class KernelNode(Node):
                 grad_specs = self._folded(grad_specs)
                 outs = ex.vjp_tracked(tape, handles, ct_specs, tuple(has_ct), grad_specs)
             else:
+                vjp = (self.diff, tuple(has_ct))
                 ex = rt.executable(vjp_kernel(self.kernel), tuple(specs) + tuple(ct_specs), grad_specs)
-                outs = ex.run(handles, {**self.kwargs, "vjp": (self.diff, tuple(has_ct))}, self.device_args)
+                if ex.sums_over_devices and self.regathers:
+                    grad_specs, summed = self._summed_gathered(grad_specs)
+                    if any(summed):
+                        vjp += (summed,)
+                        ex = rt.executable(vjp_kernel(self.kernel), tuple(specs) + tuple(ct_specs), grad_specs)
+                outs = ex.run(handles, {**self.kwargs, "vjp": vjp}, self.device_args)
         except OpError:
             raise
         except Exception as exc:  # torch has no derivative for the local computation (floor_divide), ...

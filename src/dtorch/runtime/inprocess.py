@@ -392,6 +392,7 @@ class _Executable(Executable):
         self.nd = mesh.ndim
         self.grid_dev = rt.grid_device(mesh)
         self.grid = self.grid_dev is not None and all(s.is_even() for s in in_specs + out_specs)
+        self.sums_over_devices = self.grid
         self.wants_lead = "lead" in inspect.signature(kernel.fn).parameters
         self.coords = mesh.coordinates()
         self.keeps = {}  # differentiated inputs -> tape_keeps

@@ -61,6 +61,10 @@ def read_file_block(block: FileBlock, shape: tuple, dtype: torch.dtype) -> torch
 class Executable(ABC):
     """One kernel on one combination of input/output specs, prepared by a runtime (cached per plan)."""
 
+    # True when one call computes every device's block together (stacked grids), so a gradient summed over
+    # devices comes out summed (``kernels.vjp_kernel``'s ``summed``) instead of as per-device terms
+    sums_over_devices: bool = False
+
     @abstractmethod
     def run(self, handles: Sequence, kwargs: dict, device_args: dict | None = None) -> list:
         """Run on every device of the mesh; returns one handle per output spec."""
