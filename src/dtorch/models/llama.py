@@ -314,6 +314,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config, device_mesh: DeviceMesh | None = None):
         super().__init__()
         self.gradient_checkpointing = False  # gradient_checkpointing_enable(): recompute layers in backward
+        self.checkpoint_every = 1  # ... every layer, or every N-th (selective)
         mesh = get_default_device_mesh(device_mesh)
         check_layout(config, mesh)
         self.config = config
@@ -336,6 +337,10 @@ class LlamaModel(nn.Module):
         with guard(self.stage_meshes[-1]):
             self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         init_weights_like_hf(self, config)  # Hugging Face's post_init: the same seed gives its weights
+
+    def _recomputes(self, layer) -> bool:
+        """Is ``layer`` checkpointed: every layer (full), or the N-th, 2N-th, ... (selective, torchtitan's)."""
+        return self.gradient_checkpointing and (layer.self_attn.layer_idx + 1) % self.checkpoint_every == 0
 
     def redistribute_input(self, input_ids, step=None):
         """Token ids ``[B, S]`` (torch or dtorch, any mesh) onto the first stage: batch over dp, sequence over cp."""
@@ -365,7 +370,7 @@ class LlamaModel(nn.Module):
                 mesh = self.stage_meshes[stage]
                 h = h.redistribute(mesh, h.placements)
                 cos, sin = self.rope(mesh, input_ids.shape[1], h.dtype, step)
-            if step is None and self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            if step is None and self._recomputes(layer) and self.training and torch.is_grad_enabled():
                 h = checkpoint(layer, h, cos, sin)  # activations recomputed in the backward
             else:
                 h = layer(h, cos, sin) if step is None else layer(h, cos, sin, step)
@@ -448,9 +453,24 @@ class LlamaForCausalLM(nn.Module):
     def device_mesh(self) -> DeviceMesh:
         return self.model.device_mesh
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
-        """Recompute each decoder layer's activations in the backward instead of keeping them (training mode)."""
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, *, selective_ac_option=None) -> None:
+        """Recompute each decoder layer's activations in the backward instead of keeping them (training mode).
+
+        ``selective_ac_option=N`` (an int, or its string as torchtitan's ``--activation_checkpoint.selective_ac_option``
+        takes it): selective activation checkpointing by layer, only every N-th layer (the N-th, 2N-th, ...) is
+        recomputed; the others keep their activations. Op-level selection ("op") is not offered: dtorch's
+        backward recomputes each op's local forward anyway, so keeping matmul outputs would save no compute."""
+        every = 1
+        if selective_ac_option is not None:
+            try:
+                every = int(selective_ac_option)
+            except (TypeError, ValueError):
+                every = 0
+            if every < 1:
+                raise ValueError(f"selective_ac_option must be a layer interval N >= 1 (checkpoint every N-th "
+                                 f"layer), got {selective_ac_option!r}")
         self.model.gradient_checkpointing = True
+        self.model.checkpoint_every = every
 
     def gradient_checkpointing_disable(self) -> None:
         self.model.gradient_checkpointing = False
