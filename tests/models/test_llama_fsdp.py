@@ -144,3 +144,17 @@ def test_selective_checkpointing_takes_a_layer_interval():
             model.gradient_checkpointing_enable(selective_ac_option=bad)
     model.gradient_checkpointing_enable(selective_ac_option="2")  # torchtitan's spelling
     assert model.is_gradient_checkpointing
+
+
+def test_checkpointed_layers_gather_each_weight_once_more_for_the_recomputation_only():
+    model, hf = _model()
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids, labels = _batch(FSDP2, hf.config.vocab_size)
+    loss = model(ids, labels=labels).loss
+    with CommLog() as bwd:
+        loss.backward()
+    n = len(list(model.parameters()))
+    # the recomputed layers' gathers serve their own backward (FSDP2 with activation checkpointing: the
+    # forward's gather and the backward's); the other weights are gathered again as usual
+    assert bwd.counts() == {("all_gather", "fsdp"): n, ("reduce_scatter", "fsdp"): n}, bwd.table()

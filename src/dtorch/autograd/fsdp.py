@@ -200,12 +200,15 @@ class FSDPUnit:
     def gather(self) -> dict:
         """{id(owner): (owner, {name: gathered copy})} for this unit's parameters."""
         mp = self.mp
+        # a forward recomputed in the backward (activation checkpointing) is differentiated right away: its
+        # consumers keep the copies for that, rather than gathering them once more
+        reshard = self.reshard_after_forward and not in_backward()
         out: dict = {}
         for owner, name in self.params:
             p = owner._parameters.get(name)
             if p is None:
                 continue
-            g = unshard(p, mp.param_dtype, mp.reduce_dtype, self.reshard_after_forward)
+            g = unshard(p, mp.param_dtype, mp.reduce_dtype, reshard)
             out.setdefault(id(owner), (owner, {}))[1][name] = g
         return out
 
