@@ -234,3 +234,34 @@ def test_bad_arguments_say_what_to_change():
         fully_shard(lin, mp_policy=torch.bfloat16)
     with pytest.raises(dtorch.MeshError, match="named 'fsdp'"):
         fully_shard(lin, mesh=_mesh(("dp", 2)))
+
+
+class ViewsItsWeight(dtorch.nn.Module):
+    """Uses its weight through a view and a cast, as hand-written code does (``x @ w.t()``)."""
+
+    def __init__(self, mesh):
+        super().__init__()
+        self.weight = dtorch.nn.Parameter(dtorch.Tensor(torch.randn(6, 4, generator=torch.Generator().manual_seed(2)),
+                                                        device_mesh=mesh, placements=[Shard(0)]))
+
+    def forward(self, x):
+        return (x @ self.weight.t().to(torch.float32)).tanh()
+
+
+def test_a_view_of_a_gathered_weight_is_made_again_in_the_backward_not_kept():
+    graph = dtorch.Graph()
+    with graph:
+        mesh = _mesh(("fsdp", 2))
+        mod = ViewsItsWeight(mesh)
+        w = mod.weight.to_torch().requires_grad_()
+        x, xd = _batch(mesh, rows=4, width=4)
+        graph.track_memory()
+        out = mod(xd)
+        kinds = graph.get_memory_breakdown(mesh)[("cpu", 0)]
+        assert kinds["gathered"]["allocated"] == 0  # neither the copy nor its transpose outlives the forward
+        with CommLog() as bwd:
+            out.sum().backward()
+        graph.track_memory(False)
+        assert bwd.counts() == {("all_gather", "fsdp"): 1, ("reduce_scatter", "fsdp"): 1}, bwd.table()
+        (x @ w.t()).tanh().sum().backward()
+        torch.testing.assert_close(mod.weight.grad.to_torch(), w.grad, rtol=1e-5, atol=1e-5)

@@ -31,7 +31,7 @@ from ..errors import OpError
 from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel, vjp_kernel
 from ..spec import DTensorSpec
-from .fsdp import GatherNode, regather_source
+from .fsdp import GatherNode, Regather, regather_source, register_derived
 from .node import Node, attach, requires_grad
 
 _R = Replicate()
@@ -66,11 +66,15 @@ class KernelNode(Node):
         self.graph = graph = inputs[0]._graph
         self.memory = self.prefetched = self.kept = None
         saved = []
+        regathered = 0
         for t, s, h in zip(inputs, in_specs, handles):
             source = regather_source(t)
             if source is not None:
                 # an fsdp-gathered parameter (autograd/fsdp.py): keep its shard, gather it again in the backward
-                saved.append((source, source._version, s))
+                gather = t._ag.grad_fn if t._ag is not None and isinstance(t._ag.grad_fn, GatherNode) else None
+                again = Regather(source, t._spec, gather)
+                saved.append((again, again._version, s))
+                regathered += 1
             elif h is t._h:
                 saved.append((t, t._version, None))
             elif t._ag is not None and t._ag.grad_fn is None:
@@ -79,6 +83,8 @@ class KernelNode(Node):
             else:
                 saved.append((type(t)._make(s, h, t._graph), 0, None))
         self.saved = saved
+        if regathered == len(inputs):  # a function of gathered weights alone (w.t()): made again, not kept
+            register_derived(self, outputs)
         # (executable, tape): the runtime kept each device's local autograd graph from the forward
         # (Executable.run_tracked), so the backward differentiates it instead of recomputing the forward.
         # Not when an input is laid out again in the backward (fsdp): the graph would keep the gathered copy.
@@ -111,8 +117,10 @@ class KernelNode(Node):
         t, _, layout = self.saved[n]
         if layout is None:
             return t
-        graph = t._graph
+        graph = self.graph
         with graph.memory_kind("gathered") if graph.tracks_memory else contextlib.nullcontext():
+            if isinstance(t, Regather):
+                t = t.make()
             if t.dtype != layout.dtype:
                 t = t.to(layout.dtype)
             return relayout(t, layout)

@@ -104,33 +104,113 @@ def _cast_floating(value, dtype):
 
 # -- gathering one parameter -----------------------------------------------------------------------
 
-# id(gathered copy) -> its sharded parameter: an op that consumes the copy saves the parameter instead and
-# gathers it again in its backward (KernelNode). Entries leave with their copy.
+# id(gathered copy) -> its sharded parameter, or a ``Derived`` for a value computed from gathered copies
+# alone (``w.t()``, ``w.to(dtype)``): an op that consumes it saves that instead and makes the copy again in
+# its backward (KernelNode). Entries leave with their copy.
 _REGATHER: dict[int, object] = {}
 
 
 def regather_source(t):
-    """The sharded parameter ``t`` was gathered from when ``t`` is a copy to gather again in the backward
-    (not to keep), else None."""
+    """What makes ``t`` again in the backward when ``t`` is a gathered copy not to keep (its sharded
+    parameter, or a ``Derived``), else None."""
     return _REGATHER.get(id(t)) if _REGATHER else None
+
+
+def _register(copy, source) -> None:
+    key = id(copy)
+    _REGATHER[key] = source
+    weakref.finalize(copy, _REGATHER.pop, key, None)
+
+
+class Regather:
+    """What a consumer of a gathered copy saves instead of it: the copy's source (a sharded parameter or a
+    ``Derived``) and layout. ``make()`` gives the copy back in the backward, once for every consumer of one
+    gather: the first makes it, the others find it on the gather's node, which lets it go when it runs
+    (after every consumer: it is older than all of them)."""
+
+    __slots__ = ("source", "spec", "gather")
+
+    def __init__(self, source, spec, gather):
+        self.source, self.spec, self.gather = source, spec, gather
+
+    @property
+    def _version(self) -> int:
+        return self.source._version
+
+    @property
+    def _spec(self):
+        return self.spec
+
+    def make(self):
+        from ..redistribute import relayout
+
+        gather = self.gather
+        if gather is not None and gather.copy is not None:
+            return gather.copy
+        src = self.source
+        if isinstance(src, Derived):
+            copy = src.remake()
+        else:
+            copy = relayout(src.to(self.spec.dtype) if src.dtype != self.spec.dtype else src, self.spec)
+        if gather is not None:
+            gather.copy = copy
+        return copy
+
+
+class Derived:
+    """Output ``k`` of a recorded op whose every input is a gathered copy (a view, a cast or any function of
+    weights alone): made again in the backward by running that op's kernel on the inputs gathered again,
+    rather than kept (it would keep the gathered weight it views)."""
+
+    __slots__ = ("node", "k")
+    _version = 0  # (its inputs' versions are the producing node's to check)
+
+    def __init__(self, node, k: int):
+        self.node, self.k = node, k
+
+    @property
+    def dtype(self):
+        return self.node.out_specs[self.k].dtype
+
+    def remake(self):
+        from ..tensor import Tensor
+
+        node = self.node
+        graph = node.graph
+        handles = [node._laid_out(i)._h for i in range(len(node.saved))]
+        outs = graph.runtime.executable(node.kernel, node.in_specs, node.out_specs).run(
+            handles, node.kwargs, node.device_args)
+        return Tensor._make(node.out_specs[self.k], outs[self.k], graph)
+
+
+def register_derived(node, outputs) -> None:
+    """``node``'s inputs are all gathered copies: its outputs are made again in the backward too."""
+    for k, out in enumerate(outputs):
+        _register(out, Derived(node, k))
 
 
 class GatherNode(Node):
     """The gather (and cast) of a parameter for use. Its backward reduces the gathered copy's gradient into
     the parameter's own layout in ``reduce_dtype`` (module docstring), then casts it to the parameter's."""
 
-    __slots__ = ("leaf", "reduce_dtype")
+    __slots__ = ("leaf", "reduce_dtype", "copy")
     name = "fsdp_gather"
 
     def __init__(self, leaf, reduce_dtype):
         super().__init__([leaf], 1)
         self.leaf = leaf
         self.reduce_dtype = reduce_dtype
+        self.copy = None  # the copy gathered again for the backward of its consumers (Regather.make)
+
+    def release(self):
+        super().release()
+        self.copy = None
 
     def apply(self, grads):
         from ..redistribute import relayout
         from .engine import grad_spec
 
+        self.copy = None  # every consumer ran
         g = grads[0]
         spec = self.leaf._spec
         dtype = self.reduce_dtype or g.dtype
@@ -167,9 +247,7 @@ def unshard(p, param_dtype=None, reduce_dtype=None, reshard_after_forward: bool 
     if is_grad_enabled() and requires_grad(p):
         attach(GatherNode(p, reduce_dtype or param_dtype), [out])
     if reshard_after_forward:
-        key = id(out)
-        _REGATHER[key] = p
-        weakref.finalize(out, _REGATHER.pop, key, None)
+        _register(out, p)
     return out
 
 
