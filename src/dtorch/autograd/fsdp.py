@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..placement import Replicate, Shard
+from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from .mode import backward_count, in_backward, is_grad_enabled, no_grad
 from .node import Node, attach, requires_grad
@@ -215,13 +216,30 @@ class GatherNode(Node):
         spec = self.leaf._spec
         dtype = self.reduce_dtype or g.dtype
         if g.dtype != dtype:
-            g = g.to(dtype)
+            g = cast_terms(g, dtype)
         graph = g._graph
         with graph.memory_kind("grads") if graph.tracks_memory else contextlib.nullcontext():
             g = relayout(g, grad_spec(DTensorSpec(spec.mesh, spec.placements, spec.shape, dtype)))
             if g.dtype != spec.dtype:
                 g = g.to(spec.dtype)
         return [g]
+
+
+@kernel("fsdp.cast_terms")
+def _cast_kernel(x, dtype):
+    return x.to(dtype)
+
+
+def cast_terms(g, dtype):
+    """``g`` with each device's block cast to ``dtype``, placements kept: a Partial gradient's terms are cast
+    one by one (reduced after, in ``dtype``, as FSDP2 casts to ``reduce_dtype`` before the reduce-scatter),
+    where the ``to`` op would reduce them first."""
+    from ..tensor import Tensor
+
+    spec = g._spec
+    out = DTensorSpec(spec.mesh, spec.placements, spec.shape, dtype)
+    h, = g._graph.runtime.run_local(_cast_kernel, [g._h], [spec], [out], {"dtype": dtype})
+    return Tensor._make(out, h, g._graph)
 
 
 def unshard(p, param_dtype=None, reduce_dtype=None, reshard_after_forward: bool = True):
