@@ -163,6 +163,7 @@ class Graph:
     def track_memory(self, enabled: bool = True) -> None:
         """Record peak bytes per device from now on (off by default: it costs a finalizer per tensor)."""
         self.tracks_memory = bool(enabled)
+        self.runtime.measure_tapes = self.tracks_memory
         if enabled:
             # handles born while tracking was off: observe them now, so each live one is counted once
             # and subtracted when it dies

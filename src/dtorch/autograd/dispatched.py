@@ -90,16 +90,18 @@ class KernelNode(Node):
         # Not when an input is laid out again in the backward (fsdp): the graph would keep the gathered copy.
         self.tape = tape if tape is not None and all(layout is None for _, _, layout in saved) else None
         if self.tape is not None:
-            # torch's graph of the local computation keeps what its derivative needs (on the inputs' storage);
-            # the node keeps only what tells an in-place write of an input that still lives, its version, and
-            # the handles of the inputs and outputs whose storage that graph saved (the memory accounting
-            # counts storage by handle: they stay counted while the graph holds them)
-            self.saved = [(weakref.ref(t), version, None) for t, version, _ in saved]
+            # torch's graph of the local computation keeps what its derivative needs, as torch would: an input
+            # that graph does not hold is not kept either, only a weak reference to tell an in-place write
+            # while it lives (its version). While the memory is measured, the node keeps the handles of the
+            # outputs that graph saved, so they stay counted while it holds them.
             ex, local = self.tape
-            ins, outs = ex.tape_keeps(local, diff)
-            self.kept = [handles[i] for i in ins] + [outputs[k]._h for k in outs]
-            if graph.tracks_memory:  # what the local graph saves besides the inputs and outputs
-                self.memory = graph.count_memory(self, self.out_specs[0].mesh, self.tape[0].tape_bytes(self.tape[1]))
+            released = ex.tape_released(local)
+            for n in released:
+                t, version, layout = saved[n]
+                saved[n] = (weakref.ref(t), version, layout)
+            if graph.tracks_memory:  # and what it saves besides the inputs and outputs, by the bytes
+                self.kept = [outputs[k]._h for k in ex.tape_saved_outputs(local)]
+                self.memory = graph.count_memory(self, self.out_specs[0].mesh, ex.tape_bytes(local))
         # outputs that are Partial(max|min) keep their local extremes: the backward masks the cotangent
         self.outputs_saved = {k: type(o)._make(o._spec, o._h, o._graph) for k, o in enumerate(outputs)
                               if any(isinstance(p, Partial) and p.reduce_op in ("max", "min")
@@ -207,8 +209,8 @@ class KernelNode(Node):
         prefetched, self.prefetched = self.prefetched or {}, None
         tracked = self.tape is not None
         for n, ((t, version, layout), s) in enumerate(zip(self.saved, self.in_specs)):
-            if tracked:
-                t = t()  # (a weak reference: an input gone since cannot have been written since)
+            if type(t) is weakref.ref:
+                t = t()  # (an input the local graph did not keep: gone since, it cannot have been written)
             if t is not None and t._version != version:
                 raise RuntimeError(
                     f"one of the variables needed for gradient computation has been modified by an inplace "

@@ -79,10 +79,15 @@ class Executable(ABC):
         """The gradient handles (laid out as ``grad_specs``) of the ``diff`` inputs of a ``run_tracked`` call."""
         raise NotImplementedError
 
-    def tape_keeps(self, tape, diff: tuple) -> tuple:
-        """(input positions, output positions) whose storage the tape saved (the backward reads them); the
-        caller keeps their handles while it keeps the tape, so the memory accounting sees them."""
-        return tuple(range(len(diff))), ()
+    def tape_released(self, tape) -> tuple:
+        """Input positions the tape does not hold (its graph did not save them): the caller need not keep them
+        for the backward. Default: it holds every input."""
+        return ()
+
+    def tape_saved_outputs(self, tape) -> tuple:
+        """Output positions whose values the tape saved (memory accounting: the caller keeps their handles
+        counted while it keeps the tape)."""
+        return ()
 
     def tape_bytes(self, tape):
         """Bytes per device (an int, or a vector in mesh order) the tape's saved tensors hold beyond the
@@ -92,6 +97,8 @@ class Executable(ABC):
 
 class Runtime(ABC):
     name: str = "abstract"
+    # set by Graph.track_memory: executables note what their tapes hold (Executable.tape_bytes)
+    measure_tapes: bool = False
     # True when handles are plain torch tensors of this process that any runtime which also sets this
     # can read: tensors of two such Graphs may meet in one op (graph.check_one_graph).
     handles_in_process: bool = False
