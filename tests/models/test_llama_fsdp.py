@@ -158,3 +158,24 @@ def test_checkpointed_layers_gather_each_weight_once_more_for_the_recomputation_
     # the recomputed layers' gathers serve their own backward (FSDP2 with activation checkpointing: the
     # forward's gather and the backward's); the other weights are gathered again as usual
     assert bwd.counts() == {("all_gather", "fsdp"): n, ("reduce_scatter", "fsdp"): n}, bwd.table()
+
+
+def test_no_gathered_weight_outlives_a_step_or_an_inference_forward():
+    graph = dtorch.Graph()
+    with graph:
+        model, hf = _model()
+        ids, labels = _batch(FSDP2, hf.config.vocab_size)
+        for _ in range(2):  # the second step prefetches
+            model(ids, labels=labels).loss.backward()
+        graph.track_memory()
+        gathered = lambda: graph.get_memory_breakdown()[("cpu", 0)]["gathered"]["allocated"]  # noqa: E731
+        assert gathered() == 0
+        with torch.no_grad():
+            for _ in range(2):
+                model(ids)
+                assert gathered() == 0
+        out = model(ids, labels=labels)
+        assert gathered() == 0  # (the forward let every copy go, prefetched ones included)
+        out.loss.backward()
+        assert gathered() == 0
+        graph.track_memory(False)

@@ -48,7 +48,9 @@ class NoGradientError(OpError, RuntimeError):
 
 
 class KernelNode(Node):
-    """One kernel on every device. Saves the laid-out inputs it needs to recompute the local forward."""
+    """One kernel on every device. Keeps what its backward needs: the runtime's local autograd graph of the
+    forward (with what torch saved), or the laid-out inputs to recompute the local forward from; an
+    fsdp-gathered input as its shard (gathered again)."""
 
     __slots__ = ("op", "kernel", "in_specs", "out_specs", "kwargs", "device_args", "saved", "diff", "graph",
                  "outputs_saved", "tape", "kept", "memory", "prefetched")

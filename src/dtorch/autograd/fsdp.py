@@ -340,7 +340,9 @@ class FSDPUnit:
         else:
             gathered = self.gather()  # (a prefetch for another unit is dropped: the order changed)
         del pending
-        if not in_backward():  # (a recomputation in the backward runs in another order)
+        # learned in training forwards only: a recomputation in the backward runs in another order, and a
+        # prefetch at the end of an inference forward would hold the next call's first weights meanwhile
+        if is_grad_enabled() and not in_backward():
             epoch = backward_count()
             last = getattr(state, "last", None)
             if last is not None and last[1] == epoch:
@@ -352,11 +354,6 @@ class FSDPUnit:
             if nxt is not None and nxt is not self:
                 state.pending = (self.next, nxt.gather())
         return gathered
-
-
-def drop_prefetch() -> None:
-    """Let go of a prefetched gather no unit took (tests; the next unit's forward drops it too)."""
-    _order.pending = None
 
 
 def module_unit(module) -> FSDPUnit | None:
