@@ -36,7 +36,7 @@ def _config(layers: int) -> transformers.LlamaConfig:
 
 def _measure(layers: int, frozen: bool = False, kinds: bool = True, seq: int = SEQ) -> dict:
     """One warm AdamW step on fsdp=8: bytes on device 0 (the devices are alike); ``kinds``: what they are."""
-    graph = dtorch.Graph()
+    graph = dtorch.Graph(backend="inprocess")  # (what its local graphs keep is this backend's)
     with graph:
         mesh = dtorch.init_device_mesh("cpu", (FSDP,), mesh_dim_names=["fsdp"])
         torch.manual_seed(0)
@@ -142,7 +142,7 @@ def test_the_activations_counted_are_what_torch_saves_for_the_device_batch():
 
 
 def test_memory_kinds_follow_a_copy_on_write_and_labels_made_before_tracking():
-    graph = dtorch.Graph()
+    graph = dtorch.Graph(backend="inprocess")  # (what its local graphs keep is this backend's)
     with graph:
         mesh = dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["fsdp"])
         lin = dtorch.nn.Linear(4, 6, bias=False, device_mesh=mesh)  # labelled "params" before tracking
