@@ -40,6 +40,7 @@ for _name in ("dtype", "finfo", "iinfo", "Size", "device", "Generator", "from_nu
         globals()[_name] = getattr(_torch, _name)
 from . import autograd  # noqa: E402
 from .autograd import enable_grad, is_grad_enabled, no_grad, set_grad_enabled  # noqa: E402,F401
+from .autograd.fsdp import MixedPrecisionPolicy  # noqa: E402,F401
 from .autograd.tensor_methods import install as _install_autograd  # noqa: E402
 
 _install_autograd(Tensor)

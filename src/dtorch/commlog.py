@@ -20,6 +20,7 @@ class CommRecord:
     mesh_dim: object  # the mesh dim's name, else its index; None for moves between unrelated meshes
     nbytes: int
     devices: tuple[int, ...]
+    dtype: object = None  # the torch dtype on the wire (None where the recorder did not say)
 
 
 class CommLog:
@@ -65,11 +66,11 @@ class CommLog:
         return f"CommLog({self.counts()})"
 
 
-def record(kind: str, mesh_dim, nbytes: int, devices=()) -> None:
+def record(kind: str, mesh_dim, nbytes: int, devices=(), dtype=None) -> None:
     stack = getattr(_active, "stack", None)
     if not stack:
         return
-    rec = CommRecord(kind, mesh_dim, int(nbytes), tuple(devices))
+    rec = CommRecord(kind, mesh_dim, int(nbytes), tuple(devices), dtype)
     for log in stack:
         log.records.append(rec)
 

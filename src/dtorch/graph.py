@@ -7,6 +7,7 @@ tracks memory, it counts a storage handle's bytes when a tensor first shows it a
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import itertools
@@ -31,6 +32,11 @@ _TENSOR_TYPES: list[type] = []
 # each registered class's ``_h`` slot, read as it lies: a subclass may put a property in front of it (a view's
 # computes its value), and a view whose value was never computed holds no storage of its own
 _HANDLE_SLOTS: dict = {}
+# What the accounted bytes are, as FSDP2's memory tracker splits them: the parameters (sharded, as held),
+# their gradients, the optimizer states, fsdp-gathered copies of parameters (and their mixed-precision
+# casts), and everything else (activations: what the forward keeps for the backward, and the temporaries
+# of the moment). A handle is an activation unless labelled (``Graph.label_memory`` / ``memory_kind``).
+MEMORY_KINDS = ("params", "grads", "optimizer", "gathered", "activations")
 
 
 def register_tensor_type(cls: type) -> type:
@@ -81,10 +87,16 @@ class Graph:
         # Memory accounting costs a finalizer per storage handle, so it is on only after track_memory().
         # Tensor._make/_init call _on_handle while it is on.
         self.tracks_memory = False
-        self._held: dict = {}  # token -> (mesh, bytes per device) of each observed live handle
+        self._held: dict = {}  # token -> [mesh, bytes per device, kind, id(handle)] of each observed live handle
         self._tokens = itertools.count()
         self._live: dict = {}  # mesh -> logical bytes per device (scalar when all equal, else vector)
         self._peak: dict = {}
+        self._kind_live: dict = {}  # (kind, mesh) -> logical bytes per device
+        self._kind_peak: dict = {}  # (kind, mesh) -> the most this kind held
+        self._at_peak: dict = {}  # mesh -> {kind: bytes} when the mesh's total peaked
+        self._token_of: dict = {}  # id(handle) -> token (relabelling)
+        self._labels = weakref.WeakKeyDictionary()  # handle -> kind, labelled while not tracking
+        self._kind_now = "activations"  # the kind of handles born now (``memory_kind``)
         if track_memory:
             self.track_memory()
 
@@ -155,42 +167,138 @@ class Graph:
     def track_memory(self, enabled: bool = True) -> None:
         """Record peak bytes per device from now on (off by default: it costs a finalizer per tensor)."""
         self.tracks_memory = bool(enabled)
+        self.runtime.measure_tapes = self.tracks_memory
         if enabled:
             # handles born while tracking was off: observe them now, so each live one is counted once
             # and subtracted when it dies
             for h, spec in self._live_handles().values():
                 self._observe(h, spec)
             live: dict = {}
-            for mesh, b in list(self._held.values()):
+            kind_live: dict = {}
+            for mesh, b, kind, _ in list(self._held.values()):
                 live[mesh] = live.get(mesh, 0) + b
-            self._live = live
+                kind_live[(kind, mesh)] = kind_live.get((kind, mesh), 0) + b
+            self._live, self._kind_live = live, kind_live
             self.reset_peak_memory_stats()
 
     def _on_handle(self, handle, spec) -> None:
         """A tensor shows ``handle`` (laid out as ``spec``): count it, the first time, until it dies."""
-        per_device = self._observe(handle, spec)
-        if per_device is not None and self.tracks_memory:
-            mesh = spec.mesh
-            live = self._live.get(mesh, 0) + per_device
-            self._live[mesh] = live
-            peak = self._peak.get(mesh, 0)
-            self._peak[mesh] = np.maximum(peak, live) if isinstance(live, np.ndarray) else max(peak, live)
+        token = self._observe(handle, spec, self._kind_now)
+        if token is not None and self.tracks_memory:
+            mesh, per_device, kind, _ = self._held[token]
+            self._add(mesh, kind, per_device)
 
-    def _observe(self, handle, spec):
-        """Ask the runtime to report ``handle``'s death; its bytes per device, or None if already observed."""
+    def _add(self, mesh, kind, per_device) -> None:
+        live = self._live.get(mesh, 0)
+        if isinstance(live, np.ndarray) or isinstance(per_device, np.ndarray):
+            self._snapshot_peak(mesh)  # (the vector form below keeps a breakdown per device)
+        live = live + per_device
+        self._live[mesh] = live
+        key = (kind, mesh)
+        k_live = self._kind_live.get(key, 0) + per_device
+        self._kind_live[key] = k_live
+        k_peak = self._kind_peak.get(key, 0)
+        self._kind_peak[key] = np.maximum(k_peak, k_live) if isinstance(k_live, np.ndarray) else max(k_peak, k_live)
+        peak = self._peak.get(mesh, 0)
+        if isinstance(live, np.ndarray) or isinstance(peak, np.ndarray):
+            higher = np.asarray(live > peak)
+            if higher.any():
+                self._peak[mesh] = np.maximum(peak, live)
+                old = self._at_peak.get(mesh, {})
+                self._at_peak[mesh] = {k: np.where(higher, self._kind_live.get((k, mesh), 0), old.get(k, 0))
+                                       for k in MEMORY_KINDS}
+        elif live > peak:
+            self._peak[mesh] = live
+            self._at_peak[mesh] = None  # (taken lazily: a snapshot on every new peak would cost a dict per op)
+
+    def _observe(self, handle, spec, kind="activations"):
+        """Ask the runtime to report ``handle``'s death; its token, or None if already observed."""
         token = next(self._tokens)
-        per_device = _device_bytes(spec)
-        self._held[token] = (spec.mesh, per_device)
+        self._held[token] = [spec.mesh, _device_bytes(spec), self._labels.get(handle, kind), id(handle)]
         if not self.runtime.observe(handle, functools.partial(_handle_freed, weakref.ref(self), token)):
             del self._held[token]
             return None
-        return per_device
+        self._token_of[id(handle)] = token
+        return token
 
     def _on_free(self, token) -> None:
         entry = self._held.pop(token, None)
-        if entry is not None and self.tracks_memory:
-            mesh, per_device = entry
+        if entry is None:
+            return
+        mesh, per_device, kind, hid = entry
+        if self._token_of.get(hid) == token:
+            del self._token_of[hid]
+        if self.tracks_memory:
+            self._snapshot_peak(mesh)
             self._live[mesh] = self._live.get(mesh, 0) - per_device
+            self._kind_live[(kind, mesh)] = self._kind_live.get((kind, mesh), 0) - per_device
+
+    def _snapshot_peak(self, mesh) -> None:
+        """Take the breakdown of a scalar peak before the live bytes fall below it (the peak was the state
+        just before the first free that follows it)."""
+        if mesh in self._at_peak and self._at_peak[mesh] is None:
+            self._at_peak[mesh] = {k: self._kind_live.get((k, mesh), 0) for k in MEMORY_KINDS}
+
+    # -- what the bytes are --------------------------------------------------------------------------
+    def label_memory(self, handle, kind: str) -> None:
+        """Count ``handle``'s bytes as ``kind`` (one of ``MEMORY_KINDS``) from now on (a gradient stored in
+        ``.grad``, an optimizer state, a parameter); remembered for when tracking starts later."""
+        token = self._token_of.get(id(handle))
+        entry = None if token is None else self._held.get(token)
+        if not self.tracks_memory or entry is None:
+            self._labels[handle] = kind
+            if entry is not None:  # observed in an earlier tracking period
+                entry[2] = kind
+            return
+        if entry[2] == kind:
+            return
+        mesh, per_device, old, _ = entry
+        self._snapshot_peak(mesh)
+        self._kind_live[(old, mesh)] = self._kind_live.get((old, mesh), 0) - per_device
+        entry[2] = kind
+        self._live[mesh] = self._live.get(mesh, 0) - per_device
+        self._add(mesh, kind, per_device)
+
+    def _rehandle(self, t, new) -> None:
+        """Tensor ``t``'s storage moves to handle ``new`` (a copy-on-write write); it keeps its kind."""
+        old = t._h
+        token = self._token_of.get(id(old))
+        entry = None if token is None else self._held.get(token)
+        kind = entry[2] if entry is not None else self._labels.get(old)
+        t._h = new
+        del old, entry  # (the old storage may die here, before the new one is counted)
+        if self.tracks_memory:
+            before, self._kind_now = self._kind_now, kind or self._kind_now
+            try:
+                self._on_handle(new, t._spec)
+            finally:
+                self._kind_now = before
+        elif kind is not None:
+            self._labels[new] = kind
+
+    @contextlib.contextmanager
+    def memory_kind(self, kind: str):
+        """Handles born inside count as ``kind`` (while tracking; a no-op otherwise)."""
+        before, self._kind_now = self._kind_now, kind
+        try:
+            yield
+        finally:
+            self._kind_now = before
+
+    def count_memory(self, owner, mesh, per_device, kind: str = "activations"):
+        """Count ``per_device`` bytes on ``mesh`` that no handle shows (a local autograd graph's saved
+        tensors) until ``owner`` dies or ``uncount_memory(token)``; returns the token (None if not tracking)."""
+        if not self.tracks_memory or not np.any(per_device):
+            return None
+        token = next(self._tokens)
+        self._held[token] = [mesh, per_device, kind, None]
+        weakref.finalize(owner, _handle_freed, weakref.ref(self), token)
+        self._add(mesh, kind, per_device)
+        return token
+
+    def uncount_memory(self, token) -> None:
+        if token is not None:
+            self._on_free(token)
 
     def _live_handles(self) -> dict:
         """id(handle) -> (handle, spec) of every live tensor of this graph (walks the garbage collector's objects).
@@ -241,8 +349,40 @@ class Graph:
                 out.setdefault(k, {"allocated": 0, "peak": 0})
         return dict(sorted(out.items()))
 
+    def get_memory_breakdown(self, device_mesh: DeviceMesh | None = None) -> dict:
+        """What each device's accounted bytes are (tracked after ``track_memory()``):
+        ``{(device_type, id): {kind: {"allocated": n, "peak": n, "at_peak": n}}}`` for each kind of
+        ``MEMORY_KINDS``. "peak" is the most that kind held at any time; "at_peak" what it held when the
+        device's total peaked (the kinds' "at_peak" add up to ``get_memory_stats()``'s "peak")."""
+        tables = [(self._kind_live, "allocated"), (self._kind_peak, "peak")]
+        at_peak = {}
+        for mesh, kinds in self._at_peak.items():
+            if kinds is None:  # the peak is now: nothing was freed since
+                kinds = {k: self._kind_live.get((k, mesh), 0) for k in MEMORY_KINDS}
+            at_peak.update({(k, mesh): v for k, v in kinds.items()})
+        tables.append((at_peak, "at_peak"))
+        out: dict = {}
+        meshes = {mesh for table, _ in tables for (_, mesh) in table}
+        for mesh in meshes:
+            for dev_id in mesh.device_ids:
+                out.setdefault((mesh.device_type, dev_id), {k: {"allocated": 0, "peak": 0, "at_peak": 0}
+                                                            for k in MEMORY_KINDS})
+        for table, field in tables:
+            for (kind, mesh), val in list(table.items()):
+                vec = val if isinstance(val, np.ndarray) else np.full(mesh.size(), val)
+                for dev_id, b in zip(mesh.device_ids, vec):
+                    out[(mesh.device_type, dev_id)][kind][field] += int(b)
+        if device_mesh is not None:
+            wanted = {(device_mesh.device_type, i) for i in device_mesh.device_ids}
+            out = {k: v for k, v in out.items() if k in wanted}
+            for k in wanted:
+                out.setdefault(k, {kind: {"allocated": 0, "peak": 0, "at_peak": 0} for kind in MEMORY_KINDS})
+        return dict(sorted(out.items()))
+
     def reset_peak_memory_stats(self) -> None:
         self._peak = {m: (v.copy() if isinstance(v, np.ndarray) else v) for m, v in self._live.items()}
+        self._kind_peak = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in self._kind_live.items()}
+        self._at_peak = {m: None for m in self._live}
 
 
 def _handle_freed(graph_ref, token) -> None:

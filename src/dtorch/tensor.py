@@ -88,9 +88,7 @@ class Tensor:
         """An in-place op wrote this tensor: ``handle`` holds its value now (its own handle, or the
         runtime's copy-on-write copy)."""
         if handle is not self._h:
-            self._h = handle
-            if self._graph.tracks_memory:
-                self._graph._on_handle(handle, self._spec)
+            self._graph._rehandle(self, handle)  # self._h = handle; the memory accounting keeps its kind
         try:
             self._writes = _get_writes(self) + 1
         except AttributeError:  # the first write

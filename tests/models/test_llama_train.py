@@ -20,6 +20,8 @@ FSDP_LAYOUTS = [
     Layout("dp2 x fsdp2 (HSDP) x tp2", (("dp", 2), ("fsdp", 2), ("tp", 2)), batch=4, seq=6),
     Layout("pp2 x fsdp2 x ring2", (("pp", 2), ("fsdp", 2), ("ring_cp", 2)), batch=2, seq=7),
     Layout("gqa fsdp2 x tp4", (("fsdp", 2), ("tp", 4)), batch=2, seq=5, config="gqa"),
+    Layout("dp2 x fsdp2 (HSDP)", (("dp", 2), ("fsdp", 2)), batch=4, seq=6),
+    Layout("fsdp2 x ulysses2 x tp2", (("fsdp", 2), ("ulysess_cp", 2), ("tp", 2)), batch=2, seq=6),
 ]
 
 

@@ -22,6 +22,7 @@ own layout happens when it is stored).
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -30,6 +31,7 @@ from ..errors import OpError
 from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel, vjp_kernel
 from ..spec import DTensorSpec
+from .fsdp import GatherNode, Regather, regather_source, register_derived
 from .node import Node, attach, requires_grad
 
 _R = Replicate()
@@ -59,10 +61,12 @@ class NoGradientError(OpError, RuntimeError):
 
 
 class KernelNode(Node):
-    """One kernel on every device. Saves the laid-out inputs it needs to recompute the local forward."""
+    """One kernel on every device. Keeps what its backward needs: the runtime's local autograd graph of the
+    forward (with what torch saved), or the laid-out inputs to recompute the local forward from; an
+    fsdp-gathered input as its shard (gathered again)."""
 
     __slots__ = ("op", "kernel", "in_specs", "out_specs", "kwargs", "device_args", "saved", "diff", "graph",
-                 "outputs_saved", "tape", "results")
+                 "outputs_saved", "tape", "results", "kept", "memory", "prefetched")
 
     def __init__(self, op, kern, in_specs, out_specs, kwargs, device_args, inputs, handles, outputs, tape=None):
         diff = tuple(requires_grad(t) and _floating(s.dtype) for t, s in zip(inputs, in_specs))
@@ -74,33 +78,80 @@ class KernelNode(Node):
         self.kwargs = kwargs
         self.device_args = device_args
         self.diff = diff
-        self.graph = inputs[0]._graph
+        self.graph = graph = inputs[0]._graph
+        self.memory = self.prefetched = self.kept = None
         saved = []
+        regathered = 0
         for t, s, h in zip(inputs, in_specs, handles):
-            if t._ag is not None and getattr(t._ag.grad_fn, "leaf", None) is not None:
-                leaf = t._ag.grad_fn.leaf  # an fsdp-gathered parameter (fsdp.RegatherNode): gathered again
-                saved.append((leaf, leaf._version, s))
+            source = regather_source(t)
+            if source is not None:
+                # an fsdp-gathered parameter (autograd/fsdp.py): keep its shard, gather it again in the backward
+                gather = t._ag.grad_fn if t._ag is not None and isinstance(t._ag.grad_fn, GatherNode) else None
+                again = Regather(source, t._spec, gather)
+                saved.append((again, again._version, s))
+                regathered += 1
             elif kern.name in SHAPE_ONLY_KERNELS:
                 saved.append((type(t)._make(s, h, t._graph), 0, None))
             elif h is t._h:
                 saved.append((t, t._version, None))
             elif t._ag is not None and t._ag.grad_fn is None:
-                # a leaf (a parameter) laid out anew: lay it out again in the backward rather than keep the
-                # copy (fsdp: the gathered weight is freed after use and gathered again for the backward)
+                # a leaf (a parameter) laid out anew: lay it out again in the backward rather than keep the copy
                 saved.append((t, t._version, s))
             else:
                 saved.append((type(t)._make(s, h, t._graph), 0, None))
         self.saved = saved
+        if regathered == len(inputs):  # a function of gathered weights alone (w.t()): made again, not kept
+            register_derived(self, outputs)
         # (executable, tape): the runtime kept each device's local autograd graph from the forward
         # (Executable.run_tracked), so the backward differentiates it instead of recomputing the forward.
         # Not when an input is laid out again in the backward (fsdp): the graph would keep the gathered copy.
         self.tape = tape if tape is not None and all(layout is None for _, _, layout in saved) else None
+        if self.tape is not None:
+            # torch's graph of the local computation keeps what its derivative needs, as torch would: an input
+            # that graph does not hold is not kept either, only a weak reference to tell an in-place write
+            # while it lives (its version). While the memory is measured, the node keeps the handles of the
+            # outputs that graph saved, so they stay counted while it holds them.
+            ex, local = self.tape
+            released = ex.tape_released(local)
+            for n in released:
+                t, version, layout = saved[n]
+                saved[n] = (weakref.ref(t), version, layout)
+            if graph.tracks_memory:  # and what it saves besides the inputs and outputs, by the bytes
+                self.kept = [outputs[k]._h for k in ex.tape_saved_outputs(local)]
+                self.memory = graph.count_memory(self, self.out_specs[0].mesh, ex.tape_bytes(local))
         # outputs that are Partial(max|min) keep their local extremes: the backward masks the cotangent
         self.outputs_saved = {k: type(o)._make(o._spec, o._h, o._graph) for k, o in enumerate(outputs)
                               if any(isinstance(p, Partial) and p.reduce_op in ("max", "min")
                                      for p in o._spec.placements)}
         # (weakly: an output that died cannot have been written) each output and its version, for SAVES_RESULT
         self.results = [(weakref.ref(o), o._version) for o in outputs] if op in SAVES_RESULT else None
+
+    @property
+    def regathers(self) -> bool:
+        return self.saved is not None and any(layout is not None for _, _, layout in self.saved)
+
+    def _laid_out(self, n: int):
+        """Saved input ``n`` as the kernel takes it: a parameter saved in another layout (an fsdp shard) or
+        dtype (mixed precision) is cast and gathered again."""
+        from ..redistribute import relayout
+
+        t, _, layout = self.saved[n]
+        if layout is None:
+            return t
+        graph = self.graph
+        with graph.memory_kind("gathered") if graph.tracks_memory else contextlib.nullcontext():
+            if isinstance(t, Regather):
+                t = t.make()
+            if t.dtype != layout.dtype:
+                t = t.to(layout.dtype)
+            return relayout(t, layout)
+
+    def prefetch(self) -> None:
+        """Gather the inputs saved as shards now, ahead of ``apply`` (the engine calls it one node early, so an
+        asynchronous backend moves them while the node before computes)."""
+        if self.saved is not None and self.prefetched is None:
+            self.prefetched = {n: self._laid_out(n) for n, (_, _, layout) in enumerate(self.saved)
+                               if layout is not None}
 
     @property
     def name(self):
@@ -135,12 +186,41 @@ class KernelNode(Node):
             out.append(spec)
         return tuple(out)
 
+    def _summed_gathered(self, grad_specs) -> tuple:
+        """Stacked grids compute every device's gradient term of an fsdp-gathered weight in one GEMM, summed:
+        kept so (Replicate where it would be Partial) rather than spread into one full-size term per device.
+        The reduction those terms would get at the weight's ``GatherNode`` (a reduce-scatter on fsdp, an
+        all-reduce on dp, in its reduce dtype) is recorded in CommLog here, as the devices run it; the node
+        then only cuts its shard. (grad specs, which are summed)."""
+        from ..redistribute.executor import record_only
+        from ..redistribute.planner import plan_redistribute
+        from .engine import grad_spec
+
+        out, summed = [], []
+        for spec, (producer, _, _) in zip(grad_specs, self.edges):
+            if isinstance(producer, GatherNode) and _P in spec.placements:
+                dtype = producer.reduce_dtype or spec.dtype
+                target = grad_spec(producer.leaf._spec)
+                record_only(plan_redistribute(DTensorSpec(spec.mesh, spec.placements, spec.shape, dtype),
+                                              DTensorSpec(target.mesh, target.placements, target.shape, dtype)))
+                spec = DTensorSpec(spec.mesh, tuple(_R if p == _P else p for p in spec.placements), spec.shape,
+                                   spec.dtype)
+                summed.append(True)
+            else:
+                summed.append(False)
+            out.append(spec)
+        return tuple(out), tuple(summed)
+
     def release(self):
         super().release()
         self.saved = None
         self.outputs_saved = None
         self.tape = None
         self.results = None
+        self.kept = None
+        self.prefetched = None
+        self.graph.uncount_memory(self.memory)
+        self.memory = None
 
     def apply(self, grads):
         from ..redistribute import relayout
@@ -154,19 +234,24 @@ class KernelNode(Node):
                     f"version {version} instead. Write into a copy (y = x.{self.op}().clone()) instead, or run the "
                     "in-place op after the backward.")
         handles, specs = [], []
+        prefetched, self.prefetched = self.prefetched or {}, None
+        tracked = self.tape is not None
         for n, ((t, version, layout), s) in enumerate(zip(self.saved, self.in_specs)):
-            if t._version != version:
+            if type(t) is weakref.ref:
+                t = t()  # (an input the local graph did not keep: gone since, it cannot have been written)
+            if t is not None and t._version != version:
                 raise RuntimeError(
                     f"one of the variables needed for gradient computation has been modified by an inplace "
                     f"operation: input {n} of dtorch.{self.op} ({t._spec}) is at version {t._version}; expected "
                     f"version {version} instead. Write a copy (x.clone()) instead, or run the in-place op after "
                     "the backward.")
             if layout is not None:
-                t = relayout(t, layout)
+                t = prefetched[n] if n in prefetched else self._laid_out(n)
             if self.diff[n] and not _extreme_input_ok(s, self.out_specs):
                 raise OpError(f"dtorch.{self.op}: no gradient through a Partial(max|min) input ({s}); "
                               "redistribute it to Replicate before the op")
-            handles.append(t._h)
+            if not tracked:
+                handles.append(t._h)
             specs.append(s)
         has_ct, ct_specs = [], []
         cts = [None if g is None or not _floating(spec.dtype) else g for spec, g in zip(self.out_specs, grads)]
@@ -192,10 +277,16 @@ class KernelNode(Node):
             if self.tape is not None:
                 ex, tape = self.tape
                 grad_specs = self._folded(grad_specs)
-                outs = ex.vjp_tracked(tape, handles[len(specs):], ct_specs, tuple(has_ct), grad_specs)
+                outs = ex.vjp_tracked(tape, handles, ct_specs, tuple(has_ct), grad_specs)
             else:
+                vjp = (self.diff, tuple(has_ct))
                 ex = rt.executable(vjp_kernel(self.kernel), tuple(specs) + tuple(ct_specs), grad_specs)
-                outs = ex.run(handles, {**self.kwargs, "vjp": (self.diff, tuple(has_ct))}, self.device_args)
+                if ex.sums_over_devices and self.regathers:
+                    grad_specs, summed = self._summed_gathered(grad_specs)
+                    if any(summed):
+                        vjp += (summed,)
+                        ex = rt.executable(vjp_kernel(self.kernel), tuple(specs) + tuple(ct_specs), grad_specs)
+                outs = ex.run(handles, {**self.kwargs, "vjp": vjp}, self.device_args)
         except OpError:
             raise
         except Exception as exc:  # torch has no derivative for the local computation (floor_divide), ...

@@ -16,7 +16,7 @@ import torch
 from ..errors import OpError
 from ..placement import Partial, Replicate
 from ..spec import DTensorSpec
-from .mode import set_grad_enabled
+from .mode import backward_pass, set_grad_enabled
 from .node import Node, requires_grad
 from .torch_leaves import TorchLeafMeta, push_to_torch, torch_grads
 
@@ -158,42 +158,45 @@ def _walk(roots, retain_graph: bool, wanted) -> tuple[dict, dict]:
     stack = _walks.__dict__.setdefault("leaves", [])
     stack.append(leaves)
     try:
-        for node in nodes:
-            grads = [buffers.pop((node, k), None) for k in range(node.n_out)]
-            if all(g is None for g in grads):
-                continue
-            if node.released:
-                raise RuntimeError(
-                    "Trying to backward through the graph a second time (or directly access saved tensors after "
-                    "they have already been freed). Saved intermediate values of the graph are freed when you call "
-                    ".backward() or autograd.grad(). Specify retain_graph=True if you need to backward through the "
-                    "graph a second time or if you need to access saved tensors after calling backward.")
-            for k, g in enumerate(grads):
-                if g is None:
+        with backward_pass():
+            for i, node in enumerate(nodes):
+                grads = [buffers.pop((node, k), None) for k in range(node.n_out)]
+                if all(g is None for g in grads):
                     continue
-                t = wanted_nonleaf.get((node, k))
-                if t is not None:
-                    captured[id(t)] = g  # (before the tensor's hooks, as torch captures it)
-                if node.retained and k in node.retained:
-                    # hooks, then retain_grad (which sees what the hooks made of the gradient), as in torch
-                    meta = node.retained[k]
-                    g = grads[k] = _run_hooks(meta, g)
-                    if meta.retains_grad and wanted is None:
-                        meta.grad = _add(meta.grad, g)
-            try:
-                in_grads = node.apply(grads)
-            except OpError as exc:
-                raise type(exc)(f"in the backward of {node.name}: {exc}") from exc
-            for (producer, nr, leaf), g in zip(node.edges, in_grads):
-                if g is None:
-                    continue
-                if producer is not None:
-                    key = (producer, nr)
-                    buffers[key] = _add(buffers.get(key), g)
-                else:
-                    _to_leaf(leaves, leaf, g)
-            if not retain_graph:
-                node.release()
+                if i + 1 < len(nodes):
+                    _prefetch(nodes[i + 1], buffers)
+                if node.released:
+                    raise RuntimeError(
+                        "Trying to backward through the graph a second time (or directly access saved tensors after "
+                        "they have already been freed). Saved intermediate values of the graph are freed when you call "
+                        ".backward() or autograd.grad(). Specify retain_graph=True if you need to backward through the "
+                        "graph a second time or if you need to access saved tensors after calling backward.")
+                for k, g in enumerate(grads):
+                    if g is None:
+                        continue
+                    t = wanted_nonleaf.get((node, k))
+                    if t is not None:
+                        captured[id(t)] = g  # (before the tensor's hooks, as torch captures it)
+                    if node.retained and k in node.retained:
+                        # hooks, then retain_grad (which sees what the hooks made of the gradient), as in torch
+                        meta = node.retained[k]
+                        g = grads[k] = _run_hooks(meta, g)
+                        if meta.retains_grad and wanted is None:
+                            meta.grad = _add(meta.grad, g)
+                try:
+                    in_grads = node.apply(grads)
+                except OpError as exc:
+                    raise type(exc)(f"in the backward of {node.name}: {exc}") from exc
+                for (producer, nr, leaf), g in zip(node.edges, in_grads):
+                    if g is None:
+                        continue
+                    if producer is not None:
+                        key = (producer, nr)
+                        buffers[key] = _add(buffers.get(key), g)
+                    else:
+                        _to_leaf(leaves, leaf, g)
+                if not retain_graph:
+                    node.release()
     finally:
         stack.pop()
     return leaves, captured
@@ -218,7 +221,16 @@ def _store(leaves, only_torch: bool = False) -> dict:
         if meta.hooks:
             g = as_grad_of(_run_hooks(meta, g), leaf._spec)
         meta.grad = g if meta.grad is None else meta.grad + g
+        meta.grad._graph.label_memory(meta.grad._h, "grads")
     return torch_sources
+
+
+def _prefetch(node, buffers) -> None:
+    """Let the node after this one gather its fsdp shards now (``KernelNode.prefetch``), when a gradient has
+    reached it already (so it will run): the gathers overlap this node's work on asynchronous backends."""
+    if getattr(node, "regathers", False) and not node.released \
+            and any((node, k) in buffers for k in range(node.n_out)):
+        node.prefetch()
 
 
 def _run_hooks(meta, g):

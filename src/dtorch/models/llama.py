@@ -314,6 +314,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config, device_mesh: DeviceMesh | None = None):
         super().__init__()
         self.gradient_checkpointing = False  # gradient_checkpointing_enable(): recompute layers in backward
+        self.checkpoint_every = 1  # ... every layer, or every N-th (selective)
         mesh = get_default_device_mesh(device_mesh)
         check_layout(config, mesh)
         self.config = config
@@ -336,6 +337,10 @@ class LlamaModel(nn.Module):
         with guard(self.stage_meshes[-1]):
             self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         init_weights_like_hf(self, config)  # Hugging Face's post_init: the same seed gives its weights
+
+    def _recomputes(self, layer) -> bool:
+        """Is ``layer`` checkpointed: every layer (full), or the N-th, 2N-th, ... (selective, torchtitan's)."""
+        return self.gradient_checkpointing and (layer.self_attn.layer_idx + 1) % self.checkpoint_every == 0
 
     def redistribute_input(self, input_ids, step=None):
         """Token ids ``[B, S]`` (torch or dtorch, any mesh) onto the first stage: batch over dp, sequence over cp."""
@@ -365,8 +370,8 @@ class LlamaModel(nn.Module):
                 mesh = self.stage_meshes[stage]
                 h = h.redistribute(mesh, h.placements)
                 cos, sin = self.rope(mesh, input_ids.shape[1], h.dtype, step)
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled() \
-                    and (step is None or step.cache is None):  # (a cache is written once, not again)
+            if (step is None or step.cache is None) and self._recomputes(layer) and self.training \
+                    and torch.is_grad_enabled():  # (a cache is written once, not again)
                 h = checkpoint(layer, h, cos, sin, step)  # activations recomputed in the backward
             else:
                 h = layer(h, cos, sin) if step is None else layer(h, cos, sin, step)
@@ -424,7 +429,8 @@ class LlamaForCausalLM(nn.Module):
     dtorch tensor it returns dtorch logits on the ids' mesh, batch and sequence placed like the ids.
     """
 
-    def __init__(self, config, device_mesh: DeviceMesh | None = None):
+    def __init__(self, config, device_mesh: DeviceMesh | None = None, *, mp_policy=None,
+                 reshard_after_forward: bool = True):
         super().__init__()
         mesh = get_default_device_mesh(device_mesh)
         self.config = config
@@ -439,14 +445,33 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head = nn.ColumnParallelLinear(config.hidden_size, config.vocab_size, bias=False)
             init_weights_like_hf(self.lm_head, config)
         self._caller = None
+        if mp_policy is not None or not reshard_after_forward or "fsdp" in (mesh.dim_names or ()):
+            # FSDP units (autograd/fsdp.py): each module gathers its own weights, the next one's ahead;
+            # mp_policy (dtorch.MixedPrecisionPolicy): bf16 compute over float32 master weights
+            nn.fully_shard_modules(self, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
 
     @property
     def device_mesh(self) -> DeviceMesh:
         return self.model.device_mesh
 
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None) -> None:
-        """Recompute each decoder layer's activations in the backward instead of keeping them (training mode)."""
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None, *, selective_ac_option=None) -> None:
+        """Recompute each decoder layer's activations in the backward instead of keeping them (training mode).
+
+        ``selective_ac_option=N`` (an int, or its string as torchtitan's ``--activation_checkpoint.selective_ac_option``
+        takes it): selective activation checkpointing by layer, only every N-th layer (the N-th, 2N-th, ...) is
+        recomputed; the others keep their activations. Op-level selection ("op") is not offered: dtorch's
+        backward recomputes each op's local forward anyway, so keeping matmul outputs would save no compute."""
+        every = 1
+        if selective_ac_option is not None:
+            try:
+                every = int(selective_ac_option)
+            except (TypeError, ValueError):
+                every = 0
+            if every < 1:
+                raise ValueError(f"selective_ac_option must be a layer interval N >= 1 (checkpoint every N-th "
+                                 f"layer), got {selective_ac_option!r}")
         self.model.gradient_checkpointing = True
+        self.model.checkpoint_every = every
 
     def gradient_checkpointing_disable(self) -> None:
         self.model.gradient_checkpointing = False

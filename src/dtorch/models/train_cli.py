@@ -7,8 +7,8 @@
 The corpus (a few public-domain texts, shipped with dtorch) is read as bytes: vocabulary 256, no
 tokenizer. Each step takes ``--batch`` random windows of ``--seq`` bytes, runs the forward with
 ``labels`` (Hugging Face's shifted loss), the backward and one AdamW step. After training: memory per
-device (weights, gradients, optimizer states, activation peak) and the collectives of one step per mesh
-dim. ``--save DIR`` writes a Hugging Face checkpoint (config.json + model.safetensors) that
+device (weights, gradients, optimizer states, gathered fsdp weights, activations, the step's peak) and the
+collectives of one step per mesh dim. ``--save DIR`` writes a Hugging Face checkpoint (config.json + model.safetensors) that
 ``transformers.LlamaForCausalLM.from_pretrained`` loads to the same logits.
 """
 from __future__ import annotations
@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     t.add_argument("--clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
     t.add_argument("--grad-checkpointing", action="store_true", help="recompute each layer in the backward")
+    t.add_argument("--selective-ac", type=int, metavar="N", default=None,
+                   help="selective activation checkpointing: recompute only every N-th layer in the backward")
     t.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the batches")
     o = p.add_argument_group("output")
     o.add_argument("--save", metavar="DIR", help="write a Hugging Face checkpoint (safetensors, generation config and "
@@ -128,32 +130,32 @@ def bytes_per_device(tensors) -> dict:
     return out
 
 
-def memory_table(model, optimizer, peaks: dict, base: dict) -> str:
-    """One row per group of devices holding the same bytes. ``base``: bytes each device held when the step
-    began (weights, optimizer states), ``peaks``: its peak during the step; the activation peak is the rest
-    once the gradients are counted out."""
-    params = list(model.parameters())
-    weights = bytes_per_device(params)
-    grads = bytes_per_device([p.grad for p in params if p.grad is not None])
-    states = bytes_per_device([v for st in optimizer.state.values() for v in st.values() if isinstance(v, dtorch.Tensor)])
+MEMORY_COLUMNS = (("params", "weights"), ("grads", "grads"), ("optimizer", "optimizer"), ("gathered", "gathered"),
+                  ("activations", "activation peak"))
+
+
+def memory_table(breakdown: dict, peaks: dict) -> str:
+    """One row per group of devices holding the same bytes. ``breakdown``: ``Graph.get_memory_breakdown`` over
+    the step, ``peaks``: each device's peak in the step. Each kind's column is the most it held during the
+    step (the kinds peak at different moments; the step peak is what they held together at the worst one)."""
     rows = {}
-    for dev in sorted(weights):
-        act = max(0, peaks.get(dev, 0) - base.get(dev, 0) - grads.get(dev, 0))
-        key = (weights.get(dev, 0), grads.get(dev, 0), states.get(dev, 0), act)
+    for (_, dev), kinds in breakdown.items():
+        key = tuple(kinds[kind]["peak"] for kind, _ in MEMORY_COLUMNS) + (peaks.get(dev, 0),)
         rows.setdefault(key, []).append(dev)
-    table = [("devices", "weights", "grads", "optimizer", "activation peak")]
-    for (w, g, s, a), devs in sorted(rows.items(), key=lambda kv: kv[1][0]):
-        table.append((_ids(devs), _mib(w), _mib(g), _mib(s), _mib(a)))
-    widths = [max(len(r[c]) for r in table) for c in range(5)]
+    table = [("devices",) + tuple(title for _, title in MEMORY_COLUMNS) + ("step peak",)]
+    for values, devs in sorted(rows.items(), key=lambda kv: kv[1][0]):
+        table.append((_ids(devs),) + tuple(_mib(v) for v in values))
+    n = len(table[0])
+    widths = [max(len(r[c]) for r in table) for c in range(n)]
     lines = ["  ".join(c.rjust(w) if k else c.ljust(w) for k, (c, w) in enumerate(zip(r, widths))) for r in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
 class TrainResult:
-    def __init__(self, model, optimizer, config, losses, elapsed, tokens, log, base, peaks):
+    def __init__(self, model, optimizer, config, losses, elapsed, tokens, log, breakdown, peaks):
         self.model, self.optimizer, self.config, self.losses = model, optimizer, config, losses
-        self.elapsed, self.tokens, self.log, self.base, self.peaks = elapsed, tokens, log, base, peaks
+        self.elapsed, self.tokens, self.log, self.breakdown, self.peaks = elapsed, tokens, log, breakdown, peaks
 
 
 def train(args, progress: bool = True) -> TrainResult:
@@ -174,8 +176,8 @@ def train(args, progress: bool = True) -> TrainResult:
     model = LlamaForCausalLM(cfg, mesh)
     model.load_state_dict(hf.state_dict())
     del hf
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable()
+    if args.grad_checkpointing or args.selective_ac:
+        model.gradient_checkpointing_enable(selective_ac_option=args.selective_ac)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"dtorch train: Llama over bytes, single controller, {_where(mesh)[0]}")
     print(f"model   {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads "
@@ -196,8 +198,6 @@ def train(args, progress: bool = True) -> TrainResult:
         last = step == args.steps - 1
         if last:  # the final step is the one measured: memory and communication
             graph.track_memory()
-            base = {dev: st["allocated"] for (_, dev), st in graph.get_memory_stats(mesh).items()}
-            graph.reset_peak_memory_stats()
             log = dtorch.CommLog().__enter__()
         loss = model(ids, labels=labels).loss
         loss.backward()
@@ -207,8 +207,8 @@ def train(args, progress: bool = True) -> TrainResult:
         if last:
             log.__exit__(None, None, None)
             peaks = {dev: st["peak"] for (_, dev), st in graph.get_memory_stats(mesh).items()}
+            measured = (log, graph.get_memory_breakdown(mesh), peaks)
             graph.track_memory(False)
-            measured = (log, base, peaks)
         else:
             opt.zero_grad()
         losses.append(loss.item())
@@ -223,8 +223,8 @@ def run(args) -> int:
     r = train(args)
     print(f"\nloss {r.losses[0]:.3f} -> {r.losses[-1]:.3f} in {args.steps} steps, {r.elapsed:.1f} s "
           f"({r.tokens / r.elapsed:.0f} tokens/s)\n")
-    print("memory per device in the last step (logical bytes)")
-    print(memory_table(r.model, r.optimizer, r.peaks, r.base) + "\n")
+    print("memory per device in the last step (logical bytes; each kind's most, and the step's peak)")
+    print(memory_table(r.breakdown, r.peaks) + "\n")
     print("communication in one step (forward, backward, clipping, AdamW)")
     print(r.log.table())
     losses = r.losses

@@ -9,6 +9,7 @@ from .linear import (ColumnParallelLinear, ColumnParallelLinearWithReplicateInpu
                      ColumnParallelLinearWithReplicateOutput, Linear, ReplicateParallelLinear, RowParallelLinear,
                      RowParallelLinearWithReplicateOutput)
 from ._layout import skip_init
+from .fully_shard import MixedPrecisionPolicy, fully_shard, fully_shard_modules
 from .module import Module, ModuleAssignmentError, Parameter, StateDictError
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "ColumnParallelLinearWithReplicateInputOutput", "RowParallelLinear", "RowParallelLinearWithReplicateOutput",
     "ReplicateParallelLinear", "Embedding", "EmbeddingWithReplicateOutput", "RMSNorm", "LayerNorm", "Dropout",
     "SiLU", "GELU", "ReLU", "Identity", "Sequential", "ModuleList", "ModuleDict", "functional", "skip_init",
+    "fully_shard", "fully_shard_modules", "MixedPrecisionPolicy",
 ] + _conv.__all__

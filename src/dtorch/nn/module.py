@@ -16,7 +16,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ..autograd.mode import no_grad
-from ..autograd.fsdp import fsdp_sharded, unshard_fsdp
+from ..autograd.fsdp import module_unit
 from ..autograd.node import AutogradMeta
 from ..context import get_default_device_mesh
 from ..errors import DTorchError
@@ -43,6 +43,7 @@ class Parameter(Tensor):
         super().__init__(torch.empty(0) if data is None else data, device_mesh=device_mesh, placements=placements)
         # a leaf of its own (never the history of ``data``); requires grad like torch.nn.Parameter
         self._ag = AutogradMeta(requires_grad=True) if requires_grad and self.dtype.is_floating_point else None
+        self._graph.label_memory(self._h, "params")
 
     def _set(self, value: Tensor) -> None:
         """Take ``value``'s storage and layout in place, so every holder of this parameter sees it (``p.data = value``:
@@ -51,6 +52,7 @@ class Parameter(Tensor):
         # the old storage is freed (and leaves the memory stats) when its last holder lets go of it
         replace_storage(self, value)
         ag = self._ag
+        self._graph.label_memory(self._h, "params")
         if ag is not None and ag.grad is not None and ag.grad._spec.shape != value._spec.shape:
             ag.grad = None
 
@@ -178,18 +180,12 @@ class Module:
 
     def _call(self, *args, **kwargs):
         args, kwargs = self.redistribute_input(*args, **kwargs)
-        sharded = [(n, p) for n, p in self._parameters.items() if p is not None and fsdp_sharded(p)]
-        if not sharded:
+        unit = module_unit(self)
+        if unit is None:
             return self.redistribute_output(self.forward(*args, **kwargs))
-        # fully sharded data parallel: this module's own parameters are gathered on the "fsdp" dim just
-        # before its forward and let go after it (the backward gathers them again, gradients reduce-scatter)
-        d = self.__dict__
-        d["_unsharded"] = {n: unshard_fsdp(p) for n, p in sharded}
-        try:
-            out = self.forward(*args, **kwargs)
-        finally:
-            del d["_unsharded"]
-        return self.redistribute_output(out)
+        # fully sharded data parallel: the unit's parameters are gathered on the "fsdp" dim just before its
+        # forward and let go after it (autograd/fsdp.py: the backward gathers them again)
+        return self.redistribute_output(unit.run(self, args, kwargs))
 
     # -- forward hooks (torch's; the globally registered torch.nn.modules.module hooks do not run) -------
     def register_forward_pre_hook(self, hook, *, prepend: bool = False, with_kwargs: bool = False):

@@ -34,7 +34,14 @@ def state_placements(p: Tensor) -> list:
 
 def zeros_state(p: Tensor) -> Tensor:
     """A zero state tensor for ``p``: its shape, dtype, mesh and (state) placements."""
-    return zeros_like(p, placements=state_placements(p))
+    return as_state(zeros_like(p, placements=state_placements(p)))
+
+
+def as_state(t):
+    """``t``, counted as optimizer state by the memory accounting (``Graph.get_memory_breakdown``)."""
+    if isinstance(t, Tensor):
+        t._graph.label_memory(t._h, "optimizer")
+    return t
 
 
 def scalar_dtype() -> torch.dtype:
@@ -176,6 +183,10 @@ class Optimizer(torch.optim.Optimizer):
 
 
 def _load_value(p: Tensor, name: str, v):
+    return as_state(_loaded_value(p, name, v))
+
+
+def _loaded_value(p: Tensor, name: str, v):
     if name == "step":  # a host-side counter, as in torch (not a device tensor)
         if isinstance(v, Tensor):
             v = v.to_torch()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .optimizer import Optimizer
+from .optimizer import Optimizer, as_state
 
 
 class SGD(Optimizer):
@@ -43,7 +43,7 @@ class SGD(Optimizer):
                     state = self.state[p]
                     buf = state.get("momentum_buffer")
                     if buf is None:
-                        buf = state["momentum_buffer"] = grad.detach().clone()
+                        buf = state["momentum_buffer"] = as_state(grad.detach().clone())
                     else:
                         buf.mul_(momentum).add_(grad, alpha=1 - dampening)
                     grad = grad.add(buf, alpha=momentum) if nesterov else buf

@@ -23,7 +23,8 @@ def execute(plan: Plan, handle, rt):
 
 def _record(step, before: DTensorSpec, after: DTensorSpec) -> None:
     if step.communicates and commlog.is_recording():
-        commlog.record(step.kind, step.label, step.wire_bytes(before, after), step.devices(before, after))
+        commlog.record(step.kind, step.label, step.wire_bytes(before, after), step.devices(before, after),
+                       before.dtype)
 
 
 def record_only(plan: Plan) -> None:
@@ -43,7 +44,7 @@ def ring_shift(rt, handle, spec: DTensorSpec, mesh_dim: int, shift: int = 1):
     ``Runtime.ring_shift``)."""
     if commlog.is_recording():
         mesh = spec.mesh
-        commlog.record("send_recv", mesh.dim_label(mesh_dim), spec.total_bytes(), mesh.device_ids)
+        commlog.record("send_recv", mesh.dim_label(mesh_dim), spec.total_bytes(), mesh.device_ids, spec.dtype)
     return rt.ring_shift(handle, spec, mesh_dim, shift)
 
 

@@ -429,6 +429,7 @@ class _Executable(Executable):
         self.nd = mesh.ndim
         self.grid_dev = rt.grid_device(mesh)
         self.grid = self.grid_dev is not None and all(s.is_even() for s in in_specs + out_specs)
+        self.sums_over_devices = self.grid
         self.wants_lead = "lead" in inspect.signature(kernel.fn).parameters
         self.coords = mesh.coordinates()
         self.in_reshape = None
@@ -543,7 +544,11 @@ class _Executable(Executable):
     # -- autograd: the local computation's torch graph kept from the forward (no recomputation) --------
     def run_tracked(self, handles, kwargs, device_args, diff):
         """Run with torch's autograd recording the grid computation of the ``diff`` inputs; (output handles,
-        tape) or None when this executable runs device by device."""
+        tape) or None when this executable runs device by device.
+
+        The tape holds the graph, not the values: a big input reaches the kernel as a view of its leaf, and
+        the leaf and the big outputs drop their values after the run, so what stays alive is what torch's
+        graph saved (as torch keeps it). The tape's ``released`` names the inputs nothing of it holds now."""
         if not self.grid:
             return None
         leaves = []
@@ -556,6 +561,7 @@ class _Executable(Executable):
 
         with torch.enable_grad():
             xs, kwargs = self._grid_inputs(handles, kwargs, device_args, leaf)
+            views = _as_views(xs)
             kwargs = {k: varying(v) if isinstance(v, torch.Tensor) and v.ndim == self.nd else v
                       for k, v in kwargs.items()}
             out = self.kernel.fn(*xs, **kwargs)
@@ -563,11 +569,50 @@ class _Executable(Executable):
         res = [Shards(grid=self._fit(y.detach(), g, local, self.kernel.name)[0]) for y, (g, local) in zip(outs, self.out_fix)]
         grid = broadcast_shape([x.shape[: self.nd] for x in leaves + xs] + [
             v.shape for v in kwargs.values() if isinstance(v, torch.Tensor) and v.ndim == self.nd])
-        return res, (leaves, outs, grid)
+        measured = None
+        if self.runtime().measure_tapes:  # (memory accounting: the storages of the inputs and of each output)
+            measured = ({t.untyped_storage().data_ptr() for t in xs},
+                        tuple(y.untyped_storage().data_ptr() for y in outs))
+        del xs, out
+        for t in leaves:
+            if t.numel() >= RELEASE_NUMEL:
+                _drop_values(t)
+        for y in outs:
+            if y.grad_fn is not None and y.numel() >= RELEASE_NUMEL:
+                _drop_values(y)
+        released = tuple(i for i, ref in views if ref() is None)
+        return res, _Tape(leaves, outs, grid, released, measured)
+
+    def tape_released(self, tape) -> tuple:
+        return tape.released
+
+    def tape_saved_outputs(self, tape) -> tuple:
+        """The outputs whose values torch's graph saved (exp's, softmax's): walks the graph (memory
+        accounting only)."""
+        if tape.measured is None:
+            return ()
+        saved = {t.untyped_storage().data_ptr() for t in _saved_tensors(tape.outs)}
+        return tuple(k for k, ptr in enumerate(tape.measured[1]) if ptr in saved)
+
+    def tape_bytes(self, tape) -> int:
+        """What torch's graph of the grid computation saves besides the inputs and outputs (softmax
+        probabilities, normalised activations, ...), per device: the saved storages' bytes over the number of
+        devices the grid computation spans (a replicated computation is held whole by each device)."""
+        if tape.measured is None:
+            return 0
+        known = tape.measured[0] | set(tape.measured[1])
+        extra = {}
+        for t in _saved_tensors(tape.outs):
+            s = t.untyped_storage()
+            ptr = s.data_ptr()
+            if ptr not in known:
+                extra[ptr] = s.nbytes()
+        cells = int(np.prod(tape.grid)) if tape.grid else 1
+        return sum(extra.values()) // max(cells, 1)
 
     def vjp_tracked(self, tape, cotangents, ct_specs, has_ct, grad_specs) -> list:
         """The gradients of the tracked inputs (laid out as ``grad_specs``) for the outputs' cotangents."""
-        leaves, outs, grid = tape
+        leaves, outs, grid = tape.leaves, tape.outs, tape.grid
         rt = self.runtime()
         cts = [h.grid if h.grid is not None else rt.as_grid(h, s) for h, s in zip(cotangents, ct_specs)]
         grid = broadcast_shape([grid] + [c.shape[: self.nd] for c in cts])
@@ -588,6 +633,67 @@ class _Executable(Executable):
                          self.nd)
             res.append(Shards(grid=self._fit(g, target, spec.even_local_shape(), "vjp")[0]))
         return res
+
+
+# Inputs and outputs of at least this many elements are held by a kept local graph only if torch's graph
+# saved them (run_tracked): below it, dropping a tensor's values would cost more than the memory is worth.
+RELEASE_NUMEL = 1 << 15
+
+
+class _Tape:
+    """What ``run_tracked`` keeps: the leaves (the differentiated inputs) and outputs of the local graph, the
+    grid it spans, the input positions nothing of it holds (``released``), and, while the memory is measured,
+    (the storages of its inputs, those of its outputs)."""
+
+    __slots__ = ("leaves", "outs", "grid", "released", "measured")
+
+    def __init__(self, leaves, outs, grid, released, measured):
+        self.leaves, self.outs, self.grid, self.released, self.measured = leaves, outs, grid, released, measured
+
+
+def _as_views(xs: list) -> list:
+    """Big inputs become views (in place in ``xs``): once the run's locals are gone a view lives on only if
+    torch's graph saved it. [(position, weak reference to the view)]."""
+    views = []
+    for i in range(len(xs)):
+        if xs[i].numel() >= RELEASE_NUMEL:
+            xs[i] = xs[i].view_as(xs[i])
+            views.append((i, weakref.ref(xs[i])))
+    return views
+
+
+_SCALARS: dict = {}
+
+
+def _drop_values(t: torch.Tensor) -> None:
+    """Let ``t`` (a leaf or an output of a local graph) go of its storage, keeping its shape and its place in
+    the graph: its data becomes one element broadcast (torch's saved tensors keep their own references)."""
+    key = (t.dtype, t.device)
+    one = _SCALARS.get(key)
+    if one is None:
+        one = _SCALARS[key] = torch.zeros((), dtype=t.dtype, device=t.device)
+    t.data = one.expand(t.shape)
+
+
+def _saved_tensors(outs):
+    """The tensors torch's autograd graph behind ``outs`` saved for the backward (its nodes' ``_saved_*``
+    attributes), walking the graph down to the leaves."""
+    seen, stack = set(), [y.grad_fn for y in outs if y.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        for name in dir(fn):
+            if name.startswith("_saved_"):
+                try:
+                    v = getattr(fn, name)
+                except RuntimeError:  # freed already
+                    continue
+                for t in (v if isinstance(v, (tuple, list)) else (v,)):
+                    if isinstance(t, torch.Tensor):
+                        yield t
+        stack.extend(nxt for nxt, _ in fn.next_functions)
 
 
 _new_shards = object.__new__

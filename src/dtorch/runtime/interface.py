@@ -62,6 +62,10 @@ def read_file_block(block: FileBlock, shape: tuple, dtype: torch.dtype) -> torch
 class Executable(ABC):
     """One kernel on one combination of input/output specs, prepared by a runtime (cached per plan)."""
 
+    # True when one call computes every device's block together (stacked grids), so a gradient summed over
+    # devices comes out summed (``kernels.vjp_kernel``'s ``summed``) instead of as per-device terms
+    sums_over_devices: bool = False
+
     @abstractmethod
     def run(self, handles: Sequence, kwargs: dict, device_args: dict | None = None) -> list:
         """Run on every device of the mesh; returns one handle per output spec."""
@@ -76,9 +80,26 @@ class Executable(ABC):
         """The gradient handles (laid out as ``grad_specs``) of the ``diff`` inputs of a ``run_tracked`` call."""
         raise NotImplementedError
 
+    def tape_released(self, tape) -> tuple:
+        """Input positions the tape does not hold (its graph did not save them): the caller need not keep them
+        for the backward. Default: it holds every input."""
+        return ()
+
+    def tape_saved_outputs(self, tape) -> tuple:
+        """Output positions whose values the tape saved (memory accounting: the caller keeps their handles
+        counted while it keeps the tape)."""
+        return ()
+
+    def tape_bytes(self, tape):
+        """Bytes per device (an int, or a vector in mesh order) the tape's saved tensors hold beyond the
+        call's inputs and outputs (memory accounting: what no handle shows)."""
+        return 0
+
 
 class Runtime(ABC):
     name: str = "abstract"
+    # set by Graph.track_memory: executables note what their tapes hold (Executable.tape_bytes)
+    measure_tapes: bool = False
     # True when handles are plain torch tensors of this process that any runtime which also sets this
     # can read: tensors of two such Graphs may meet in one op (graph.check_one_graph).
     handles_in_process: bool = False

@@ -109,9 +109,11 @@ VJP_PREFIX = "vjp:"
 def vjp_kernel(forward: Kernel) -> Kernel:
     """The vector-Jacobian product of ``forward`` on local blocks, by torch's own autograd.
 
-    ``fn(*inputs, *cotangents, lead, vjp=(diff, has_ct), **forward_kwargs)``: ``diff[i]`` says whether input
-    i gets a gradient, ``has_ct[j]`` whether output j has a cotangent (those come after the inputs, in
-    order). Returns the gradients of the ``diff`` inputs, each of its input's block shape. The forward is
+    ``fn(*inputs, *cotangents, lead, vjp=(diff, has_ct[, summed]), **forward_kwargs)``: ``diff[i]`` says whether
+    input i gets a gradient, ``has_ct[j]`` whether output j has a cotangent (those come after the inputs, in
+    order). Returns the gradients of the ``diff`` inputs, each of its input's block shape; ``summed[k]`` (one
+    per gradient, stacked grids only): the k-th comes back summed over the grid dims its input is
+    broadcast on, not as per-device terms (the caller lays it out Replicate there). The forward is
     recomputed on the blocks (cheap next to communication; no state is kept on the devices between the
     forward and the backward). A derived kernel, so every backend finds it by name (``vjp:<forward>``).
     """
@@ -123,7 +125,8 @@ def vjp_kernel(forward: Kernel) -> Kernel:
     fwd, align = forward.fn, forward.align
 
     def fn(*args, lead=0, vjp, **kw):
-        diff, has_ct = vjp
+        diff, has_ct, *rest = vjp
+        summed = rest[0] if rest else ()
         n_in = len(diff)
         xs, cts = args[:n_in], args[n_in:]
         # Stacked grids store a replicated block once (grid dim 1). Where the computation differs over a grid
@@ -151,7 +154,8 @@ def vjp_kernel(forward: Kernel) -> Kernel:
             pairs = [broadcast_pair(y, c) for y, c in zip([y for y, h in zip(outs, has_ct) if h], cts) if y.requires_grad]
             grads = (torch.autograd.grad([y for y, _ in pairs], leaves, [c for _, c in pairs], allow_unused=True)
                      if pairs else [None] * len(leaves))
-        return tuple(as_terms(torch.zeros_like(x) if g is None else g, grid, lead) for x, g in zip(leaves, grads))
+        grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
+        return tuple(g if k < len(summed) and summed[k] else as_terms(g, grid, lead) for k, g in enumerate(grads))
 
     k = _REGISTRY[name] = Kernel(name, fn)
     return k

@@ -735,8 +735,9 @@ class ProcessRuntime(Runtime):
                 self.flush()
 
     def worker_stats(self, collectives: bool = False) -> dict:
-        """rank -> {"blocks": live blocks, "bytes": their bytes, "defs": plan definitions held}, after the
-        queued work (for tests and debugging).
+        """rank -> {"blocks": live blocks, "bytes": their bytes, "defs": plan definitions held, "rss": the
+        worker's resident bytes, "peak_rss": its most since the previous call (Linux)}, after the queued work
+        (for tests, debugging and memory checks).
 
         ``collectives=True`` adds "collectives": {kind: torch.distributed calls this worker made so far}."""
         with self._lock:
