@@ -33,6 +33,7 @@ from .cow import private_copy, writable
 from .devices import DeviceConfig, read_device_config, torch_devices
 from .interface import Executable, Runtime
 from .kernels import Kernel, as_terms, broadcast_pair, broadcast_shape, varying
+from .tapes import RELEASE_NUMEL, as_views as _as_views, drop_values as _drop_values, saved_tensors as _saved_tensors
 
 
 class Shards:
@@ -635,11 +636,6 @@ class _Executable(Executable):
         return res
 
 
-# Inputs and outputs of at least this many elements are held by a kept local graph only if torch's graph
-# saved them (run_tracked): below it, dropping a tensor's values would cost more than the memory is worth.
-RELEASE_NUMEL = 1 << 15
-
-
 class _Tape:
     """What ``run_tracked`` keeps: the leaves (the differentiated inputs) and outputs of the local graph, the
     grid it spans, the input positions nothing of it holds (``released``), and, while the memory is measured,
@@ -649,51 +645,6 @@ class _Tape:
 
     def __init__(self, leaves, outs, grid, released, measured):
         self.leaves, self.outs, self.grid, self.released, self.measured = leaves, outs, grid, released, measured
-
-
-def _as_views(xs: list) -> list:
-    """Big inputs become views (in place in ``xs``): once the run's locals are gone a view lives on only if
-    torch's graph saved it. [(position, weak reference to the view)]."""
-    views = []
-    for i in range(len(xs)):
-        if xs[i].numel() >= RELEASE_NUMEL:
-            xs[i] = xs[i].view_as(xs[i])
-            views.append((i, weakref.ref(xs[i])))
-    return views
-
-
-_SCALARS: dict = {}
-
-
-def _drop_values(t: torch.Tensor) -> None:
-    """Let ``t`` (a leaf or an output of a local graph) go of its storage, keeping its shape and its place in
-    the graph: its data becomes one element broadcast (torch's saved tensors keep their own references)."""
-    key = (t.dtype, t.device)
-    one = _SCALARS.get(key)
-    if one is None:
-        one = _SCALARS[key] = torch.zeros((), dtype=t.dtype, device=t.device)
-    t.data = one.expand(t.shape)
-
-
-def _saved_tensors(outs):
-    """The tensors torch's autograd graph behind ``outs`` saved for the backward (its nodes' ``_saved_*``
-    attributes), walking the graph down to the leaves."""
-    seen, stack = set(), [y.grad_fn for y in outs if y.grad_fn is not None]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        for name in dir(fn):
-            if name.startswith("_saved_"):
-                try:
-                    v = getattr(fn, name)
-                except RuntimeError:  # freed already
-                    continue
-                for t in (v if isinstance(v, (tuple, list)) else (v,)):
-                    if isinstance(t, torch.Tensor):
-                        yield t
-        stack.extend(nxt for nxt, _ in fn.next_functions)
 
 
 _new_shards = object.__new__
