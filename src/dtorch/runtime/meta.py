@@ -1,17 +1,16 @@
 """The meta backend: shapes and dtypes only, at any size (``dtorch.Graph(backend="meta")``).
 
-A handle holds no data, only a token for its storage (so copy-on-write and aliases behave as on a real
-backend). Every op still plans and dispatches as usual: placements, redistributions, the CommLog (the
-one executor records it, as for every backend) and the memory accounting (``Graph.track_memory``: each
-handle's bytes per device, freed when it dies) are those of a real run, at any mesh size, because nothing
-here loops over devices: a kernel "runs" by returning one handle per output spec of its plan.
+A handle holds no data. Every op still plans and dispatches as usual, so the placements, the
+redistributions, the CommLog (the one executor records it, as for every backend) and the memory accounting
+(``Graph.track_memory``: each handle's bytes per device, freed when it dies) are those of a real run, at any
+mesh size: nothing here loops over devices. Where the in-process backend stacks every device's block into one
+grid (even layouts), a handle holds that grid as a meta tensor (``runtime/grids.py``: the same shapes and
+strides, no data) and kernels run on it, so views, copy-on-write and what the local autograd graphs save
+(``runtime/tapes.py``) are that backend's; torch's attention on meta tensors takes the kernel it would take
+on the CPU (``_AttentionAsOnCpu``). Uneven layouts hold a storage token. ``to_global`` (``to_torch()``,
+``.item()``) raises ``MetaBackendError``.
 
-What a real run's local autograd graphs would save is learnt once per plan: the kernel runs on meta
-tensors shaped as the in-process backend's stacked grids (``runtime/tapes.py``, the in-process backend's
-own steps), so the inputs it releases, the outputs it keeps and the bytes it holds match that backend's
-accounting. ``to_global`` (``to_torch()``, ``.item()``) raises ``MetaBackendError``.
-
-``on_kernel``: when set (the planner, ``dtorch.plan``), every kernel run, in place write and local VJP is
+``on_kernel``: when set (the planner, ``dtorch.plan``), every kernel run, in-place write and kept-graph VJP is
 reported to it as a ``KernelCall``, in program order (the collectives are in the CommLog).
 """
 from __future__ import annotations
@@ -22,18 +21,24 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from .._lru import LRU
 from ..errors import MetaBackendError
 from ..spec import DTensorSpec
 from .devices import DeviceConfig
 from .interface import Executable, Runtime
+from .blocks import reduce_dim
+from .cow import private_copy, writable
+from .grids import global_to_grid, grid_gather, grid_slice, to_partial_grid
 from .kernels import Kernel, broadcast_shape, varying
 from .tapes import RELEASE_NUMEL, as_views, drop_values, saved_tensors
 
 
 class _Storage:
-    """Identity of one block storage; ``users``: the live handles on it (copy-on-write asks)."""
+    """Identity of the storage of a handle without a grid (an uneven layout); ``users``: the live handles on it
+    (copy-on-write asks)."""
 
     __slots__ = ("users",)
 
@@ -42,26 +47,32 @@ class _Storage:
 
 
 class MetaHandle:
-    """A tensor's storage on the meta backend: no data, a storage token shared by aliases."""
+    """A tensor's storage on the meta backend, no data. An even layout holds ``grid``: a meta tensor shaped and
+    strided as the in-process backend's stacked grid (``runtime/grids.py``), so views, aliases, copy-on-write and
+    what local autograd graphs save follow that backend; an uneven one holds a storage token shared by aliases."""
 
-    __slots__ = ("storage", "__weakref__")
+    __slots__ = ("grid", "storage", "__weakref__")
 
-    def __init__(self, storage: _Storage | None = None):
-        self.storage = storage = storage if storage is not None else _Storage()
-        storage.users += 1
+    def __init__(self, grid: torch.Tensor | None = None, storage: _Storage | None = None):
+        self.grid = grid
+        self.storage = storage
+        if grid is None:
+            self.storage = storage = storage if storage is not None else _Storage()
+            storage.users += 1
 
     def __del__(self):
-        self.storage.users -= 1
+        if self.grid is None:
+            self.storage.users -= 1
 
     def __repr__(self):
-        return "MetaHandle()"
+        return "MetaHandle()" if self.grid is None else f"MetaHandle(grid={tuple(self.grid.shape)})"
 
 
 @dataclass(frozen=True)
 class KernelCall:
     """One local computation on every device of a mesh, as the planner sees it. ``kind``: "forward" (a
     kernel run), "write" (an in-place kernel), "backward" (the VJP of a kernel whose local graph was kept;
-    ``kernel`` is the forward's, ``diff`` its differentiated inputs). A recomputing VJP is a forward of the
+    ``kernel`` is the forward's, ``diff`` the outputs with a cotangent). A recomputing VJP is a forward of the
     derived kernel ``vjp:<name>``."""
     kind: str
     kernel: Kernel
@@ -72,8 +83,15 @@ class KernelCall:
     diff: tuple = ()
 
 
-def _new(n: int) -> list:
-    return [MetaHandle() for _ in range(n)]
+def _empty_grid(spec: DTensorSpec) -> torch.Tensor:
+    return torch.empty(spec.grid_shape() + spec.even_local_shape(), dtype=spec.dtype, device="meta")
+
+
+def _handle(spec: DTensorSpec, grid: torch.Tensor | None = None) -> MetaHandle:
+    """A new handle laid out as ``spec``: ``grid`` (a fresh contiguous one if None) when the layout is even."""
+    if not spec.is_even():
+        return MetaHandle()
+    return MetaHandle(_empty_grid(spec) if grid is None else grid)
 
 
 class MetaRuntime(Runtime):
@@ -90,18 +108,23 @@ class MetaRuntime(Runtime):
     def devices(self, mesh) -> tuple[torch.device, ...]:
         return (torch.device("meta"),) * mesh.size()
 
+    def as_grid(self, h: MetaHandle, spec: DTensorSpec) -> torch.Tensor:
+        return h.grid if h.grid is not None else _empty_grid(spec)
+
     # -- placement -----------------------------------------------------------------------------
     def from_global(self, full: torch.Tensor, spec: DTensorSpec) -> MetaHandle:
-        return MetaHandle()
+        if not spec.is_even():
+            return MetaHandle()
+        return MetaHandle(global_to_grid(full.to("meta"), spec))
 
     def from_blocks(self, blocks, spec: DTensorSpec) -> MetaHandle:
-        return MetaHandle()
+        return _handle(spec)
 
     def zeros(self, spec: DTensorSpec) -> MetaHandle:
-        return MetaHandle()
+        return self.from_global(torch.zeros(spec.shape, dtype=spec.dtype, device="meta"), spec)
 
     def from_files(self, reads, spec: DTensorSpec) -> MetaHandle:
-        return MetaHandle()  # (nothing is read: the shapes were checked against the files' headers)
+        return _handle(spec)  # (nothing is read)
 
     def to_global(self, handle, spec: DTensorSpec) -> torch.Tensor:
         raise MetaBackendError(
@@ -127,186 +150,263 @@ class MetaRuntime(Runtime):
         if self.on_kernel is not None:
             self.on_kernel(KernelCall("write", kernel, (target_spec,) + tuple(in_specs), (target_spec,), kwargs,
                                       device_args))
-        return _private(target)
+        if target.grid is not None:
+            if not writable(target.grid):  # copy-on-write, as the in-process backend decides it
+                return MetaHandle(private_copy(target.grid))
+            return target
+        return target if target.storage.users <= 1 else MetaHandle()
 
     def alias(self, handle: MetaHandle, spec: DTensorSpec) -> MetaHandle:
-        return MetaHandle(handle.storage)
+        if handle.grid is not None:
+            return MetaHandle(handle.grid.view(handle.grid.shape))
+        return MetaHandle(storage=handle.storage)
 
-    # -- redistribution primitives: a new storage each (the CommLog is the executor's) -----------
+    # -- redistribution primitives: the grid arithmetic on meta grids (the CommLog is the executor's) --
+    def _grids(self, h, before, after):
+        if before.is_even() and after.is_even():
+            return self.as_grid(h, before)
+        return None
+
     def all_gather(self, h, before, after, mesh_dim):
-        return MetaHandle()
+        x = self._grids(h, before, after)
+        if x is None:
+            return _handle(after)
+        return MetaHandle(grid_gather(x, mesh_dim, before.placements[mesh_dim].dim, before.mesh.ndim))
 
     def all_reduce(self, h, before, after, mesh_dim):
-        return MetaHandle()
+        x = self._grids(h, before, after)
+        if x is None:
+            return _handle(after)
+        return MetaHandle(reduce_dim(before.placements[mesh_dim].reduce_op, x, mesh_dim))
 
     def reduce_scatter(self, h, before, after, mesh_dim):
-        return MetaHandle()
+        x = self._grids(h, before, after)
+        if x is None:
+            return _handle(after)
+        m, k = before.mesh.shape[mesh_dim], after.placements[mesh_dim].dim
+        x = reduce_dim(before.placements[mesh_dim].reduce_op, x, mesh_dim)
+        return MetaHandle(grid_slice(x, mesh_dim, k, before.mesh.ndim, m))
 
     def all_to_all(self, h, before, after, mesh_dim):
-        return MetaHandle()
+        x = self._grids(h, before, after)
+        if x is None:
+            return _handle(after)
+        nd, m = before.mesh.ndim, before.mesh.shape[mesh_dim]
+        src, dst = before.placements[mesh_dim].dim, after.placements[mesh_dim].dim
+        return MetaHandle(grid_slice(grid_gather(x, mesh_dim, src, nd), mesh_dim, dst, nd, m))
 
     def local_slice(self, h, before, after, mesh_dim):
-        return MetaHandle()
+        x = self._grids(h, before, after)
+        if x is None:
+            return _handle(after)
+        m, k = before.mesh.shape[mesh_dim], after.placements[mesh_dim].dim
+        return MetaHandle(grid_slice(x, mesh_dim, k, before.mesh.ndim, m))
 
     def to_partial(self, h, before, after, mesh_dim):
-        return MetaHandle()
+        x = self._grids(h, before, after)
+        if x is None:
+            return _handle(after)
+        op, m = after.placements[mesh_dim].reduce_op, before.mesh.shape[mesh_dim]
+        return MetaHandle(to_partial_grid(x, mesh_dim, m, op))
 
     def move(self, h, before, after, same_layout):
-        return MetaHandle()
+        if same_layout and h.grid is not None:
+            return MetaHandle(h.grid)  # (one grid object, as the in-process backend's .to(the same device))
+        return _handle(after)
 
     def move_into(self, moves) -> list:
-        return [_private(target) for _, _, target, _ in moves]
+        out = []
+        for _, _, target, after in moves:
+            if target.grid is not None:
+                if not writable(target.grid):
+                    target = MetaHandle(torch.empty_like(target.grid, memory_format=torch.contiguous_format))
+            elif target.storage.users > 1:
+                target = MetaHandle()
+            out.append(target)
+        return out
 
     def ring_shift(self, h, spec, mesh_dim, shift=1):
+        if h.grid is not None:
+            return MetaHandle(torch.roll(h.grid, shifts=shift, dims=mesh_dim))
         return MetaHandle()
 
     def empty_cache(self) -> None:
         self._exec_cache.clear()
 
 
-def _private(target: MetaHandle) -> MetaHandle:
-    """Copy-on-write: the target itself when no other handle shares its storage, else a fresh one."""
-    return target if target.storage.users <= 1 else MetaHandle()
-
-
 class _MetaTape:
-    """What a kept local graph would hold (``_MetaExecutable.run_tracked``): the input positions it does
-    not hold, the outputs it saved and the bytes per device it saves besides inputs and outputs."""
+    """A kept local graph on meta tensors (``_MetaExecutable.run_tracked``): the in-process backend's tape."""
 
-    __slots__ = ("released", "saved_outputs", "extra_bytes")
+    __slots__ = ("leaves", "outs", "grid", "released", "measured")
 
-    def __init__(self, released: tuple, saved_outputs: tuple, extra_bytes: int):
-        self.released, self.saved_outputs, self.extra_bytes = released, saved_outputs, extra_bytes
+    def __init__(self, leaves, outs, grid, released, measured):
+        self.leaves, self.outs, self.grid, self.released, self.measured = leaves, outs, grid, released, measured
 
 
 class _MetaExecutable(Executable):
-    """A kernel on one combination of specs: runs return one fresh handle per output spec. Where the
-    in-process backend would stack every device's block into one grid (every spec even), it keeps the
-    local autograd graph too, so ``run_tracked`` answers as that backend would (``_MetaTape``)."""
+    """A kernel on one combination of specs, run on meta grids where the in-process backend stacks every
+    device's block into one grid (every spec even): the outputs' shapes and strides, and with autograd the
+    local graph, are that backend's. Elsewhere (uneven layouts) a run returns fresh handles."""
 
     def __init__(self, rt: MetaRuntime, kernel: Kernel, in_specs: tuple, out_specs: tuple):
         self.rt, self.kernel, self.in_specs, self.out_specs = rt, kernel, in_specs, out_specs
-        self.mesh = out_specs[0].mesh if out_specs else in_specs[0].mesh
+        self.mesh = mesh = out_specs[0].mesh if out_specs else in_specs[0].mesh
+        self.nd = mesh.ndim
         self.grid = all(s.is_even() for s in in_specs + out_specs)
         self.sums_over_devices = self.grid
-        self._tapes = LRU("meta.tapes", 64)
+        self.wants_lead = "lead" in inspect.signature(kernel.fn).parameters
+        self.in_reshape = None
+        if self.grid and kernel.align:
+            r = max((len(s.shape) for s in in_specs), default=0)
+            self.in_reshape = [(tuple(s.grid_shape()) + (1,) * (r - len(s.shape)) + s.even_local_shape())
+                               if len(s.shape) < r else None for s in in_specs]
+        self.out_fix = [(s.grid_shape(), s.even_local_shape()) for s in out_specs] if self.grid else None
 
     def _report(self, kind, kwargs, device_args, diff=()) -> None:
         self.rt.on_kernel(KernelCall(kind, self.kernel, self.in_specs, self.out_specs, kwargs, device_args, diff))
 
+    def _inputs(self, handles, kwargs, device_args, leaf=None, vary=False):
+        """The kernel's meta grid inputs and keyword arguments, as the in-process backend builds them."""
+        rt = self.rt
+        xs = [rt.as_grid(h, s) for h, s in zip(handles, self.in_specs)]
+        if leaf is not None:
+            xs = [leaf(i, x) for i, x in enumerate(xs)]
+        if self.in_reshape is not None:
+            xs = [x if shp is None else x.reshape(shp) for x, shp in zip(xs, self.in_reshape)]
+        kw = dict(kwargs)
+        if device_args:
+            for k, v in device_args.items():
+                v = torch.as_tensor(np.asarray(v)).reshape(self.mesh.shape)
+                kw[k] = (varying(v) if vary else v).to("meta")
+        if self.wants_lead:
+            kw["lead"] = self.nd
+        return xs, {k: v.to("meta") if isinstance(v, torch.Tensor) and v.ndim and v.device.type != "meta" else v
+                    for k, v in kw.items()}
+
+    def _fit(self, y: torch.Tensor, g, local) -> torch.Tensor:
+        """A grid result laid out as an output of grid shape ``g`` (the in-process backend's ``_fit``)."""
+        nd = self.nd
+        if tuple(y.shape[nd:]) != local:
+            return torch.empty(tuple(g) + tuple(local), dtype=y.dtype, device="meta")
+        for d in range(nd):
+            if y.shape[d] != g[d] and g[d] == 1:
+                y = y.narrow(d, 0, 1)
+        if tuple(y.shape[:nd]) != tuple(g):
+            y = y.expand(tuple(g) + tuple(y.shape[nd:]))
+        return y
+
+    def _outputs(self, out) -> list:
+        outs = out if isinstance(out, tuple) else (out,)
+        return [MetaHandle(self._fit(y.detach(), g, local)) for y, (g, local) in zip(outs, self.out_fix)]
+
     def run(self, handles, kwargs, device_args=None) -> list:
         if self.rt.on_kernel is not None:
             self._report("forward", kwargs, device_args)
-        return _new(len(self.out_specs))
+        if not self.grid:
+            return [_handle(s) for s in self.out_specs]
+        try:
+            xs, kw = self._inputs(handles, kwargs, device_args)
+            with _AttentionAsOnCpu():
+                out = self.kernel.fn(*xs, **kw)
+            return self._outputs(out)
+        except Exception:  # noqa: BLE001  (a kernel meta tensors cannot run: its shapes depend on values)
+            return [_handle(s) for s in self.out_specs]
 
     def run_tracked(self, handles, kwargs, device_args, diff):
+        """The in-process backend's ``run_tracked`` on meta grids: the same graph, so the same inputs released,
+        the same outputs and bytes saved (``runtime/tapes.py``)."""
         if not self.grid:
-            return None  # (the in-process backend runs such plans device by device: the VJP recomputes)
+            return None
         if self.rt.on_kernel is not None:
             self._report("forward", kwargs, device_args)
-        measure = self.rt.measure_tapes
-        key = _frozen((kwargs, None if device_args is None else sorted(device_args), diff, measure))
-        tape = None if key is None else self._tapes.get(key)
-        if tape is None:
-            tape = self._analyse(kwargs, device_args, diff, measure)
-            if key is not None:
-                self._tapes[key] = tape
-        return _new(len(self.out_specs)), tape
+        leaves = []
+
+        def leaf(i, x):
+            if diff[i]:
+                x = x.detach().requires_grad_()
+                leaves.append(x)
+            return x
+
+        try:
+            with torch.enable_grad(), _AttentionAsOnCpu():
+                xs, kw = self._inputs(handles, kwargs, device_args, leaf, vary=True)
+                views = as_views(xs)
+                out = self.kernel.fn(*xs, **kw)
+        except Exception:  # noqa: BLE001  (as in run: the backward then recomputes, keeping the inputs)
+            return None
+        outs = out if isinstance(out, tuple) else (out,)
+        res = self._outputs(outs)
+        nd = self.nd
+        grid = broadcast_shape([x.shape[:nd] for x in leaves + xs]
+                               + [v.shape for v in kw.values() if isinstance(v, torch.Tensor) and v.ndim == nd])
+        measured = None
+        if self.rt.measure_tapes:
+            measured = ({_storage(t) for t in xs}, tuple(_storage(y) for y in outs))
+        del xs, out
+        for t in leaves:
+            if t.numel() >= RELEASE_NUMEL:
+                drop_values(t)
+        for y in outs:
+            if y.grad_fn is not None and y.numel() >= RELEASE_NUMEL:
+                drop_values(y)
+        released = tuple(i for i, ref in views if ref() is None)
+        return res, _MetaTape(leaves, outs, grid, released, measured)
 
     def vjp_tracked(self, tape, cotangents, ct_specs, has_ct, grad_specs) -> list:
         if self.rt.on_kernel is not None:
             self._report("backward", {}, None, tuple(has_ct))
-        return _new(len(grad_specs))
+        return [_handle(s) for s in grad_specs]
 
     def tape_released(self, tape) -> tuple:
         return tape.released
 
     def tape_saved_outputs(self, tape) -> tuple:
-        return tape.saved_outputs
+        if tape.measured is None:
+            return ()
+        saved = {_storage(t) for t in saved_tensors(tape.outs)}
+        return tuple(k for k, s in enumerate(tape.measured[1]) if s in saved)
 
     def tape_bytes(self, tape) -> int:
-        return tape.extra_bytes
-
-    def _analyse(self, kwargs, device_args, diff, measure: bool) -> _MetaTape:
-        """The in-process backend's ``run_tracked`` on meta grids: what its tape would hold."""
-        nd = self.mesh.ndim
-        xs = [torch.empty(s.grid_shape() + s.even_local_shape(), dtype=s.dtype, device="meta")
-              for s in self.in_specs]
-        try:
-            return _tape_of(self.kernel, self.in_specs, xs, kwargs, device_args, diff, nd, self.mesh, measure)
-        except Exception:  # noqa: BLE001  (a kernel meta tensors cannot run, e.g. one whose shapes depend on values)
-            # the conservative answer: the graph holds every input and nothing else
-            return _MetaTape((), (), 0)
+        if tape.measured is None:
+            return 0
+        known = tape.measured[0] | set(tape.measured[1])
+        extra = {}
+        for t in saved_tensors(tape.outs):
+            s = _storage(t)
+            if s not in known:
+                extra[s] = t.untyped_storage().nbytes()
+        cells = int(np.prod(tape.grid)) if tape.grid else 1
+        return sum(extra.values()) // max(cells, 1)
 
 
-def _tape_of(kernel: Kernel, in_specs, xs, kwargs, device_args, diff, nd, mesh, measure) -> _MetaTape:
-    leaves = []
-    with torch.enable_grad():
-        for i in range(len(xs)):
-            if diff[i]:
-                xs[i] = xs[i].requires_grad_()
-                leaves.append(xs[i])
-        if kernel.align:  # local ranks padded to one length after the grid dims (the in-process reshape)
-            r = max((len(s.shape) for s in in_specs), default=0)
-            xs = [x if len(s.shape) == r else x.reshape(tuple(s.grid_shape()) + (1,) * (r - len(s.shape))
-                                                         + s.even_local_shape()) for x, s in zip(xs, in_specs)]
-        kw = dict(kwargs)
-        if device_args:
-            kw.update({k: varying(torch.as_tensor(np.asarray(v)).reshape(mesh.shape)).to("meta")
-                       for k, v in device_args.items()})
-        if "lead" in inspect.signature(kernel.fn).parameters:
-            kw["lead"] = nd
-        kw = {k: v.to("meta") if isinstance(v, torch.Tensor) and v.ndim else v for k, v in kw.items()}
-        views = as_views(xs)
-        out = kernel.fn(*xs, **kw)
-    outs = out if isinstance(out, tuple) else (out,)
-    grid = broadcast_shape([x.shape[:nd] for x in leaves + xs]
-                           + [v.shape for v in kw.values() if isinstance(v, torch.Tensor) and v.ndim == nd])
-    inputs = {_storage(t) for t in xs}
-    outputs = tuple(_storage(y) for y in outs)
-    del xs, out
-    for t in leaves:
-        if t.numel() >= RELEASE_NUMEL:
-            drop_values(t)
-    for y in outs:
-        if y.grad_fn is not None and y.numel() >= RELEASE_NUMEL:
-            drop_values(y)
-    released = tuple(i for i, ref in views if ref() is None)
-    if not measure:
-        return _MetaTape(released, (), 0)
-    saved = list(saved_tensors(outs))
-    kept = {_storage(t) for t in saved}
-    saved_outputs = tuple(k for k, s in enumerate(outputs) if s in kept)
-    extra = {}
-    for t in saved:
-        s = _storage(t)
-        if s not in inputs and s not in outputs:
-            extra[s] = t.untyped_storage().nbytes()
-    cells = int(np.prod(grid)) if grid else 1
-    return _MetaTape(released, saved_outputs, sum(extra.values()) // max(cells, 1))
+class _AttentionAsOnCpu(TorchFunctionMode):
+    """torch picks its fused attention by device: on meta tensors it takes the math path, which saves the
+    attention weights; the in-process backend's CPU (and a GPU) take a flash kernel, which saves the
+    log-sum-exp. Inside, ``scaled_dot_product_attention`` on meta tensors runs the kernel torch picks for CPU
+    tensors of those shapes, so the saved bytes are that backend's."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and args and args[0].device.type == "meta":
+            return _sdpa_as_on_cpu(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _sdpa_as_on_cpu(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    def probe(t):  # a CPU tensor of t's shape and dtype holding one row (its dims broadcast)
+        return None if t is None else torch.empty(t.shape[-1:], dtype=t.dtype).expand(t.shape)
+
+    choice = torch._fused_sdp_choice(probe(q), probe(k), probe(v), probe(attn_mask), dropout_p, is_causal,
+                                     scale=scale, enable_gqa=enable_gqa)
+    if choice == _FLASH:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+_FLASH = 1  # torch's SDPBackend.flash_attention
 
 
 def _storage(t: torch.Tensor) -> int:
     """The identity of ``t``'s storage (meta tensors have no data pointers: the storage object's address)."""
     return t.untyped_storage()._cdata
-
-
-def _frozen(value):
-    """A hashable stand-in for kernel arguments (tensors by shape and dtype); None when one is not."""
-    try:
-        return _freeze(value)
-    except TypeError:
-        return None
-
-
-def _freeze(v):
-    if isinstance(v, dict):
-        return tuple((k, _freeze(x)) for k, x in sorted(v.items()))
-    if isinstance(v, (tuple, list)):
-        return tuple(_freeze(x) for x in v)
-    if isinstance(v, torch.Tensor):
-        return ("tensor", tuple(v.shape), v.dtype, v.tolist() if v.numel() <= 16 and v.device.type != "meta" else None)
-    if isinstance(v, np.ndarray):
-        return ("array", v.shape, str(v.dtype))
-    hash(v)
-    return v
