@@ -137,7 +137,9 @@ def kernel_work(call, options: Options) -> tuple[float, float, str]:
     name = call.kernel.name
     base = name[len(VJP_PREFIX):] if name.startswith(VJP_PREFIX) else name
     mesh = (call.in_specs or call.out_specs)[0].mesh
-    coords = [(0,) * mesh.ndim, tuple(n - 1 for n in mesh.shape)]
+    coords = [(0,) * mesh.ndim]
+    if call.device_args or not all(sp.is_even() for sp in call.in_specs + call.out_specs):
+        coords.append(tuple(n - 1 for n in mesh.shape))
     flops = 0.0
     for coord in coords:  # the slowest of the first and last device (uneven shards, causal ring steps)
         try:
