@@ -18,10 +18,11 @@ BASE = {"dtorch.errors", "dtorch.placement", "dtorch.mesh", "dtorch.spec", "dtor
 # and device configuration; everything else under runtime/ is a backend's own business
 RUNTIME_SURFACE = {"dtorch.runtime", "dtorch.runtime.interface", "dtorch.runtime.kernels",
                    "dtorch.runtime.registry", "dtorch.runtime.devices"}
-ABOVE_RUNTIME = ("dtorch.graph", "dtorch.tensor", "dtorch.ops", "dtorch.nn", "dtorch.models", "dtorch.rl",
+ABOVE_RUNTIME = ("dtorch.graph", "dtorch.tensor", "dtorch.ops", "dtorch.nn", "dtorch.models", "dtorch.rl", "dtorch.plan",
                  "dtorch.autograd", "dtorch.optim", "dtorch.cli", "dtorch.visualize", "dtorch.redistribute")
-# the top of the stack: built from models (dtorch.rl: RL post-training); nothing below models imports them
-MODELS_LEVEL = ("dtorch.models", "dtorch.rl")
+# the top of the stack: built from models (dtorch.rl: RL post-training; dtorch.plan: the planner); nothing below
+# models imports them
+MODELS_LEVEL = ("dtorch.models", "dtorch.rl", "dtorch.plan")
 PROCESS_BACKEND = ("dtorch.runtime.process", "dtorch.runtime.process_plan", "dtorch.runtime.process_pool",
                    "dtorch.runtime.worker", "dtorch.runtime.ray_backend", "dtorch.runtime.ray_worker")
 
@@ -89,6 +90,9 @@ def _violation(src: str, dst: str) -> str | None:
         return "code above runtime/ sees only the runtime interface (handles are opaque)"
     if _under(src, "dtorch.runtime") and _under(dst, ABOVE_RUNTIME) and not _under(dst, "dtorch.redistribute.steps"):
         return "runtime/ does not import the layers above it"
+    if _under(src, "dtorch.runtime.meta") and _under(dst, ("dtorch.runtime.inprocess", "dtorch.runtime.reference")
+                                                     + PROCESS_BACKEND):
+        return "the meta backend imports no other backend (shared: runtime/blocks.py, grids.py, tapes.py, cow.py)"
     if _under(src, PROCESS_BACKEND) and _under(dst, "dtorch.runtime.inprocess"):
         return "the process backend does not import the in-process backend (shared arithmetic: runtime/blocks.py)"
     return None
@@ -126,6 +130,11 @@ def test_no_import_points_up_the_stack():
     ("dtorch.ops.loss", "dtorch.models.llama", True),
     ("dtorch.rl.grpo", "dtorch.models.forward", False),
     ("dtorch.cli", "dtorch.rl.cli", False),
+    ("dtorch.runtime.meta", "dtorch.runtime.inprocess", True),
+    ("dtorch.runtime.meta", "dtorch.runtime.grids", False),
+    ("dtorch.plan.cost", "dtorch.runtime.meta", True),
+    ("dtorch.nn.module", "dtorch.plan.estimate", True),
+    ("dtorch.plan.trace", "dtorch.models.llama", False),
 ])
 def test_the_rules_themselves(src, dst, bad):
     assert (_violation(src, dst) is not None) == bad

@@ -44,6 +44,9 @@ def main(argv=None) -> int:
     rl = sub.add_parser("rl", add_help=False, help="GRPO on a small Llama: the trainer in one layout, the rollout in "
                         "another, weights synced device to device (reverse-the-digits task, shipped)")
     rl.set_defaults(func=_rl)
+    plan = sub.add_parser("plan", add_help=False, help="predict memory per device, communication, step time and MFU "
+                          "of a training layout at any scale without the hardware (meta backend + cost model); --search")
+    plan.set_defaults(func=_plan)
     walk = sub.add_parser("walkthrough", help="a DTensor walk-through with visualize_sharding")
     walk.set_defaults(func=_walkthrough)
     worker = sub.add_parser("worker", add_help=False, help="start process-backend workers that join a controller "
@@ -77,6 +80,12 @@ def _generate(args) -> int:
 
 def _rl(args) -> int:
     from .rl import cli
+
+    return cli.main(args.rest)
+
+
+def _plan(args) -> int:
+    from .plan import cli
 
     return cli.main(args.rest)
 

@@ -21,6 +21,10 @@ class RuntimeBackendError(DTorchError, RuntimeError):
     """The runtime failed to run an op, a collective or a transfer."""
 
 
+class MetaBackendError(RuntimeBackendError):
+    """A value was asked of the meta backend (``to_torch()``, ``.item()``), which holds shapes and dtypes only."""
+
+
 class DeviceUnavailableError(DTorchError, RuntimeError):
     """A mesh names devices this machine does not have."""
 

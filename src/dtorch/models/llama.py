@@ -151,11 +151,12 @@ class LlamaRotaryEmbedding(nn.Module):
         self.original_max_seq_len = self.max_seq_len_cached = config.max_position_embeddings
         self.register_buffer("inv_freq", Tensor(inv_freq, device_mesh=get_default_device_mesh(device_mesh)),
                              persistent=False)
+        self._made = self.inv_freq  # the buffer made from ``_in_use`` (its value, without a fetch)
         self._per_mesh = {}
 
     def _use(self, inv_freq: torch.Tensor) -> None:
         if inv_freq is not self._in_use:
-            self.inv_freq = Tensor(inv_freq, device_mesh=self.inv_freq.device_mesh)
+            self.inv_freq = self._made = Tensor(inv_freq, device_mesh=self.inv_freq.device_mesh)
             self._in_use = inv_freq
 
     def _update(self, seq_len: int) -> None:
@@ -180,7 +181,8 @@ class LlamaRotaryEmbedding(nn.Module):
             return self.inv_freq
         source, copy = self._per_mesh.get(mesh, (None, None))
         if source is not self.inv_freq:  # first use, or the buffer was replaced (.to(mesh), a new rope length)
-            copy = Tensor(self.inv_freq.to_torch(), device_mesh=mesh)
+            value = self._in_use if self.inv_freq is self._made else self.inv_freq.to_torch()
+            copy = Tensor(value, device_mesh=mesh)
             self._per_mesh[mesh] = (self.inv_freq, copy)
         return copy
 
@@ -217,7 +219,9 @@ def _replicate_kv_heads(proj: nn.Linear, form: RepeatedRows) -> None:
     for name in ("weight", "bias"):
         p = getattr(proj, name)
         if p is not None:
-            held = Tensor(form.load(p.to_torch()), device_mesh=p.device_mesh, placements=p.placements)
+            value = p.to_torch() if p._graph.runtime.holds_values else torch.empty(tuple(p.shape), dtype=p.dtype,
+                                                                                   device="meta")
+            held = Tensor(form.load(value), device_mesh=p.device_mesh, placements=p.placements)
             param = nn.Parameter(held)
             param._ag.grad_form = form.tie_grad  # the copies of a head are one parameter: one gradient
             proj.register_parameter(name, param)
@@ -602,7 +606,8 @@ class LlamaForCausalLM(nn.Module):
         graph = Graph.default_graph()
         with nn.skip_init(), graph.dtype_guard(dtype or graph.default_dtype):
             model = cls(config, device_mesh)
-        read_sharded(model, path, progress=progress)
+        if graph.runtime.holds_values:  # (the meta backend: shapes only, read from config.json alone)
+            read_sharded(model, path, progress=progress)
         model.generation_config = load_generation_config(path)
         return model
 

@@ -88,4 +88,12 @@ def skip_init():
 
 
 def init_enabled() -> bool:
-    return not getattr(_init_state, "skip", False)
+    """Draw initial values? Not inside ``skip_init`` (values about to be loaded), nor on a backend without values
+    (the meta backend: a model builds there without allocating its weights)."""
+    return not getattr(_init_state, "skip", False) and Graph.default_graph().runtime.holds_values
+
+
+def init_device() -> str:
+    """Where a module makes the global tensor its parameter is laid out from: the CPU when values are drawn,
+    else torch's meta device (only its shape and dtype are read)."""
+    return "cpu" if init_enabled() else "meta"

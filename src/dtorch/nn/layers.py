@@ -9,7 +9,7 @@ from ..graph import Graph
 from ..ops.nn import check_token_ids
 from ..placement import Replicate, Shard
 from . import functional as F
-from ._layout import init_enabled, make_param, module_mesh, on_mesh, placements_on, with_placement
+from ._layout import init_device, init_enabled, make_param, module_mesh, on_mesh, placements_on, with_placement
 from .module import Module
 
 
@@ -38,7 +38,8 @@ class Embedding(Module):
         self.tp_dim, self.vocab_parallel = tp_dim, vocab_parallel
         mesh = module_mesh(device_mesh, device)
         if _weight is None:
-            w = torch.empty(num_embeddings, embedding_dim, dtype=dtype or Graph.default_graph().default_dtype)
+            w = torch.empty(num_embeddings, embedding_dim, dtype=dtype or Graph.default_graph().default_dtype,
+                            device=init_device())
             if init_enabled():
                 torch.nn.init.normal_(w)
             if padding_idx is not None:

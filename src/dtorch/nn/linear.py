@@ -19,7 +19,7 @@ import torch
 from ..graph import Graph
 from ..placement import Replicate, Shard
 from . import functional as F
-from ._layout import init_enabled, make_param, module_mesh, on_mesh, placements_on, with_placement
+from ._layout import init_device, init_enabled, make_param, module_mesh, on_mesh, placements_on, with_placement
 from .module import Module
 
 _SHARD_TYPES = {None: Replicate(), "col": Shard(0), "row": Shard(1)}
@@ -40,13 +40,13 @@ class Linear(Module):
         mesh = module_mesh(device_mesh, device)
         dtype = dtype or Graph.default_graph().default_dtype
         # torch.nn.Linear's initialisation, drawn in the same order from torch's generator
-        w = torch.empty(out_features, in_features, dtype=dtype)
+        w = torch.empty(out_features, in_features, dtype=dtype, device=init_device())
         if init_enabled():
             torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))
         self.weight = make_param(w, mesh, placements_on(mesh, tp_dim, _SHARD_TYPES[tp_shard_type]))
         if bias:
             bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
-            b = torch.empty(out_features, dtype=dtype)
+            b = torch.empty(out_features, dtype=dtype, device=init_device())
             if init_enabled():
                 b.uniform_(-bound, bound)
             bias_tp = Shard(0) if tp_shard_type == "col" else Replicate()

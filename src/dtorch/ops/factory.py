@@ -48,6 +48,12 @@ def _float_dtype(dtype):
     return dtype if dtype is not None else Graph.default_graph().default_dtype
 
 
+def values_device(graph=None) -> str:
+    """Where the controller makes a global value to lay out: "meta" on a backend without values (nothing is
+    allocated or drawn), else the CPU."""
+    return "cpu" if resolve_graph(graph).runtime.holds_values else "meta"
+
+
 def _factory(name, make):
     def fn(*size, dtype=None, device_mesh=None, placements=None, device=None, generator=None, requires_grad=False,
            graph=None, **kw):
@@ -57,18 +63,22 @@ def _factory(name, make):
             size = (kw.pop("size"),)
         if kw:
             raise TypeError(f"dtorch.{name}() got unexpected keyword arguments {sorted(kw)}")
-        return _place(make(_shape(size), dtype, generator), device_mesh, placements, device, requires_grad, graph)
+        full_t = make(_shape(size), dtype, generator, values_device(graph))
+        return _place(full_t, device_mesh, placements, device, requires_grad, graph)
 
     fn.__name__ = name
     fn.__doc__ = f"``torch.{name}`` laid out on ``device_mesh`` with ``placements`` (default: all Replicate)."
     return register(name)(fn)
 
 
-zeros = _factory("zeros", lambda s, dt, g: torch.zeros(s, dtype=_float_dtype(dt)))
-ones = _factory("ones", lambda s, dt, g: torch.ones(s, dtype=_float_dtype(dt)))
-empty = _factory("empty", lambda s, dt, g: torch.zeros(s, dtype=_float_dtype(dt)))
-rand = _factory("rand", lambda s, dt, g: torch.rand(s, dtype=_float_dtype(dt), generator=g))
-randn = _factory("randn", lambda s, dt, g: torch.randn(s, dtype=_float_dtype(dt), generator=g))
+zeros = _factory("zeros", lambda s, dt, g, dev: torch.zeros(s, dtype=_float_dtype(dt), device=dev))
+ones = _factory("ones", lambda s, dt, g, dev: torch.ones(s, dtype=_float_dtype(dt), device=dev))
+empty = _factory("empty", lambda s, dt, g, dev: torch.zeros(s, dtype=_float_dtype(dt), device=dev))
+# (the meta device draws nothing: the generator is left as it is)
+rand = _factory("rand", lambda s, dt, g, dev: torch.rand(s, dtype=_float_dtype(dt), generator=g if dev == "cpu" else None,
+                                                         device=dev))
+randn = _factory("randn", lambda s, dt, g, dev: torch.randn(s, dtype=_float_dtype(dt),
+                                                           generator=g if dev == "cpu" else None, device=dev))
 
 
 @register()
@@ -76,8 +86,8 @@ def full(size, fill_value, *, dtype=None, device_mesh=None, placements=None, dev
          graph=None):
     if dtype is None and isinstance(fill_value, float):
         dtype = _float_dtype(None)
-    return _place(torch.full(_shape((size,)), fill_value, dtype=dtype), device_mesh, placements, device,
-                  requires_grad, graph)
+    return _place(torch.full(_shape((size,)), fill_value, dtype=dtype, device=values_device(graph)), device_mesh,
+                  placements, device, requires_grad, graph)
 
 
 @register()

@@ -59,7 +59,9 @@ def _check_target(name: str, target) -> None:
 def _draw(name: str, target: Tensor, fill) -> Tensor:
     """``fill(full)`` on a fresh torch tensor of ``target``'s global shape and dtype, then written into ``target``."""
     _check_target(name, target)
-    full = torch.empty(tuple(target.shape), dtype=target.dtype)
+    # (on a backend without values, a meta tensor: nothing allocated, nothing drawn)
+    full = torch.empty(tuple(target.shape), dtype=target.dtype,
+                       device="cpu" if target._graph.runtime.holds_values else "meta")
     try:
         fill(full)
     except (RuntimeError, ValueError) as exc:  # (a TypeError for bad arguments stays torch's own)

@@ -26,13 +26,15 @@ import torch
 
 from .._lru import LRU
 from ..errors import RuntimeBackendError
-from ..placement import Partial, Replicate, Shard
 from ..spec import DTensorSpec, move_transfers
 from .blocks import assemble, cut_global, cut_shard, dim_groups, reduce_dim, reduce_list
 from .cow import private_copy, writable
+from .grids import global_to_grid, grid_to_global
+from .grids import grid_gather as _grid_gather, grid_slice as _grid_slice, to_partial_grid as _to_partial_grid
 from .devices import DeviceConfig, read_device_config, torch_devices
 from .interface import Executable, Runtime
 from .kernels import Kernel, as_terms, broadcast_pair, broadcast_shape, varying
+from .tapes import RELEASE_NUMEL, as_views as _as_views, drop_values as _drop_values, saved_tensors as _saved_tensors
 
 
 class Shards:
@@ -46,88 +48,6 @@ class Shards:
         if self.grid is not None:
             return f"Shards(grid={tuple(self.grid.shape)})"
         return f"Shards(blocks={[tuple(b.shape) for b in self.blocks]})"
-
-
-# ------------------------------------------------------------------------------------------------
-# grid form: global <-> stacked blocks (even specs only)
-
-
-def _shard_factors(spec: DTensorSpec):
-    """For each tensor dim, the mesh dims sharding it (outer to inner) and its local size."""
-    M = spec.mesh.shape
-    local = list(spec.shape)
-    factors = [[] for _ in spec.shape]
-    for i, p in enumerate(spec.placements):
-        if isinstance(p, Shard):
-            factors[p.dim].append(i)
-            local[p.dim] //= M[i]
-    return factors, local
-
-
-def global_to_grid(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
-    M = spec.mesh.shape
-    factors, local = _shard_factors(spec)
-    split_shape, factor_pos, local_pos = [], {}, []
-    for k in range(len(spec.shape)):
-        for i in factors[k]:
-            factor_pos[i] = len(split_shape)
-            split_shape.append(M[i])
-        local_pos.append(len(split_shape))
-        split_shape.append(local[k])
-    x = full.reshape(split_shape)
-    shard_dims = sorted(factor_pos)
-    x = x.permute([factor_pos[i] for i in shard_dims] + local_pos)
-    x = x.reshape(tuple(M[i] if isinstance(p, Shard) else 1 for i, p in enumerate(spec.placements)) + tuple(local))
-    for i, p in enumerate(spec.placements):
-        if isinstance(p, Partial):
-            x = _to_partial_grid(x, i, M[i], p.reduce_op)
-    return x
-
-
-def grid_to_global(x: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
-    M = spec.mesh.shape
-    for i, p in enumerate(spec.placements):
-        if isinstance(p, Partial):
-            x = reduce_dim(p.reduce_op, x, i)
-        elif isinstance(p, Replicate) and x.shape[i] != 1:
-            x = x.narrow(i, 0, 1)
-    factors, local = _shard_factors(spec)
-    shard_dims = [i for i, p in enumerate(spec.placements) if isinstance(p, Shard)]
-    # drop non-shard grid dims, then move each mesh factor next to its tensor dim
-    x = x.reshape(tuple(M[i] for i in shard_dims) + tuple(local))
-    pos_of = {i: n for n, i in enumerate(shard_dims)}
-    ns = len(shard_dims)
-    perm = []
-    for k in range(len(spec.shape)):
-        perm += [pos_of[i] for i in factors[k]]
-        perm.append(ns + k)
-    return x.permute(perm).reshape(spec.shape)
-
-
-def _to_partial_grid(x: torch.Tensor, i: int, m: int, op: str) -> torch.Tensor:
-    """Replicated (size 1 on grid dim i) -> Partial terms whose reduction is the value."""
-    if op == "sum":
-        if m == 1:
-            return x
-        zeros = torch.zeros_like(x).expand(*x.shape[:i], m - 1, *x.shape[i + 1:])
-        return torch.cat([x, zeros], dim=i)
-    return x.expand(*x.shape[:i], m, *x.shape[i + 1:])
-
-
-def _grid_gather(x: torch.Tensor, i: int, k: int, nd: int) -> torch.Tensor:
-    pos = nd + k
-    x = x.movedim(i, pos - 1)
-    s = list(x.shape)
-    x = x.reshape(s[: pos - 1] + [s[pos - 1] * s[pos]] + s[pos + 1:])
-    return x.unsqueeze(i)
-
-
-def _grid_slice(x: torch.Tensor, i: int, k: int, nd: int, m: int) -> torch.Tensor:
-    x = x.squeeze(i) if x.shape[i] == 1 else x.narrow(i, 0, 1).squeeze(i)
-    pos = nd - 1 + k
-    s = list(x.shape)
-    x = x.reshape(s[:pos] + [m, s[pos] // m] + s[pos + 1:])
-    return x.movedim(pos, i)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -635,11 +555,6 @@ class _Executable(Executable):
         return res
 
 
-# Inputs and outputs of at least this many elements are held by a kept local graph only if torch's graph
-# saved them (run_tracked): below it, dropping a tensor's values would cost more than the memory is worth.
-RELEASE_NUMEL = 1 << 15
-
-
 class _Tape:
     """What ``run_tracked`` keeps: the leaves (the differentiated inputs) and outputs of the local graph, the
     grid it spans, the input positions nothing of it holds (``released``), and, while the memory is measured,
@@ -649,51 +564,6 @@ class _Tape:
 
     def __init__(self, leaves, outs, grid, released, measured):
         self.leaves, self.outs, self.grid, self.released, self.measured = leaves, outs, grid, released, measured
-
-
-def _as_views(xs: list) -> list:
-    """Big inputs become views (in place in ``xs``): once the run's locals are gone a view lives on only if
-    torch's graph saved it. [(position, weak reference to the view)]."""
-    views = []
-    for i in range(len(xs)):
-        if xs[i].numel() >= RELEASE_NUMEL:
-            xs[i] = xs[i].view_as(xs[i])
-            views.append((i, weakref.ref(xs[i])))
-    return views
-
-
-_SCALARS: dict = {}
-
-
-def _drop_values(t: torch.Tensor) -> None:
-    """Let ``t`` (a leaf or an output of a local graph) go of its storage, keeping its shape and its place in
-    the graph: its data becomes one element broadcast (torch's saved tensors keep their own references)."""
-    key = (t.dtype, t.device)
-    one = _SCALARS.get(key)
-    if one is None:
-        one = _SCALARS[key] = torch.zeros((), dtype=t.dtype, device=t.device)
-    t.data = one.expand(t.shape)
-
-
-def _saved_tensors(outs):
-    """The tensors torch's autograd graph behind ``outs`` saved for the backward (its nodes' ``_saved_*``
-    attributes), walking the graph down to the leaves."""
-    seen, stack = set(), [y.grad_fn for y in outs if y.grad_fn is not None]
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        for name in dir(fn):
-            if name.startswith("_saved_"):
-                try:
-                    v = getattr(fn, name)
-                except RuntimeError:  # freed already
-                    continue
-                for t in (v if isinstance(v, (tuple, list)) else (v,)):
-                    if isinstance(t, torch.Tensor):
-                        yield t
-        stack.extend(nxt for nxt, _ in fn.next_functions)
 
 
 _new_shards = object.__new__

@@ -103,6 +103,9 @@ class Runtime(ABC):
     # True when handles are plain torch tensors of this process that any runtime which also sets this
     # can read: tensors of two such Graphs may meet in one op (graph.check_one_graph).
     handles_in_process: bool = False
+    # False for a backend of shapes and dtypes only (the meta backend): values made on the controller to be
+    # laid out (factories, random initialisation) are then made as torch meta tensors, never allocated
+    holds_values: bool = True
 
     # -- placement -------------------------------------------------------------------------------
     @abstractmethod

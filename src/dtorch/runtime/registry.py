@@ -19,6 +19,8 @@ BACKENDS: dict[str, str] = {
     "reference": "dtorch.runtime.reference:ReferenceRuntime",
     # one Ray actor per device (a Ray cluster's nodes and GPUs), torch.distributed between them
     "ray": "dtorch.runtime.ray_backend:RayRuntime",
+    # shapes and dtypes only, at any size: plans, CommLog and memory accounting of a real run (dtorch plan)
+    "meta": "dtorch.runtime.meta:MetaRuntime",
 }
 
 # command-line entry points that belong to a backend: `dtorch NAME ARGS` -> "module:function", called with

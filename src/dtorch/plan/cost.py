@@ -1,0 +1,301 @@
+"""The cost model: a traced step (``trace.StepTrace``) -> time per pipeline stage and phase on a hardware profile.
+
+- a kernel call: its FLOPs (torch's FlopCounterMode on the first device's blocks, as meta tensors) and the bytes
+  it reads and writes, costed by a roofline with the profile's achievable efficiencies:
+  ``max(flops / (peak * eff), bytes / (hbm * eff_memory)) + overhead``;
+- a collective: alpha-beta on the link its mesh dim crosses (NVLink within a node, the per-GPU network across
+  nodes; a group with several GPUs per node drives that many NICs), with NCCL's ring factors (all_gather and
+  reduce_scatter move (m-1)/m of the full buffer, all_reduce twice that; tree latency for all_reduce across nodes);
+- overlap: fsdp gathers and reductions, dp gradient reductions and ring-attention block sends run beside the
+  compute (FSDP prefetch, async collectives); tp and Ulysses collectives and pipeline hand-offs are on the path.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..commlog import CommRecord
+from ..runtime.kernels import VJP_PREFIX, get_kernel
+
+# collectives that can run beside the compute (their kernels on another stream): keyed by mesh dim name
+OVERLAPPED_DIMS = ("fsdp", "dp", "ring_cp")
+ATTENTION_KERNELS = ("sdpa", "sdpa_ring_step", "sdpa_ring_step_backward", "kv_cache")
+LINEAR_KERNELS = ("linear", "matmul")
+
+
+@dataclass
+class Costs:
+    """One stage's time and traffic in one phase (seconds; bytes per device)."""
+    compute: float = 0.0
+    exposed_comm: float = 0.0  # collectives on the critical path
+    overlapped_comm: float = 0.0  # collectives that run beside the compute
+    flops: float = 0.0
+    comm_bytes: dict = field(default_factory=dict)  # mesh dim -> bytes this device sends
+    comm_time: dict = field(default_factory=dict)  # mesh dim -> seconds
+
+    def time(self, overlap: float = 1.0) -> float:
+        """The phase's wall time: compute plus what cannot hide behind it."""
+        hidden = min(self.overlapped_comm, overlap * self.compute)
+        return self.compute + self.exposed_comm + self.overlapped_comm - hidden
+
+    def add(self, other: "Costs", scale: float = 1.0) -> None:
+        self.compute += scale * other.compute
+        self.exposed_comm += scale * other.exposed_comm
+        self.overlapped_comm += scale * other.overlapped_comm
+        self.flops += scale * other.flops
+        for k, v in other.comm_bytes.items():
+            self.comm_bytes[k] = self.comm_bytes.get(k, 0.0) + scale * v
+        for k, v in other.comm_time.items():
+            self.comm_time[k] = self.comm_time.get(k, 0.0) + scale * v
+
+
+@dataclass
+class Options:
+    float8: bool = False  # linear layers' matmuls in float8 (torchtitan's Float8Linear): twice the rate
+    native_backward: bool = True  # cost a recomputing VJP as torch's backward alone (the GPU runs' eager autograd)
+
+
+# -- kernels -------------------------------------------------------------------------------------------------
+
+
+_KERNEL_CACHE: dict = {}
+
+
+def _freeze(v):
+    if isinstance(v, dict):
+        return tuple((k, _freeze(x)) for k, x in sorted(v.items()))
+    if isinstance(v, (tuple, list)):
+        return tuple(_freeze(x) for x in v)
+    if isinstance(v, torch.Tensor):
+        return ("tensor", tuple(v.shape), v.dtype)
+    if isinstance(v, np.ndarray):
+        return ("array", v.shape, str(v.dtype), v.tobytes() if v.size <= 64 else None)
+    try:
+        hash(v)
+    except TypeError:
+        return repr(type(v))
+    return v
+
+
+def _local(specs, coord, grad: bool = False) -> list:
+    out = []
+    for s in specs:
+        x = torch.empty(s.local_shape(coord), dtype=s.dtype, device="meta")
+        if grad and (s.dtype.is_floating_point or s.dtype.is_complex):
+            x.requires_grad_()
+        out.append(x)
+    return out
+
+
+def _kwargs(kernel, kwargs, device_args, coord) -> dict:
+    kw = {k: (v.to("meta") if isinstance(v, torch.Tensor) and v.ndim else v) for k, v in kwargs.items()}
+    if device_args:
+        kw.update({k: np.asarray(v)[coord].item() for k, v in device_args.items()})
+    import inspect
+
+    if "lead" in inspect.signature(kernel.fn).parameters:
+        kw["lead"] = 0
+    return kw
+
+
+def _flops(fn) -> float:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return float(counter.get_total_flops())
+
+
+def _forward_flops(kernel, in_specs, kwargs, device_args, coord) -> float:
+    xs = _local(in_specs, coord)
+    kw = _kwargs(kernel, kwargs, device_args, coord)
+    return _flops(lambda: kernel.fn(*xs, **kw))
+
+
+def _backward_flops(kernel, in_specs, kwargs, device_args, coord) -> float:
+    xs = _local(in_specs, coord, grad=True)
+    kw = _kwargs(kernel, kwargs, device_args, coord)
+    with torch.enable_grad():
+        out = kernel.fn(*xs, **kw)
+    outs = [y for y in (out if isinstance(out, tuple) else (out,)) if y.requires_grad]
+    leaves = [x for x in xs if x.requires_grad]
+    if not outs or not leaves:
+        return 0.0
+    return _flops(lambda: torch.autograd.grad(outs, leaves, [torch.ones_like(y) for y in outs], allow_unused=True))
+
+
+def kernel_work(call, options: Options) -> tuple[float, float, str]:
+    """(FLOPs, bytes moved, class) on the busiest device for one ``KernelCall``; class: "linear", "attention",
+    "other" (which efficiency applies)."""
+    key = (call.kind, call.kernel.name, call.in_specs, call.out_specs, _freeze(call.kwargs), _freeze(call.device_args),
+           options.native_backward)
+    hit = _KERNEL_CACHE.get(key)
+    if hit is not None:
+        return hit
+    name = call.kernel.name
+    base = name[len(VJP_PREFIX):] if name.startswith(VJP_PREFIX) else name
+    mesh = (call.in_specs or call.out_specs)[0].mesh
+    coords = [(0,) * mesh.ndim]
+    if call.device_args or not all(sp.is_even() for sp in call.in_specs + call.out_specs):
+        coords.append(tuple(n - 1 for n in mesh.shape))
+    flops = 0.0
+    for coord in coords:  # the slowest of the first and last device (uneven shards, causal ring steps)
+        try:
+            if call.kind == "backward":
+                f = _backward_flops(call.kernel, call.in_specs, call.kwargs, call.device_args, coord)
+            elif call.kind == "write":
+                f = 0.0
+            else:
+                f = _forward_flops(call.kernel, call.in_specs, call.kwargs, call.device_args, coord)
+                if name.startswith(VJP_PREFIX) and options.native_backward:
+                    n_in = len(call.kwargs.get("vjp", ((),))[0])
+                    fwd = get_kernel(base)
+                    kw = {k: v for k, v in call.kwargs.items() if k != "vjp"}
+                    f = max(0.0, f - _forward_flops(fwd, call.in_specs[:n_in], kw, call.device_args, coord))
+        except Exception:  # noqa: BLE001  (a kernel meta tensors cannot run: count its bytes only)
+            f = 0.0
+        flops = max(flops, f)
+    if base == "sdpa" and call.kwargs.get("causal"):
+        flops *= 0.5  # a causal flash kernel skips the masked half
+    coord = coords[0]
+    moved = sum(_prod(s.local_shape(coord)) * s.dtype.itemsize for s in call.in_specs + call.out_specs)
+    if call.kind == "backward" or name.startswith(VJP_PREFIX):
+        moved *= 2
+    cls = "attention" if any(base.startswith(a) for a in ATTENTION_KERNELS) else \
+        "linear" if base in LINEAR_KERNELS else "other"
+    out = _KERNEL_CACHE[key] = (flops, float(moved), cls)
+    return out
+
+
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def kernel_time(call, hw, options: Options) -> tuple[float, float]:
+    """(seconds, FLOPs) of one kernel call on ``hw``."""
+    flops, moved, cls = kernel_work(call, options)
+    dtype = _matmul_dtype(call)
+    peak = hw.peak(dtype)
+    if cls == "linear" and options.float8 and dtype == "bfloat16":
+        peak = hw.peak("float8")
+    eff = hw.efficiency["attention"] if cls == "attention" else hw.efficiency["matmul"]
+    t_compute = flops / (peak * eff) if flops else 0.0
+    t_memory = moved / (hw.hbm_gbps * 1e9 * hw.efficiency["memory"])
+    return max(t_compute, t_memory) + hw.efficiency["kernel_overhead_us"] * 1e-6, flops
+
+
+def _matmul_dtype(call) -> str:
+    dtypes = {s.dtype for s in call.in_specs if s.dtype.is_floating_point}
+    if torch.float32 in dtypes and len(dtypes) == 1:
+        return "float32"
+    if torch.float16 in dtypes:
+        return "float16"
+    return "bfloat16"
+
+
+# -- collectives ---------------------------------------------------------------------------------------------
+
+
+def group_span(layout, dim: str, gpus_per_node: int) -> tuple[int, int]:
+    """(group size, group members per node) of mesh dim ``dim`` (devices numbered row-major in ``trace.MESH_ORDER``)."""
+    sizes = layout.sizes()
+    names = [n for n, _ in sizes]
+    if dim not in names:
+        return 1, 1
+    i = names.index(dim)
+    m = sizes[i][1]
+    stride = int(np.prod([s for _, s in sizes[i + 1:]], dtype=np.int64)) if i + 1 < len(sizes) else 1
+    nodes = {(k * stride) // gpus_per_node for k in range(m)}
+    return m, max(1, m // len(nodes))
+
+
+def collective_time(rec: CommRecord, layout, hw) -> tuple[float, float]:
+    """(seconds, bytes one device sends) of one CommLog record: alpha-beta on the mesh dim's link."""
+    dim = rec.mesh_dim if isinstance(rec.mesh_dim, str) else "pp"
+    m, per_node = group_span(layout, dim, hw.gpus_per_node)
+    n_dev = max(1, len(rec.devices))
+    eff = hw.efficiency["collective"]
+    if rec.kind == "send_recv":
+        senders = n_dev // 2 if dim == "pp" else n_dev
+        size = rec.nbytes / max(1, senders)
+        link = hw.intra if per_node == m and dim != "pp" else hw.inter
+        if dim == "pp" and hw.gpus_per_node >= layout.devices:
+            link = hw.intra
+        return link.latency_us * 1e-6 + size / (link.gbps * 1e9 * eff), size
+    size = rec.nbytes / n_dev  # each device's input block
+    if m <= 1:
+        return 0.0, 0.0
+    within = per_node == m
+    if within:
+        bw, alpha = hw.intra.gbps * 1e9, hw.intra.latency_us * 1e-6
+    else:  # across nodes: each of the group's GPUs in a node drives its own NIC; NVLink inside stays faster
+        bw = min(hw.intra.gbps, per_node * hw.inter.gbps) * 1e9
+        alpha = hw.inter.latency_us * 1e-6
+    bw *= eff
+    if rec.kind == "all_gather":
+        moved = (m - 1) * size
+        t = (m - 1) * alpha + moved / bw
+    elif rec.kind in ("reduce_scatter", "all_to_all"):
+        moved = (m - 1) / m * size
+        t = (m - 1) * alpha + moved / bw
+    elif rec.kind == "all_reduce":
+        moved = 2 * (m - 1) / m * size
+        ring = 2 * (m - 1) * alpha + moved / bw
+        tree = 2 * math.ceil(math.log2(m)) * alpha + moved / bw
+        t = min(ring, tree) if not within else ring
+    else:  # broadcast
+        moved = size
+        t = math.ceil(math.log2(m)) * alpha + size / bw
+    return t, moved
+
+
+# -- a traced step -------------------------------------------------------------------------------------------
+
+
+def stage_costs(trace, hw, options: Options) -> list[dict]:
+    """Per stage: {phase: Costs} for "forward", "backward" (one micro-batch) and "step"; plus, per decoder layer
+    of the forward, the selective-AC split ("sac": recompute seconds and the bytes the policy keeps)."""
+    n = len(trace.stage_layers)
+    out = [{"forward": Costs(), "backward": Costs(), "step": Costs(), "sac_recompute": 0.0, "sac_keep": 0.0}
+           for _ in range(n)]
+    mm_count: dict = {}
+    for phase, layer, stage, item in trace.events:
+        if phase not in ("forward", "backward", "step"):
+            continue
+        c = out[stage][phase]
+        if isinstance(item, CommRecord):
+            t, moved = collective_time(item, trace.layout, hw)
+            dim = item.mesh_dim if isinstance(item.mesh_dim, str) else "pp"
+            c.comm_bytes[dim] = c.comm_bytes.get(dim, 0.0) + moved
+            c.comm_time[dim] = c.comm_time.get(dim, 0.0) + t
+            if dim in OVERLAPPED_DIMS and phase != "step":
+                c.overlapped_comm += t
+            else:
+                c.exposed_comm += t
+            continue
+        t, flops = kernel_time(item, hw, options)
+        c.compute += t
+        c.flops += flops
+        if phase == "forward" and layer is not None:
+            # torchtitan's per-op selective AC keeps each layer's input, the outputs of attention and of every
+            # other matmul, and recomputes the rest in the backward
+            coord = (0,) * item.out_specs[0].mesh.ndim if item.out_specs else None
+            if layer not in mm_count and item.in_specs:
+                mm_count[layer] = 0
+                s0 = item.in_specs[0]
+                out[stage]["sac_keep"] += _prod(s0.local_shape((0,) * s0.mesh.ndim)) * s0.dtype.itemsize
+            _, _, cls = kernel_work(item, options)
+            keep = cls == "attention"
+            if cls == "linear":
+                k = mm_count[layer] = mm_count.get(layer, 0) + 1
+                keep = k % 2 == 1
+            if keep and coord is not None:
+                out[stage]["sac_keep"] += sum(_prod(s.local_shape(coord)) * s.dtype.itemsize for s in item.out_specs)
+            else:
+                out[stage]["sac_recompute"] += t
+    return out

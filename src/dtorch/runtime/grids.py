@@ -1,0 +1,90 @@
+"""Grid form: every device's block of an even spec stacked into one tensor ``[*grid_shape, *local_shape]``
+(``grid_shape``: the mesh size on mesh dims where devices differ, Shard and Partial; 1 where they agree,
+Replicate), and the collectives as reshapes and reductions of it. Pure tensor arithmetic that the in-process
+backend (on its data) and the meta backend (on meta tensors: the same shapes and strides, no data) share.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..placement import Partial, Replicate, Shard
+from ..spec import DTensorSpec
+from .blocks import reduce_dim
+
+
+def _shard_factors(spec: DTensorSpec):
+    """For each tensor dim, the mesh dims sharding it (outer to inner) and its local size."""
+    M = spec.mesh.shape
+    local = list(spec.shape)
+    factors = [[] for _ in spec.shape]
+    for i, p in enumerate(spec.placements):
+        if isinstance(p, Shard):
+            factors[p.dim].append(i)
+            local[p.dim] //= M[i]
+    return factors, local
+
+
+def global_to_grid(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
+    M = spec.mesh.shape
+    factors, local = _shard_factors(spec)
+    split_shape, factor_pos, local_pos = [], {}, []
+    for k in range(len(spec.shape)):
+        for i in factors[k]:
+            factor_pos[i] = len(split_shape)
+            split_shape.append(M[i])
+        local_pos.append(len(split_shape))
+        split_shape.append(local[k])
+    x = full.reshape(split_shape)
+    shard_dims = sorted(factor_pos)
+    x = x.permute([factor_pos[i] for i in shard_dims] + local_pos)
+    x = x.reshape(tuple(M[i] if isinstance(p, Shard) else 1 for i, p in enumerate(spec.placements)) + tuple(local))
+    for i, p in enumerate(spec.placements):
+        if isinstance(p, Partial):
+            x = to_partial_grid(x, i, M[i], p.reduce_op)
+    return x
+
+
+def grid_to_global(x: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
+    M = spec.mesh.shape
+    for i, p in enumerate(spec.placements):
+        if isinstance(p, Partial):
+            x = reduce_dim(p.reduce_op, x, i)
+        elif isinstance(p, Replicate) and x.shape[i] != 1:
+            x = x.narrow(i, 0, 1)
+    factors, local = _shard_factors(spec)
+    shard_dims = [i for i, p in enumerate(spec.placements) if isinstance(p, Shard)]
+    # drop non-shard grid dims, then move each mesh factor next to its tensor dim
+    x = x.reshape(tuple(M[i] for i in shard_dims) + tuple(local))
+    pos_of = {i: n for n, i in enumerate(shard_dims)}
+    ns = len(shard_dims)
+    perm = []
+    for k in range(len(spec.shape)):
+        perm += [pos_of[i] for i in factors[k]]
+        perm.append(ns + k)
+    return x.permute(perm).reshape(spec.shape)
+
+
+def to_partial_grid(x: torch.Tensor, i: int, m: int, op: str) -> torch.Tensor:
+    """Replicated (size 1 on grid dim i) -> Partial terms whose reduction is the value."""
+    if op == "sum":
+        if m == 1:
+            return x
+        zeros = torch.zeros_like(x).expand(*x.shape[:i], m - 1, *x.shape[i + 1:])
+        return torch.cat([x, zeros], dim=i)
+    return x.expand(*x.shape[:i], m, *x.shape[i + 1:])
+
+
+def grid_gather(x: torch.Tensor, i: int, k: int, nd: int) -> torch.Tensor:
+    pos = nd + k
+    x = x.movedim(i, pos - 1)
+    s = list(x.shape)
+    x = x.reshape(s[: pos - 1] + [s[pos - 1] * s[pos]] + s[pos + 1:])
+    return x.unsqueeze(i)
+
+
+def grid_slice(x: torch.Tensor, i: int, k: int, nd: int, m: int) -> torch.Tensor:
+    x = x.squeeze(i) if x.shape[i] == 1 else x.narrow(i, 0, 1).squeeze(i)
+    pos = nd - 1 + k
+    s = list(x.shape)
+    x = x.reshape(s[:pos] + [m, s[pos] // m] + s[pos + 1:])
+    return x.movedim(pos, i)
