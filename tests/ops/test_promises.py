@@ -1,0 +1,59 @@
+"""The sweeps' placement check can fail: a rule that replicates everything still gives torch's values,
+and only the placements the rule promises (tests/promises.py) catch it."""
+import dataclasses
+
+import pytest
+import torch
+
+import dtorch
+from dtorch import Replicate
+from dtorch._lru import _ALL
+from dtorch.spec import DTensorSpec
+from promises import mul, nonlinear, reduction
+from sweep import run_sweep
+
+
+def _clear_plans():
+    for cache in list(_ALL):
+        if cache.name == "ops.plans":
+            cache.clear()
+
+
+@pytest.fixture
+def replicate_rule(monkeypatch):
+    """``replicate_rule(module, name)``: the rule ``module.name`` now gathers every operand and replicates its
+    outputs (same kernel, same values); no plan made before or during the test is reused."""
+
+    def patch(module, name):
+        rule = getattr(module, name)
+
+        def replicating(specs, *static):
+            plan = rule(specs, *static)
+            return dataclasses.replace(plan, in_specs=tuple(map(_replicated, plan.in_specs)),
+                                       out_specs=tuple(map(_replicated, plan.out_specs)))
+
+        monkeypatch.setattr(module, name, replicating)
+        _clear_plans()
+
+    yield patch
+    _clear_plans()
+
+
+def _replicated(spec):
+    return DTensorSpec(spec.mesh, (Replicate(),) * spec.mesh.ndim, spec.shape, spec.dtype)
+
+
+X = torch.randn(5, 6, 7)
+
+
+@pytest.mark.parametrize("dt_fn, torch_fn, promise, rule", [
+    (dtorch.exp, torch.exp, nonlinear, ("pointwise", "_pointwise_rule")),
+    (lambda x: dtorch.mul(x, 2.0), lambda x: x * 2.0, mul, ("pointwise", "_pointwise_rule")),
+    (lambda x: x.sum(1), lambda x: x.sum(1), lambda m, x: reduction(m, x, "sum", 1), ("reduce", "_reduce_rule")),
+], ids=["exp", "mul", "sum"])
+def test_a_replicating_rule_passes_on_values_and_fails_on_placements(replicate_rule, dt_fn, torch_fn, promise, rule):
+    run_sweep(dt_fn, torch_fn, [X], placements=promise)  # the real rule keeps its promise
+    replicate_rule(getattr(dtorch.ops, rule[0]), rule[1])
+    run_sweep(dt_fn, torch_fn, [X])  # the values alone cannot tell
+    with pytest.raises(AssertionError, match="the rule promises"):
+        run_sweep(dt_fn, torch_fn, [X], placements=promise)
