@@ -9,7 +9,7 @@ import dtorch
 from dtorch import Replicate
 from dtorch._lru import _ALL
 from dtorch.spec import DTensorSpec
-from promises import mul, nonlinear, reduction
+from promises import contract, mul, nonlinear, reduction
 from sweep import run_sweep
 
 
@@ -44,16 +44,19 @@ def _replicated(spec):
 
 
 X = torch.randn(5, 6, 7)
+M, N = torch.randn(5, 7), torch.randn(7, 3)
 
 
-@pytest.mark.parametrize("dt_fn, torch_fn, promise, rule", [
-    (dtorch.exp, torch.exp, nonlinear, ("pointwise", "_pointwise_rule")),
-    (lambda x: dtorch.mul(x, 2.0), lambda x: x * 2.0, mul, ("pointwise", "_pointwise_rule")),
-    (lambda x: x.sum(1), lambda x: x.sum(1), lambda m, x: reduction(m, x, "sum", 1), ("reduce", "_reduce_rule")),
-], ids=["exp", "mul", "sum"])
-def test_a_replicating_rule_passes_on_values_and_fails_on_placements(replicate_rule, dt_fn, torch_fn, promise, rule):
-    run_sweep(dt_fn, torch_fn, [X], placements=promise)  # the real rule keeps its promise
+@pytest.mark.parametrize("dt_fn, torch_fn, inputs, promise, rule", [
+    (dtorch.exp, torch.exp, [X], nonlinear, ("pointwise", "_pointwise_rule")),
+    (lambda x: dtorch.mul(x, 2.0), lambda x: x * 2.0, [X], mul, ("pointwise", "_pointwise_rule")),
+    (lambda x: x.sum(1), lambda x: x.sum(1), [X], lambda m, x: reduction(m, x, "sum", 1), ("reduce", "_reduce_rule")),
+    (dtorch.matmul, torch.matmul, [M, N], lambda m, a, b: contract(m, "mk,kn->mn", a, b), ("matrix", "_matmul_rule")),
+], ids=["exp", "mul", "sum", "matmul"])
+def test_a_replicating_rule_passes_on_values_and_fails_on_placements(replicate_rule, dt_fn, torch_fn, inputs,
+                                                                     promise, rule):
+    run_sweep(dt_fn, torch_fn, inputs, placements=promise)  # the real rule keeps its promise
     replicate_rule(getattr(dtorch.ops, rule[0]), rule[1])
-    run_sweep(dt_fn, torch_fn, [X])  # the values alone cannot tell
+    run_sweep(dt_fn, torch_fn, inputs)  # the values alone cannot tell
     with pytest.raises(AssertionError, match="the rule promises"):
-        run_sweep(dt_fn, torch_fn, [X], placements=promise)
+        run_sweep(dt_fn, torch_fn, inputs, placements=promise)
