@@ -192,6 +192,69 @@ def normalization(mesh, x: Lay, normalized: int) -> Lay:
     return Lay(x.shape, tuple(p if isinstance(p, Shard) and p.dim < first else R for p in x.placements))
 
 
+# -- views (ops/view.py): placements follow the data ------------------------------------------------------
+#   S(d), d kept 1:1 -> S(out); S(d) outermost in a flatten/split -> S(out) when the block boundaries
+#   line up, else R (not pinned down here); S(d) inner in a flatten, sliced, indexed, broadcast or
+#   repeated -> R; P -> P; R -> R. cat/stack: the cat dim whole, inputs on a common placement.
+
+
+def follows(keep: dict, unpinned=()):
+    """The promise of a one-input view whose input dim ``d`` is output dim ``keep[d]`` (1:1); dims in
+    ``unpinned`` (outermost in a flatten or split, squeezed) are not pinned down; any other sharded dim is
+    gathered. A multi-output view (chunk, split, unbind) promises the same of every output."""
+
+    def promise(mesh, x: Lay) -> Lay:
+        out = [Shard(keep[p.dim]) if isinstance(p, Shard) and p.dim in keep else
+               None if isinstance(p, Shard) and p.dim in unpinned else R if isinstance(p, Shard) else p
+               for p in x.placements]
+        return Lay(None, tuple(out))
+
+    return promise
+
+
+def concatenation(mesh, dim: int, *xs: Lay, new: bool = False) -> Lay:
+    """cat (``new``: stack, a new dim ``dim``): a mesh dim where every input holds the same shard of
+    another dim keeps it; where none is sharded off the cat dim (all R, or the cat dim sharded) -> R."""
+    out = []
+    for i in range(mesh.ndim):
+        ps = {x.placements[i] for x in xs}
+        shards = {p for p in ps if isinstance(p, Shard) and (new or p.dim != dim % xs[0].ndim)}
+        if len(ps) == 1 and shards:
+            d = next(iter(shards)).dim
+            out.append(Shard(d + 1 if new and d >= dim % (xs[0].ndim + 1) else d))
+        elif not shards and all(p == R or isinstance(p, Shard) for p in ps):
+            out.append(R)
+        else:
+            out.append(None)
+    return Lay(None, tuple(out))
+
+
+# -- attention (ops/attention.py, plain) -----------------------------------------------------------------
+#   q/k/v S(0) -> S(0); q/k/v S(1) -> S(1) (heads; GQA kv maybe replicated); q S(2), k/v whole -> S(2);
+#   v S(3), q/k whole -> S(3); v P, q/k whole -> P; otherwise -> R. Pinned down here where no operand needs
+#   communication: each operand either holds the dim's shard or is replicated (sliced locally), mask replicated.
+
+
+def attention(mesh, q: Lay, k: Lay, v: Lay, mask: Lay | None = None) -> Lay:
+    out = []
+    for i in range(mesh.ndim):
+        pq, pk, pv = q.placements[i], k.placements[i], v.placements[i]
+        whole = mask is None or mask.placements[i] == R
+        if not whole:
+            out.append(None)
+        elif pq == pk == pv == R:
+            out.append(R)
+        elif any(all(p in (Shard(d), R) for p in (pq, pk, pv)) for d in (0, 1)):
+            out.append(next(p for p in (pq, pk, pv) if p != R))
+        elif pq == Shard(2) and pk == pv == R:
+            out.append(pq)
+        elif pv in (Shard(3),) or _linear_partial(pv):
+            out.append(pv if pq == pk == R else None)
+        else:
+            out.append(None)
+    return Lay(q.shape[:-1] + v.shape[-1:], tuple(out))
+
+
 def _tuple(d):
     return tuple(d) if isinstance(d, (tuple, list)) else (d,)
 
@@ -214,8 +277,8 @@ def lays(mesh, inputs, combo) -> list[Lay]:
 def check_placements(mesh, out, expected) -> int:
     """Assert each output's placements equal the promised ones (mesh dims promised as None skipped);
     returns how many mesh dims were checked."""
-    if isinstance(expected, Lay):
-        expected, out = [expected], [out]
+    if isinstance(expected, Lay):  # one promise for one output, or for each output of a multi-output view
+        expected, out = ([expected] * len(out), out) if isinstance(out, (tuple, list)) else ([expected], [out])
     assert len(out) == len(expected), f"{len(out)} outputs, {len(expected)} promised"
     checked = 0
     for k, (o, e) in enumerate(zip(out, expected)):
@@ -230,5 +293,6 @@ def check_placements(mesh, out, expected) -> int:
     return checked
 
 
-__all__ = ["Lay", "add", "along", "check_placements", "contract", "elementwise", "embedding", "lays", "mul",
+__all__ = ["Lay", "add", "along", "attention", "check_placements", "concatenation", "contract", "elementwise",
+           "embedding", "follows", "lays", "mul",
            "nonlinear", "normalization", "reduction"]
