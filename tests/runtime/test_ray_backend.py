@@ -47,12 +47,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PAIR = DeviceMesh("cpu", [0, 1], mesh_dim_names=["a"])
 
 
-@pytest.fixture(scope="module")
-def proc(ray_cluster):
-    """A ray-backend Graph with 4 device actors (the name the imported process-backend tests ask for)."""
-    g = ray_graph(workers=4)
-    yield g
-    g.runtime.shutdown()
+PROC_BACKEND = "ray"  # the ``proc`` fixture (conftest.py) is the ray backend's session Graph
 
 
 def actor_pids(graph) -> list[int]:
@@ -143,7 +138,7 @@ def test_llama_layout_matches_inprocess_and_hugging_face(proc, ref, layout):
 
 def test_llama_train_step_matches_inprocess(proc, ref):
     """A training step (backward recomputes the local forward on the actors) gives the in-process gradients."""
-    from tests.models.test_llama import hf_model
+    from tests.llama_models import hf_model
 
     from dtorch.models.llama import LlamaForCausalLM
 
