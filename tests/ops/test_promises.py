@@ -60,3 +60,23 @@ def test_a_replicating_rule_passes_on_values_and_fails_on_placements(replicate_r
     run_sweep(dt_fn, torch_fn, inputs)  # the values alone cannot tell
     with pytest.raises(AssertionError, match="the rule promises"):
         run_sweep(dt_fn, torch_fn, inputs, placements=promise)
+
+
+def test_the_promises_say_what_the_rule_tables_say():
+    # a few rows of the tables in the ops' docstrings, read off the promises (tests/promises.py)
+    from dtorch import Partial, Shard
+    from promises import Lay, add, elementwise, embedding
+    from sweep import MESH_1D as m
+
+    R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial("sum")
+    x = Lay((5, 6), (S1,))
+    assert nonlinear(m, x).placements == (S1,)                                   # S(d) -> S(d)
+    assert add(m, Lay((5, 6), (P,)), Lay((6,), (R,))).placements == (P,)         # P + R -> P
+    assert add(m, Lay((5, 6), (P,)), scalar=True).placements == (R,)             # P + scalar -> R
+    assert elementwise(m, Lay((6,), (R,)), Lay((5, 6), (P,)), partial="div").placements == (R,)  # R / P -> R
+    assert reduction(m, Lay((5, 6), (S0,)), "sum", 0).placements == (P,)         # sum over a shard -> P(sum)
+    assert reduction(m, Lay((5, 6), (S1,)), "amax", 0).placements == (Shard(0),)  # kept dims renumbered
+    assert contract(m, "mk,kn->mn", Lay((5, 7), (S0,)), Lay((7, 3), (R,))).placements == (S0,)
+    assert contract(m, "mk,kn->mn", Lay((5, 7), (S1,)), Lay((7, 3), (S0,))).placements == (P,)
+    assert contract(m, "mk,kn->mn", Lay((5, 7), (S0,)), Lay((7, 3), (S0,))).placements == (None,)  # by cost
+    assert embedding(m, Lay((2, 3), (R,)), Lay((7, 4), (S0,))).placements == (P,)
