@@ -337,11 +337,13 @@ def test_byte_views_of_strided_blocks():
 
 
 def test_placement_sweep_on_the_process_backend(proc):
+    from promises import mul, reduction
     from sweep import run_sweep
 
     with using(proc):
-        assert run_sweep(dtorch.mul, torch.mul, [A, B], limit=12) > 0
-        assert run_sweep(lambda a: a.sum(-1), lambda a: a.sum(-1), [A], limit=12) > 0
+        assert run_sweep(dtorch.mul, torch.mul, [A, B], limit=12, placements=mul) > 0
+        assert run_sweep(lambda a: a.sum(-1), lambda a: a.sum(-1), [A], limit=12,
+                         placements=lambda m, a: reduction(m, a, "sum", -1)) > 0
 
 
 # -- execution model ------------------------------------------------------------------------------
