@@ -18,7 +18,7 @@ from ..ops.reduce import norm as _norm
 from ..ops.view import cat as _cat, stack as _stack
 from ..autograd.mode import no_grad
 from ..placement import Partial, Replicate
-from ..redistribute.copy import BUCKET_BYTES, copy_tensors_
+from ..ops.copy_tensors import BUCKET_BYTES, copy_tensors_
 from ..tensor import Tensor
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
