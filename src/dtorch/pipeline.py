@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .autograd.dispatched import MoveNode
+from .autograd.redistribute import MoveNode
 from .autograd.engine import _reachable, run_backward
 from .autograd.mode import enable_grad, no_grad
 from .autograd.node import AutogradMeta, requires_grad

@@ -245,10 +245,8 @@ class Tensor:
                 f"placements={fmt_placements(self._spec.placements)})")
 
     # -- redistribution -------------------------------------------------------------------------
-    def redistribute(self, device_mesh: DeviceMesh | None = None, placements=None) -> "Tensor":
-        from .redistribute import redistribute
-
-        return redistribute(self, device_mesh, placements)
+    # redistribute(device_mesh, placements): dtorch.autograd.redistribute (differentiable; installed by
+    # dtorch/__init__ with the other autograd methods, as autograd sits above this module)
 
     def redistribute_by_dict(self, device_mesh: DeviceMesh | None = None, placements_dict=None,
                              default_placement_mode: str = "keep") -> "Tensor":

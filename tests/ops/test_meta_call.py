@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dtorch
-from dtorch.ops import attention, matrix, pointwise, reduce, view
+from dtorch.ops import attention, cat, matrix, pointwise, reduce, view, whole_dim
 from dtorch.ops import nn as nn_ops
 from dtorch.ops.registry import meta_call
 from dtorch.spec import DTensorSpec
@@ -129,8 +129,8 @@ def test_scan_output_specs_match_torch(op):
     for dtype in (torch.float32, torch.int64, torch.bool):
         for shape, dim, out_dtype in [((), 0, None), ((4, 5), 1, None), ((4, 5), 0, torch.float64), ((0, 3), 0, None)]:
             s = _spec(shape, dtype)
-            want = _torch(lambda x: reduce._run_scan(op, x, dim - len(shape), len(shape), out_dtype), (s,))
-            got = _plan_outcome(reduce._scan_rule, (s,), op, dim, out_dtype)
+            want = _torch(lambda x: whole_dim._run_scan(op, x, dim - len(shape), len(shape), out_dtype), (s,))
+            got = _plan_outcome(whole_dim._scan_rule, (s,), op, dim, out_dtype)
             assert got == want, (op, dtype, shape, dim, out_dtype)
 
 
@@ -224,7 +224,7 @@ def test_cat_stack_output_specs_match_torch(stack):
             for dim in range(-len(shapes[0]) - 2, len(shapes[0]) + 2):  # (out of range too)
                 specs = tuple(_spec(s, d) for s, d in zip(shapes, [da, db] + [da] * len(shapes)))
                 want = _torch(lambda *ts: f(ts, dim), specs)
-                assert _plan_outcome(view._cat_rule, specs, dim, stack) == want, (da, db, shapes, dim)
+                assert _plan_outcome(cat._cat_rule, specs, dim, stack) == want, (da, db, shapes, dim)
 
 
 def test_cat_legacy_empty_input_still_promotes():

@@ -6,6 +6,7 @@ import torch
 
 import dtorch
 from dtorch import DTorchError, OpError, Partial, Replicate, Shard
+from dtorch.ops import dim_map as D
 from dtorch.ops import view as V
 from dtorch.spec import DTensorSpec, shard_range
 from promises import concatenation, follows
@@ -299,18 +300,18 @@ def test_levels_kept_is_exact():
         total = n * rin
         if total % rout:
             continue
-        kept = V._levels_kept(n, rin, rout, ms)
+        kept = D._levels_kept(n, rin, rout, ms)
         for k in range(min(kept + 1, len(ms)) + 1):  # the kept levels agree; one more level would not
             agree = _flat_blocks(n, rin, ms[:k]) == _flat_blocks(total // rout, rout, ms[:k])
             assert agree == (k <= kept), (n, rin, rout, ms, k, kept)
 
 
 def test_view_map_vocabulary():
-    I, F, Sp = V.InputDim, V.Flatten, V.Split
-    assert V.view_map((5, 6, 7), (5, 42)) == (I(0), F((I(1), I(2))))
-    assert V.view_map((6, 4), (2, 3, 4)) == (Sp(I(0), (2, 3), 0), Sp(I(0), (2, 3), 1), I(1))
-    assert V.view_map((6, 4), (4, 6)) == tuple(Sp(F((I(0), I(1))), (4, 6), k) for k in range(2))
-    assert V.view_map((5, 1, 6), (5, 6, 1)) == (I(0), I(2), V.Singleton())
+    I, F, Sp = D.InputDim, D.Flatten, D.Split
+    assert D.view_map((5, 6, 7), (5, 42)) == (I(0), F((I(1), I(2))))
+    assert D.view_map((6, 4), (2, 3, 4)) == (Sp(I(0), (2, 3), 0), Sp(I(0), (2, 3), 1), I(1))
+    assert D.view_map((6, 4), (4, 6)) == tuple(Sp(F((I(0), I(1))), (4, 6), k) for k in range(2))
+    assert D.view_map((5, 1, 6), (5, 6, 1)) == (I(0), I(2), D.Singleton())
 
 
 # ------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 import dtorch
 from dtorch import CommLog, DeviceMesh, Partial, Replicate, Shard
 from dtorch.errors import PlacementError
-from dtorch.redistribute import copy_tensors_
+from dtorch.ops.copy_tensors import copy_tensors_
 
 from .conftest import using
 

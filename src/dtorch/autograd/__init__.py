@@ -7,7 +7,9 @@ autograd on each device's blocks, with the gradient layouts following from the p
 """
 from __future__ import annotations
 
-from .engine import run_backward
+import torch
+
+from .engine import filled_like, run_backward
 from .mode import enable_grad, is_grad_enabled, no_grad, set_grad_enabled
 from .node import Node
 
@@ -55,10 +57,6 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph: bo
 
 def zeros_like(t):
     """A zero gradient for ``t`` (a dtorch or torch tensor), laid out like it."""
-    import torch
-
     if isinstance(t, torch.Tensor):
         return torch.zeros_like(t)
-    from .engine import filled_like
-
     return filled_like(t, 0)

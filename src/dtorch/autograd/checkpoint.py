@@ -18,6 +18,7 @@ import warnings
 
 import torch
 
+from ..tensor import Tensor
 from .engine import backward_within
 from .node import Node, attach, requires_grad
 
@@ -59,8 +60,6 @@ def checkpoint(fn, *args, use_reentrant=None, preserve_rng_state: bool = True, *
     recomputed in the backward instead of kept. ``use_reentrant`` is accepted for torch's signature and
     changes nothing (the gradients are those of torch's non-reentrant form: they reach ``autograd.grad``
     too); ``preserve_rng_state``: the recomputation draws the random numbers the forward drew."""
-    from ..tensor import Tensor
-
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     positions = [i for i, a in enumerate(args) if isinstance(a, Tensor) and requires_grad(a)]
@@ -80,8 +79,6 @@ _TORCH_ONLY_OPTIONS = ("context_fn", "determinism_check", "debug", "early_stop")
 
 
 def _holds_dtorch(values) -> bool:
-    from ..tensor import Tensor
-
     for v in values:
         if isinstance(v, Tensor):
             return True

@@ -29,8 +29,13 @@ import torch
 
 from ..errors import OpError
 from ..placement import Partial, Replicate, Shard
+from ..redistribute import relayout
+from ..redistribute.executor import record_only
+from ..redistribute.planner import plan_redistribute
 from ..runtime.kernels import kernel, vjp_kernel
 from ..spec import DTensorSpec
+from ..tensor import Tensor
+from .engine import grad_spec
 from .fsdp import GatherNode, Regather, regather_source, register_derived
 from .node import Node, attach, requires_grad
 
@@ -133,8 +138,6 @@ class KernelNode(Node):
     def _laid_out(self, n: int):
         """Saved input ``n`` as the kernel takes it: a parameter saved in another layout (an fsdp shard) or
         dtype (mixed precision) is cast and gathered again."""
-        from ..redistribute import relayout
-
         t, _, layout = self.saved[n]
         if layout is None:
             return t
@@ -171,8 +174,6 @@ class KernelNode(Node):
         their rows): its reduction, which storing it in ``.grad`` would run next, is already done. Those
         gradients are laid out Replicate there, and the all-reduce the devices perform is recorded in
         CommLog as the executor would record it (``executor.record_only``)."""
-        from ..redistribute.executor import record_only
-        from ..redistribute.planner import plan_redistribute
 
         out = []
         leaves = [leaf for (_, _, leaf) in self.edges]
@@ -192,9 +193,6 @@ class KernelNode(Node):
         The reduction those terms would get at the weight's ``GatherNode`` (a reduce-scatter on fsdp, an
         all-reduce on dp, in its reduce dtype) is recorded in CommLog here, as the devices run it; the node
         then only cuts its shard. (grad specs, which are summed)."""
-        from ..redistribute.executor import record_only
-        from ..redistribute.planner import plan_redistribute
-        from .engine import grad_spec
 
         out, summed = [], []
         for spec, (producer, _, _) in zip(grad_specs, self.edges):
@@ -223,8 +221,6 @@ class KernelNode(Node):
         self.memory = None
 
     def apply(self, grads):
-        from ..redistribute import relayout
-
         for k, (ref, version) in enumerate(self.results or ()):
             out = ref()
             if out is not None and out._version != version:
@@ -293,8 +289,6 @@ class KernelNode(Node):
             raise NoGradientError(f"dtorch.{self.op} has no gradient here: differentiating its kernel "
                           f"({self.kernel.name}) on the local blocks failed with {type(exc).__name__}: {exc}. "
                           "Compute it under dtorch.no_grad() or on inputs that do not require grad") from exc
-        from ..tensor import Tensor
-
         return [Tensor._make(s, h, self.graph) for s, h in zip(grad_specs, outs)]
 
 
@@ -400,9 +394,6 @@ def _mask_extreme_cotangent(out, g):
     Several partial mesh dims reduce outer first (redistribute/planner.py): for an extreme on mesh dim m,
     the value each device competes with is the tensor with the partial dims before m reduced, and the
     extreme is that tensor reduced over m too."""
-    from ..redistribute import relayout
-    from ..tensor import Tensor
-
     spec = out._spec
     mesh = spec.mesh
     rt = out._graph.runtime
@@ -454,35 +445,6 @@ class IdentityNode(Node):
 
     def apply(self, grads):
         return [grads[0]]
-
-
-class MoveNode(Node):
-    """A tensor handed to another mesh: its gradient goes back to the source mesh."""
-
-    __slots__ = ("src",)
-    name = "redistribute"
-
-    def __init__(self, t):
-        super().__init__([t], 1)
-        self.src = t._spec
-
-    def apply(self, grads):
-        from ..redistribute import relayout
-
-        g = grads[0]
-        src = self.src
-        back = DTensorSpec(src.mesh, tuple(_R if isinstance(p, Partial) else p for p in src.placements),
-                           src.shape, g.dtype)
-        here = g._spec
-        if any(isinstance(p, Partial) for p in here.placements):  # moves carry no partial terms: reduce first
-            g = relayout(g, DTensorSpec(here.mesh, tuple(_R if isinstance(p, Partial) else p for p in here.placements),
-                                        here.shape, here.dtype))
-        return [relayout(g, back)]
-
-
-def record_redistribute(src, out) -> None:
-    node = IdentityNode("redistribute", src) if src._spec.mesh == out._spec.mesh else MoveNode(src)
-    attach(node, [out])
 
 
 class RebindNode(Node):

@@ -15,7 +15,9 @@ import torch
 
 from ..errors import OpError
 from ..placement import Partial, Replicate
+from ..redistribute import relayout
 from ..spec import DTensorSpec
+from ..tensor import Tensor
 from .mode import backward_pass, set_grad_enabled
 from .node import Node, requires_grad
 from .torch_leaves import TorchLeafMeta, push_to_torch, torch_grads
@@ -37,8 +39,6 @@ def grad_spec(spec: DTensorSpec) -> DTensorSpec:
 
 def as_grad_of(g, spec: DTensorSpec):
     """``g`` in the dtype and layout a gradient of a tensor of ``spec`` is stored with."""
-    from ..redistribute import relayout
-
     if g.dtype != spec.dtype:
         g = g.to(spec.dtype)
     return relayout(g, grad_spec(spec))
@@ -251,8 +251,6 @@ def _run_hooks(meta, g):
 
 def filled_like(t, value):
     """A Replicate tensor of ``t``'s shape, dtype and mesh, every element ``value``, in ``t``'s Graph."""
-    import torch
-
     spec = t._spec
     spec = DTensorSpec(spec.mesh, (Replicate(),) * spec.mesh.ndim, spec.shape, spec.dtype)
     full = torch.full(spec.shape, value, dtype=spec.dtype)
@@ -282,10 +280,6 @@ def _reachable(roots) -> list[Node]:
 
 
 def _as_dtensor(g, like):
-    import torch
-
-    from ..tensor import Tensor
-
     if isinstance(g, Tensor):
         if g.device_mesh != like.device_mesh:
             raise RuntimeError(f"the gradient for a tensor on {like.device_mesh} lives on {g.device_mesh}; "

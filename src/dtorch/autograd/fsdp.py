@@ -28,8 +28,11 @@ from dataclasses import dataclass
 import torch
 
 from ..placement import Replicate, Shard
+from ..redistribute import relayout
 from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
+from ..tensor import Tensor
+from .engine import grad_spec
 from .mode import backward_count, in_backward, is_grad_enabled, no_grad
 from .node import Node, attach, requires_grad
 
@@ -92,8 +95,6 @@ _FULL_PRECISION = MixedPrecisionPolicy()
 
 def _cast_floating(value, dtype):
     """``value`` (a tensor, or a tuple / list / dict of them) with floating dtorch tensors cast to ``dtype``."""
-    from ..tensor import Tensor
-
     if isinstance(value, Tensor):
         return value.to(dtype) if value.dtype.is_floating_point and value.dtype != dtype else value
     if isinstance(value, (tuple, list)):
@@ -155,8 +156,6 @@ class Regather:
         return self.spec
 
     def make(self):
-        from ..redistribute import relayout
-
         gather = self.gather
         if gather is not None and gather.copy is not None:
             return gather.copy
@@ -186,8 +185,6 @@ class Derived:
         return self.node.out_specs[self.k].dtype
 
     def remake(self):
-        from ..tensor import Tensor
-
         node = self.node
         graph = node.graph
         handles = [node._laid_out(i)._h for i in range(len(node.saved))]
@@ -221,9 +218,6 @@ class GatherNode(Node):
         self.copy = None
 
     def apply(self, grads):
-        from ..redistribute import relayout
-        from .engine import grad_spec
-
         self.copy = None  # every consumer ran
         g = grads[0]
         spec = self.leaf._spec
@@ -247,8 +241,6 @@ def cast_terms(g, dtype):
     """``g`` with each device's block cast to ``dtype``, placements kept: a Partial gradient's terms are cast
     one by one (reduced after, in ``dtype``, as FSDP2 casts to ``reduce_dtype`` before the reduce-scatter),
     where the ``to`` op would reduce them first."""
-    from ..tensor import Tensor
-
     spec = g._spec
     out = DTensorSpec(spec.mesh, spec.placements, spec.shape, dtype)
     h, = g._graph.runtime.run_local(_cast_kernel, [g._h], [spec], [out], {"dtype": dtype})
@@ -258,9 +250,6 @@ def cast_terms(g, dtype):
 def unshard(p, param_dtype=None, reduce_dtype=None, reshard_after_forward: bool = True):
     """``p`` cast to ``param_dtype`` (None: as it is) and gathered on its fsdp mesh dim (an all-gather, in
     ``param_dtype``); differentiable. ``p`` itself when neither applies."""
-    from ..redistribute import relayout
-    from ..tensor import Tensor
-
     spec = p._spec
     i = fsdp_index(spec.mesh)
     gather = i is not None and isinstance(spec.placements[i], Shard)

@@ -6,9 +6,12 @@ import collections
 
 from torch.utils.hooks import RemovableHandle
 
+from ..tensor import Tensor
+from .dispatched import IdentityNode
 from .engine import as_grad_of, run_backward
 from .mode import is_grad_enabled
-from .node import AutogradMeta, requires_grad
+from .node import AutogradMeta, attach, requires_grad
+from .redistribute import redistribute
 
 
 def _get_requires_grad(self) -> bool:
@@ -43,8 +46,6 @@ def _get_grad(self):
 
 
 def _set_grad(self, value) -> None:
-    from ..tensor import Tensor
-
     if value is not None:
         if not isinstance(value, Tensor):
             raise TypeError(f"assigned grad expected to be a dtorch.Tensor or None but got {type(value).__name__}")
@@ -123,9 +124,6 @@ def clone(self, *, memory_format=None):
     tensor copies first (the runtime's copy-on-write), so neither sees the other's. Differentiable."""
     out = type(self)._make(self._spec, self._graph.runtime.alias(self._h, self._spec), self._graph)
     if self._ag is not None and is_grad_enabled() and requires_grad(self):
-        from .dispatched import IdentityNode
-        from .node import attach
-
         attach(IdentityNode("clone", self), [out])
     return out
 
@@ -150,3 +148,4 @@ def install(cls) -> None:
     cls.retains_grad = property(_retains_grad)
     cls.clone = clone
     cls.detach_ = detach_
+    cls.redistribute = redistribute

@@ -14,7 +14,7 @@ from ..graph import Graph
 from ..placement import Placement, Replicate, normalize_placements
 from ..spec import DTensorSpec
 from ..tensor import Tensor
-from .module import Parameter
+from .parameter import Parameter
 
 
 def module_mesh(device_mesh: DeviceMesh | None, device) -> DeviceMesh:

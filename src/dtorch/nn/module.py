@@ -1,4 +1,4 @@
-"""Module and Parameter: ``torch.nn.Module``'s API over dtorch tensors.
+"""Module: ``torch.nn.Module``'s API over dtorch tensors (``Parameter``: nn/parameter.py, as in torch).
 
 Parameters and buffers are dtorch tensors laid out on a mesh; ``state_dict`` gathers them into full
 torch tensors and ``load_state_dict`` cuts full torch tensors back into each parameter's layout, so a
@@ -15,15 +15,14 @@ from typing import Iterator, NamedTuple
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ..autograd.mode import no_grad
 from ..autograd.fsdp import module_unit
-from ..autograd.node import AutogradMeta
+from ..autograd.mode import no_grad
 from ..context import get_default_device_mesh
 from ..errors import DTorchError
 from ..mesh import DeviceMesh
-from ..ops.views import replace_storage
-from .parameter import Buffer
+from ..ops.copy_tensors import copy_tensors_
 from ..tensor import Tensor
+from .parameter import Buffer, Parameter
 
 
 class StateDictError(DTorchError, RuntimeError):
@@ -32,32 +31,6 @@ class StateDictError(DTorchError, RuntimeError):
 
 class ModuleAssignmentError(DTorchError, TypeError):
     """A torch.nn module was given to a dtorch.nn module as a child (it would hold torch tensors)."""
-
-
-class Parameter(Tensor):
-    """A dtorch tensor registered as a module parameter (``Parameter(data)`` shares ``data``'s storage)."""
-
-    __slots__ = ()
-
-    def __init__(self, data=None, requires_grad: bool = True, *, device_mesh: DeviceMesh | None = None, placements=None):
-        super().__init__(torch.empty(0) if data is None else data, device_mesh=device_mesh, placements=placements)
-        # a leaf of its own (never the history of ``data``); requires grad like torch.nn.Parameter
-        self._ag = AutogradMeta(requires_grad=True) if requires_grad and self.dtype.is_floating_point else None
-        self._graph.label_memory(self._h, "params")
-
-    def _set(self, value: Tensor) -> None:
-        """Take ``value``'s storage and layout in place, so every holder of this parameter sees it (``p.data = value``:
-        a handle of its own on value's blocks, an in-place write to either copies first; views of the old storage
-        keep it, ops/views.replace_storage)."""
-        # the old storage is freed (and leaves the memory stats) when its last holder lets go of it
-        replace_storage(self, value)
-        ag = self._ag
-        self._graph.label_memory(self._h, "params")
-        if ag is not None and ag.grad is not None and ag.grad._spec.shape != value._spec.shape:
-            ag.grad = None
-
-    def __repr__(self):
-        return "Parameter containing:\n" + super().__repr__()
 
 
 class _IncompatibleKeys(NamedTuple):
@@ -118,15 +91,18 @@ class _HeldSlice:
         return self.saved[(slice(lo, hi),) + tuple(index[1:])][rows - lo]
 
 
+# dtorch.nn's own module classes by name (filled as they are defined): the twin to name when a torch module of that
+# name is given as a child
+_NN_CLASSES: dict[str, type] = {}
+
+
 def _check_module(owner, name: str, value) -> None:
     """torch.nn modules cannot be children: their torch tensors would be missed by parameters(), state_dict()
     and to(), silently. Name the dtorch.nn module to build instead."""
     if not isinstance(value, torch.nn.Module):
         return
-    from .. import nn as dtorch_nn
-
     kind = type(value).__name__
-    twin = getattr(dtorch_nn, kind, None)
+    twin = _NN_CLASSES.get(kind)
     if isinstance(twin, type) and issubclass(twin, Module):
         fix = f"build a dtorch.nn.{kind} instead (same arguments; its parameters are dtorch tensors on a mesh)"
     else:
@@ -147,6 +123,11 @@ def _as_dtensor(value, what: str) -> Tensor:
 
 class Module:
     training: bool
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.__module__.startswith("dtorch.nn.") and not cls.__name__.startswith("_"):
+            _NN_CLASSES.setdefault(cls.__name__, cls)
 
     def __init__(self):
         object.__setattr__(self, "_parameters", OrderedDict())
@@ -467,8 +448,6 @@ class Module:
                 else:
                     mod._buffers[name] = value
         if on_devices:
-            from ..redistribute.copy import copy_tensors_
-
             with no_grad():
                 copy_tensors_(*zip(*on_devices.values()))
         return _IncompatibleKeys(missing, unexpected)

@@ -15,10 +15,10 @@ import math
 import torch
 
 from ..ops.reduce import norm as _norm
-from ..ops.view import cat as _cat, stack as _stack
+from ..ops.cat import cat as _cat, stack as _stack
 from ..autograd.mode import no_grad
 from ..placement import Partial, Replicate
-from ..redistribute.copy import BUCKET_BYTES, copy_tensors_
+from ..ops.copy_tensors import BUCKET_BYTES, copy_tensors_
 from ..tensor import Tensor
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -150,7 +150,7 @@ def copy_parameters_(dst_model, src_model, *, bucket_bytes: int = BUCKET_BYTES) 
 
     Device to device, never through the controller: each destination device receives only the regions of
     its blocks it does not hold already, from one device holding them, in batched moves of about
-    ``bucket_bytes`` (``redistribute.copy``). The parameters keep their identity (an optimizer's references
+    ``bucket_bytes`` (``ops.copy_tensors``). The parameters keep their identity (an optimizer's references
     stay valid); no autograd history is recorded. A parameter held in another form than it is saved (kv heads
     repeated for tp wider than their count) is converted on the source's devices first. The names must match
     both ways and the shapes pair by pair: one error lists every problem, before anything is written."""

@@ -1,6 +1,7 @@
 """Operators, one module per op family. Importing this package fills the op table (``registry.TABLE``)."""
 from . import registry
-from . import factory, pointwise, view, reduce, matrix, nn, attention, inplace, loss, conv, index, pool, norm2d, misc  # noqa: F401
+from . import factory, pointwise, view, cat, reduce, whole_dim, matrix, nn, attention, inplace, loss, conv  # noqa: F401
+from . import index, index_put, gather, pool, norm2d, misc  # noqa: F401
 from . import random  # noqa: F401
 from . import view_select, view_writes  # noqa: F401  (views: select/diagonal, writes through views)
 

@@ -34,7 +34,7 @@ from ..autograd.node import Node, attach, requires_grad
 from ..errors import AttentionInputError, DTorchError, OpError
 from ..graph import check_one_graph
 from ..placement import Partial, Replicate, Shard
-from ..redistribute import redistribute_spec
+from ..autograd.redistribute import redistribute_spec
 from ..redistribute.executor import ring_shift
 from ..runtime.kernels import Kernel, kernel
 from ..spec import DTensorSpec, block_offsets, chunk_size

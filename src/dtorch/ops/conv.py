@@ -38,9 +38,10 @@ import torch.nn.functional as F
 
 from ..autograd.mode import is_grad_enabled as _grad_enabled
 from ..autograd.node import Node, attach, requires_grad
+from ..autograd.redistribute import redistribute_spec
 from ..errors import OpError
 from ..placement import Partial, Replicate, Shard
-from ..redistribute import redistribute_spec, relayout
+from ..redistribute import relayout
 from ..redistribute.executor import ring_shift
 from ..runtime.kernels import kernel, per_device
 from ..spec import DTensorSpec, chunk_size, shard_range

@@ -23,10 +23,10 @@ import torch
 from ..autograd.dispatched import record_rebind
 from ..autograd.mode import is_grad_enabled as _grad_enabled
 from ..autograd.mode import no_grad as _no_grad
+from ..autograd.redistribute import redistribute_spec
 from ..errors import OpError
 from ..graph import check_one_graph
 from ..placement import Replicate
-from ..redistribute import redistribute_spec
 from ..runtime.kernels import get_kernel, kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor

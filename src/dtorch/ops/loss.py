@@ -31,8 +31,8 @@ from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel, per_device
 from ..spec import DTensorSpec, block_offsets
 from ..tensor import Tensor
+from .args import IndexOutOfRangeError
 from .registry import OpPlan, _broadcast_shape, dispatch, register, spec_like, to_dtensors
-from .view import IndexOutOfRangeError
 
 _REDUCTIONS = ("none", "mean", "sum")
 

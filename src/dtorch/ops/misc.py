@@ -14,7 +14,7 @@ from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from . import pointwise as pw
 from . import reduce as rd
-from . import view as vw
+from .args import _dim, _tensor
 from .registry import OpPlan, _broadcast_shape, dispatch, register, spec_like
 
 
@@ -31,7 +31,7 @@ def _one_hot_rule(specs, num_classes):
 
 @register(rule=_one_hot_rule, kernel=_one_hot_kernel, functional=True, torch_fns=(torch.nn.functional.one_hot,))
 def one_hot(tensor, num_classes=-1):
-    x = vw._tensor("one_hot", tensor)
+    x = _tensor("one_hot", tensor)
     if x.dtype != torch.int64:
         raise OpError("one_hot is only applicable to index tensor of type LongTensor.")
     if any(p.is_partial() for p in x.placements):
@@ -46,7 +46,7 @@ def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
     """``F.normalize``: ``input / norm(input, p, dim).clamp_min(eps)`` (torch's own decomposition)."""
     if out is not None:
         raise OpError("dtorch.nn.functional.normalize: out= is not supported; use the returned tensor")
-    x = vw._tensor("normalize", input)
+    x = _tensor("normalize", input)
     denom = pw.clamp(rd.norm(x, p, dim, keepdim=True), min=eps)
     return x / denom.expand(tuple(x.shape))
 
@@ -54,7 +54,7 @@ def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
 @register(functional=True, torch_fns=(torch.nn.functional.cosine_similarity, torch.cosine_similarity))
 def cosine_similarity(x1, x2, dim=1, eps=1e-8):
     """``F.cosine_similarity``: each input over its norm (clamped at eps), multiplied, summed over ``dim``."""
-    a, b = vw._tensor("cosine_similarity", x1), vw._tensor("cosine_similarity", x2)
+    a, b = _tensor("cosine_similarity", x1), _tensor("cosine_similarity", x2)
     shape = _broadcast_shape([tuple(a.shape), tuple(b.shape)])
     if shape is None:
         raise OpError(f"dtorch.cosine_similarity: shapes {list(a.shape)} and {list(b.shape)} do not broadcast")
@@ -85,8 +85,8 @@ def _glu_rule(specs, dim):
 def glu(input, dim=-1):
     """``F.glu``: first half times the sigmoid of the second half along ``dim`` (torch's own kernel on each
     device's block: ``dim`` is gathered where it is sharded, other shards stay)."""
-    x = vw._tensor("glu", input)
-    d = vw._dim(dim, x.ndim, "glu")
+    x = _tensor("glu", input)
+    d = _dim(dim, x.ndim, "glu")
     if x.shape[d] % 2:
         raise OpError(f"Halving dimension must be even, but dimension {d} is size {x.shape[d]}")
     return dispatch("glu", _glu_rule, [x], (d - x.ndim,))
@@ -95,7 +95,7 @@ def glu(input, dim=-1):
 @register(methods=("equal",), torch_fns=(torch.equal,))
 def equal(input, other) -> bool:
     """``torch.equal``: same shape and every element equal (a Python bool)."""
-    a, b = vw._tensor("equal", input), vw._tensor("equal", other)
+    a, b = _tensor("equal", input), _tensor("equal", other)
     if tuple(a.shape) != tuple(b.shape):
         return False
     return bool(rd.all_(a == b).item())

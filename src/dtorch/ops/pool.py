@@ -25,9 +25,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..autograd.redistribute import redistribute_spec
 from ..errors import OpError
 from ..placement import Partial, Replicate, Shard
-from ..redistribute import redistribute_spec
 from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor

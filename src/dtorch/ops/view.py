@@ -1,257 +1,28 @@
 """Shape and view ops: view/reshape, flatten/unflatten, transpose/permute, (un)squeeze, expand, repeat,
-repeat_interleave, indexing, narrow/chunk/split/unbind, cat/stack, tril/triu.
+repeat_interleave, indexing, narrow/chunk/split/unbind, tril/triu.
 
-Each single-input op is described by a *dim map*: one entry per output dim saying where its data
-comes from, in a small vocabulary (InputDim, Flatten, Split, Singleton, NewDim, Broadcast, Slice,
-Repeat, Interleave). Placements then follow the data, per mesh dim:
-
-    S(d), d kept 1:1 (transpose, unsqueeze, ...)  -> S(out)  the block holds the same data
-    S(d), d outermost in a flatten / split        -> S(out)  when every block boundary of d is a block
-                                                             boundary of out (the sizes divide); else R
-    S(d), d inner in a flatten, sliced, indexed,
-          broadcast or repeated                   -> R       gathered first, on that mesh dim only
-    P                                             -> P       views move elements, never combine them
-    R                                             -> R
-
-cat/stack align their inputs on a common placement (the cat dim whole); tril/triu keep every shard
-and give each block its global row/column offsets.
+Each single-input op is described by a dim map (ops/dim_map.py: where each output dim's data comes from),
+and its placements follow the data. tril/triu keep every shard and give each block its global row/column
+offsets. cat/stack: ops/cat.py; argument checks shared with the other families: ops/args.py.
 """
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
-from functools import lru_cache, reduce
+from functools import lru_cache
 
-import numpy as np
 import torch
 
 from .._lru import LRU
-from ..errors import OpError
-from ..placement import Partial, Replicate, Shard
-from ..runtime.kernels import kernel, per_device
-from ..spec import DTensorSpec, block_offsets, chunk_size, shard_range
-from ..tensor import Tensor
 from ..autograd.dispatched import SHAPE_ONLY_KERNELS
-from .registry import OpPlan, dispatch, meta_call, register, spec_like, to_dtensors
+from ..errors import OpError
+from ..runtime.kernels import kernel, per_device
+from ..spec import DTensorSpec, block_offsets
+from ..tensor import Tensor
+from .args import IndexOutOfRangeError, UnsupportedIndexError, _dim, _kw, _sizes, _tensor
+from .dim_map import (Broadcast, InputDim, Interleave, NewDim, Repeat, Singleton, Slice, _prod, follow, map_plan,
+                      view_map)
+from .registry import OpPlan, dispatch, meta_call, register, spec_like
 from .views import STEP_META, View, is_placements, reinterpret, reshape_is_view, view_op
-
-
-class IndexOutOfRangeError(OpError, IndexError):
-    """A dim or an index lies outside the tensor (an IndexError, as in torch)."""
-
-
-class UnsupportedIndexError(OpError, NotImplementedError):
-    """An index or argument form dtorch does not implement (a False bool index, per-element repeats)."""
-
-
-def _prod(xs) -> int:
-    n = 1
-    for x in xs:
-        n *= x
-    return n
-
-
-def _first_big(sizes):
-    """Index of the first size other than 1: the only piece of a merge or split that can hold a shard."""
-    return next((k for k, s in enumerate(sizes) if s != 1), None)
-
-
-# ------------------------------------------------------------------------------------------------
-# the dim map vocabulary
-#
-# ``size(shape)``: the output dim's size given the input's shape, global or one device's block (so
-# kernels derive their local output shape from their local input). ``carries(shape)``: (input dim d,
-# rin, rout) when the output dim walks input dim d in order: element i of d covers [i*rin, (i+1)*rin)
-# of a common flat range, element j of the output dim covers [j*rout, (j+1)*rout); else None.
-
-
-class DimSpec:
-    def carries(self, shape):
-        return None
-
-
-@dataclass(frozen=True)
-class InputDim(DimSpec):
-    dim: int
-
-    def size(self, shape):
-        return shape[self.dim]
-
-    def carries(self, shape):
-        return (self.dim, 1, 1)
-
-
-@dataclass(frozen=True)
-class Singleton(DimSpec):
-    def size(self, shape):
-        return 1
-
-
-@dataclass(frozen=True)
-class NewDim(DimSpec):
-    """A new dim of a fixed size (the leading dims expand and repeat add)."""
-    n: int
-
-    def size(self, shape):
-        return self.n
-
-
-@dataclass(frozen=True)
-class Broadcast(DimSpec):
-    """A size-1 input dim expanded to n."""
-    src: DimSpec
-    n: int
-
-    def size(self, shape):
-        return self.n
-
-
-@dataclass(frozen=True)
-class Slice(DimSpec):
-    """n elements picked out of an input dim (slicing, narrow, chunk)."""
-    src: DimSpec
-    n: int
-
-    def size(self, shape):
-        return self.n
-
-
-@dataclass(frozen=True)
-class Repeat(DimSpec):
-    """An input dim tiled r times: [x, x, ...]."""
-    src: DimSpec
-    r: int
-
-    def size(self, shape):
-        return self.src.size(shape) * self.r
-
-
-@dataclass(frozen=True)
-class Interleave(DimSpec):
-    """Each element of an input dim repeated r times in place: [x0, x0, x1, x1, ...]."""
-    src: InputDim
-    r: int
-
-    def size(self, shape):
-        return self.src.size(shape) * self.r
-
-    def carries(self, shape):
-        return (self.src.dim, self.r, 1)
-
-
-@dataclass(frozen=True)
-class Flatten(DimSpec):
-    """Several input dims merged, outer first."""
-    parts: tuple
-
-    def size(self, shape):
-        return _prod(p.size(shape) for p in self.parts)
-
-    def carries(self, shape):
-        sizes = [p.size(shape) for p in self.parts]
-        k = _first_big(sizes)
-        if k is None or not isinstance(self.parts[k], InputDim):
-            return None
-        return (self.parts[k].dim, _prod(sizes[k + 1:]), 1)
-
-
-@dataclass(frozen=True)
-class Split(DimSpec):
-    """Piece ``idx`` of one (maybe flattened) input dim cut into ``pieces``, outer first."""
-    src: DimSpec
-    pieces: tuple
-    idx: int
-
-    def size(self, shape):
-        if self.idx != _first_big(self.pieces):
-            return self.pieces[self.idx]
-        # the one piece that may be sharded: whatever the source block leaves after the other pieces
-        return self.src.size(shape) // _prod(p for k, p in enumerate(self.pieces) if k != self.idx)
-
-    def carries(self, shape):
-        c = self.src.carries(shape) if self.idx == _first_big(self.pieces) else None
-        return None if c is None else (c[0], c[1], c[2] * _prod(self.pieces[self.idx + 1:]))
-
-
-def view_map(src: tuple, dst: tuple) -> tuple:
-    """Dim map of reshaping ``src`` into ``dst`` (same numel): runs of input dims and runs of output dims
-    whose sizes multiply to the same number form a group, which is flattened then split."""
-    if _prod(src) == 0:
-        return tuple(NewDim(n) for n in dst)  # an empty tensor has no data to follow
-    out, i, j = [], 0, 0
-    while i < len(src) or j < len(dst):
-        f = src[i] if i < len(src) else None
-        t = dst[j] if j < len(dst) else None
-        if t is None or (f == 1 and t != 1):  # a size-1 input dim goes away
-            i += 1
-            continue
-        if f is None or (t == 1 and f != 1):  # a size-1 output dim appears
-            out.append(Singleton())
-            j += 1
-            continue
-        dims, pieces = [i], [t]
-        i, j = i + 1, j + 1
-        while f != t:
-            if f < t:
-                f *= src[i]
-                dims.append(i)
-                i += 1
-            else:
-                t *= dst[j]
-                pieces.append(dst[j])
-                j += 1
-        group = InputDim(dims[0]) if len(dims) == 1 else Flatten(tuple(InputDim(d) for d in dims))
-        out += [group] if len(pieces) == 1 else [Split(group, tuple(pieces), k) for k in range(len(pieces))]
-    return tuple(out)
-
-
-# ------------------------------------------------------------------------------------------------
-# placements follow the data
-
-
-@lru_cache(maxsize=4096)
-def _levels_kept(n_in: int, rin: int, rout: int, mesh_sizes: tuple) -> int:
-    """How many nested shard levels (outer mesh dim first) of an input dim of ``n_in`` elements stay a
-    shard of the output dim carrying it: at each level, torch.chunk of the input dim and torch.chunk
-    of the output dim must cut the common flat range at the same places."""
-    pieces = {n_in * rin}
-    for t, m in enumerate(mesh_sizes):
-        nxt = set()
-        for e in pieces:
-            c = chunk_size(e // rin, m) * rin
-            if c != chunk_size(e // rout, m) * rout:
-                return t
-            nxt.update(shard_range(e // rin, m, k)[1] * rin for k in range(m))
-        pieces = nxt
-    return len(mesh_sizes)
-
-
-def follow(spec: DTensorSpec, dim_map) -> tuple[tuple, tuple]:
-    """(input placements the op needs, output placements) for a single-input op with ``dim_map``."""
-    carried = {}
-    for o, ds in enumerate(dim_map):
-        c = ds.carries(spec.shape)
-        if c is not None:
-            carried[c[0]] = (o, c[1], c[2])
-    in_pl, out_pl = list(spec.placements), list(spec.placements)  # P and R pass: views are linear
-    for d in range(spec.ndim):
-        levels = spec.shard_mesh_dims(d)
-        if not levels:
-            continue
-        o, rin, rout = carried.get(d, (None, 1, 1))
-        keep = 0 if o is None else _levels_kept(spec.shape[d], rin, rout, tuple(spec.mesh.shape[i] for i in levels))
-        for t, i in enumerate(levels):
-            if t < keep:
-                out_pl[i] = Shard(o)
-            else:  # inner levels too: their blocks would nest under a gathered outer level
-                in_pl[i] = out_pl[i] = Replicate()
-    return tuple(in_pl), tuple(out_pl)
-
-
-def _map_plan(spec: DTensorSpec, dmap, kern, **kwargs) -> OpPlan:
-    in_pl, out_pl = follow(spec, dmap)
-    out = DTensorSpec(spec.mesh, out_pl, tuple(ds.size(spec.shape) for ds in dmap), spec.dtype)
-    return OpPlan((spec_like(spec, placements=in_pl),), (out,), kern, kwargs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -337,11 +108,6 @@ def _split_kernel(x, *, dim, sizes, squeeze, lead=0):
     return tuple(torch.split(x, list(sizes), dim=lead + dim))
 
 
-@kernel("view.cat")
-def _cat_kernel(*xs, dim, stack, lead=0):
-    return (torch.stack if stack else torch.cat)(xs, dim=lead + dim)
-
-
 @kernel("view.tri")
 def _tri_kernel(x, *, upper, diagonal, roff=0, coff=0, lead=0):
     if not isinstance(roff, torch.Tensor):
@@ -370,14 +136,14 @@ def _reshape_rule(specs, shape):
     spec = specs[0]
     out_shape = tuple(meta_call(lambda t: t.reshape(shape), specs).shape)
     dim_map = view_map(spec.shape, out_shape)
-    plan = _map_plan(spec, dim_map, _reshape_kernel, dim_map=dim_map)
+    plan = map_plan(spec, dim_map, _reshape_kernel, dim_map=dim_map)
     if plan.out_specs[0].is_even():
         plan.kwargs["shape"] = plan.out_specs[0].even_local_shape()
     return plan
 
 
 def _permute_rule(specs, perm):
-    return _map_plan(specs[0], tuple(InputDim(p) for p in perm), _permute_kernel, perm=perm)
+    return map_plan(specs[0], tuple(InputDim(p) for p in perm), _permute_kernel, perm=perm)
 
 
 def _expand_rule(specs, sizes):
@@ -386,7 +152,7 @@ def _expand_rule(specs, sizes):
     new = len(out_shape) - spec.ndim
     dim_map = tuple(NewDim(n) for n in out_shape[:new]) + tuple(
         InputDim(d) if spec.shape[d] == n else Broadcast(InputDim(d), n) for d, n in enumerate(out_shape[new:]))
-    return _map_plan(spec, dim_map, _expand_kernel, dim_map=dim_map, new=new)
+    return map_plan(spec, dim_map, _expand_kernel, dim_map=dim_map, new=new)
 
 
 def _repeat_rule(specs, reps):
@@ -396,14 +162,14 @@ def _repeat_rule(specs, reps):
     new = len(reps) - spec.ndim
     dim_map = tuple(NewDim(r) for r in reps[:new]) + tuple(
         InputDim(d) if r == 1 else Repeat(InputDim(d), r) for d, r in enumerate(reps[new:]))
-    return _map_plan(spec, dim_map, _repeat_kernel, reps=reps)
+    return map_plan(spec, dim_map, _repeat_kernel, reps=reps)
 
 
 def _interleave_rule(specs, repeats, dim):
     spec = specs[0]
     dim_map = tuple((Interleave(InputDim(d), repeats) if repeats else Slice(InputDim(d), 0)) if d == dim
                     else InputDim(d) for d in range(spec.ndim))
-    return _map_plan(spec, dim_map, _interleave_kernel, repeats=repeats, dim=dim)
+    return map_plan(spec, dim_map, _interleave_kernel, repeats=repeats, dim=dim)
 
 
 def _index_rule(specs, items):
@@ -417,7 +183,7 @@ def _index_rule(specs, items):
         elif it[0] == "slice":
             dim_map.append(Slice(InputDim(d), len(range(*it[1:]))))
         d += 1
-    return _map_plan(specs[0], tuple(dim_map), _index_kernel, items=items)
+    return map_plan(specs[0], tuple(dim_map), _index_kernel, items=items)
 
 
 def _split_rule(specs, dim, sizes, squeeze):
@@ -432,52 +198,6 @@ def _split_rule(specs, dim, sizes, squeeze):
                   {"dim": dim, "sizes": sizes, "squeeze": squeeze}, multi_output=True)
 
 
-def _cat_shape(shapes, dim, stack) -> tuple | None:
-    """torch's output shape of cat / stack of ``shapes`` along ``dim``, or None where torch refuses them
-    (the meta run then raises torch's error). The front end has dropped cat's legacy 1-D empty inputs."""
-    first = shapes[0]
-    nd = len(first) + stack
-    if nd == 0 or not -nd <= dim < nd:  # (cat refuses zero-dim tensors)
-        return None
-    d = dim % nd
-    if stack:
-        return first[:d] + (len(shapes),) + first[d:] if all(s == first for s in shapes) else None
-    for s in shapes:
-        if len(s) != nd or any(a != b for k, (a, b) in enumerate(zip(s, first)) if k != d):
-            return None
-    return first[:d] + (sum(s[d] for s in shapes),) + first[d + 1:]
-
-
-def _cat_rule(specs, dim, stack):
-    # the dtype (type promotion over the inputs) from torch on small tensors, the shape from _cat_shape
-    out_meta = meta_call(lambda *ts: (torch.stack if stack else torch.cat)(ts, dim), specs,
-                         out_shape=_cat_shape([s.shape for s in specs], dim, stack))
-    d = dim % out_meta.ndim
-    to_out = (lambda e: e + 1 if e >= d else e) if stack else (lambda e: e)
-    to_in = (lambda o: o - 1 if o > d else o) if stack else (lambda o: o)
-    mesh = specs[0].mesh
-    in_pl = [list(s.placements) for s in specs]
-    out_pl = []
-    for i in range(mesh.ndim):
-        # S: the largest input's shard of a non-cat dim, every input cut the same way (same block shapes)
-        shards = [(_prod(s.shape), to_out(s.placements[i].dim)) for s in specs
-                  if isinstance(s.placements[i], Shard) and to_out(s.placements[i].dim) != d]
-        if shards:
-            o = max(shards)[1]
-            new = Shard(to_in(o))
-            out_pl.append(Shard(o))
-        else:
-            # P: cat(sum a_k, sum b_k) = sum cat(a_k, b_k); a replicated input becomes partial locally
-            others = {s.placements[i] for s in specs} - {Replicate()}
-            new = others.pop() if len(others) == 1 and isinstance(next(iter(others)), Partial) else Replicate()
-            out_pl.append(new)
-        for p in in_pl:
-            p[i] = new
-    in_specs = tuple(spec_like(s, placements=p) for s, p in zip(specs, in_pl))
-    out = DTensorSpec(mesh, tuple(out_pl), tuple(out_meta.shape), out_meta.dtype)
-    return OpPlan(in_specs, (out,), _cat_kernel, {"dim": d, "stack": stack})
-
-
 def _tri_rule(specs, upper, diagonal):
     spec = specs[0]
     if spec.ndim < 2:
@@ -490,52 +210,6 @@ def _tri_rule(specs, upper, diagonal):
     # shards stay: each block masks with its global row/column offsets
     return OpPlan((spec,), (spec,), _tri_kernel, kw,
                   device_args={"roff": block_offsets(spec, r), "coff": block_offsets(spec, c)})
-
-
-# ------------------------------------------------------------------------------------------------
-# argument handling (torch semantics)
-
-
-def _tensor(name, x) -> Tensor:
-    if type(x) is Tensor or type(x) is View:
-        return x
-    x = to_dtensors(name, [x])[0]
-    if not isinstance(x, Tensor):
-        raise OpError(f"dtorch.{name} expects a tensor, got {type(x).__name__}")
-    return x
-
-
-def _sizes(args, name) -> tuple:
-    """Sizes given as varargs or as one tuple / list / torch.Size."""
-    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
-        args = args[0]
-    for a in args:
-        if type(a) is not int:
-            break
-    else:  # plain ints, the usual case: no conversion
-        return args if type(args) is tuple else tuple(args)
-    try:
-        return tuple(operator.index(a) for a in args)
-    except TypeError:
-        raise OpError(f"dtorch.{name}: sizes must be ints (varargs or one tuple/list/torch.Size), got {args!r}") from None
-
-
-def _dim(dim, ndim, name, extra=0) -> int:
-    n = max(ndim + extra, 1)  # like torch, a 0-D tensor accepts dims -1 and 0
-    if type(dim) is int and -n <= dim < n:  # the usual case, first
-        return dim % n
-    d = operator.index(dim)
-    if not -n <= d < n:
-        raise IndexOutOfRangeError(f"dtorch.{name}: dim {dim} is out of range for a {ndim}-D tensor; "
-                                   f"use a dim in [{-n}, {n - 1}]")
-    return d % n
-
-
-def _kw(name, kw, key):
-    """The keyword spelling torch's methods accept (``x.repeat(repeats=(2, 1))``, ``x.view(size=...)``)."""
-    if set(kw) != {key}:
-        raise OpError(f"dtorch.{name}() takes its sizes positionally or as {key}=..., got keywords {sorted(kw)}")
-    return kw[key]
 
 
 # The view ops return views of their input (ops/views.py): the value is computed when first read, and
@@ -821,45 +495,6 @@ def unbind(input, dim=0):
             raise OpError("dtorch.unbind: a 0-D tensor has no dim to unbind")
         return ()
     return _split("unbind", x, d, (1,) * x.shape[d], squeeze=True)
-
-
-def _cat_inputs(name, tensors):
-    if isinstance(tensors, (Tensor, torch.Tensor)) or not isinstance(tensors, (tuple, list)):
-        raise OpError(f"dtorch.{name} expects a sequence of tensors, got {type(tensors).__name__}")
-    if not tensors:
-        raise OpError(f"dtorch.{name} expects a non-empty sequence of tensors")
-    xs = to_dtensors(name, list(tensors))
-    bad = [type(t).__name__ for t in xs if not isinstance(t, Tensor)]
-    if bad:
-        raise OpError(f"dtorch.{name} expects tensors, got {bad}")
-    return xs
-
-
-@register(rule=_cat_rule, kernel=_cat_kernel, torch_fns=(torch.cat,))
-def cat(tensors, dim=0, *, axis=None):
-    xs = _cat_inputs("cat", tensors)
-    dim = axis if axis is not None else dim
-    # torch skips 1-D empty tensors when concatenating higher-rank ones (legacy behavior)
-    kept = [t for t in xs if not (tuple(t.shape) == (0,) and any(u.ndim > 1 for u in xs))]
-    if len(kept) < len(xs):  # the dropped ones still take part in torch's type promotion
-        dtype = reduce(torch.promote_types, [t.dtype for t in xs])
-        kept = [t if t.dtype == dtype else t.to(dtype) for t in kept]
-    return dispatch("cat", _cat_rule, kept, (operator.index(dim), False))
-
-
-@register(rule=_cat_rule, kernel=_cat_kernel, torch_fns=(torch.concat,))
-def concat(tensors, dim=0, *, axis=None):
-    return cat(tensors, dim, axis=axis)
-
-
-@register(rule=_cat_rule, kernel=_cat_kernel, torch_fns=(torch.concatenate,))
-def concatenate(tensors, axis=0, *, dim=None):
-    return cat(tensors, axis if dim is None else dim)
-
-
-@register(rule=_cat_rule, kernel=_cat_kernel, torch_fns=(torch.stack,))
-def stack(tensors, dim=0):
-    return dispatch("stack", _cat_rule, _cat_inputs("stack", tensors), (operator.index(dim), True))
 
 
 @register(rule=_tri_rule, kernel=_tri_kernel, methods=("tril",), torch_fns=(torch.tril,))

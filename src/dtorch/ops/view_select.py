@@ -14,8 +14,9 @@ from ..autograd.dispatched import SHAPE_ONLY_KERNELS
 from ..placement import Replicate, Shard
 from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
+from .args import IndexOutOfRangeError, _dim, _tensor
 from .registry import OpPlan, register, spec_like
-from .view import IndexOutOfRangeError, _dim, _index, _tensor
+from .view import _index
 from .views import STEP_META, view_op
 
 

@@ -32,10 +32,11 @@ from ..placement import Partial, Replicate
 from ..runtime.kernels import get_kernel, kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
-from . import index as ix
+from . import index_put as ix
 from . import inplace as ip
 from . import pointwise as pw
 from . import view as vw
+from .index import each_device
 from .registry import OpPlan, _plan, dispatch, make_plan, replicated, spec_like
 from .views import DATA, WRITER, View, ViewError, _get_ag, _set_ag, _set_h, detached, geometry
 
@@ -181,7 +182,7 @@ def _box_apply_kernel(x, *vs, items, shape, box, writes, inner=None, inner_kw=No
         return out
 
     if lead:
-        return ix.each_device(one, lead, [x, *vs], offs, grid=tuple(x.shape[:lead]))
+        return each_device(one, lead, [x, *vs], offs, grid=tuple(x.shape[:lead]))
     return one(x, *vs, **offs)
 
 

@@ -18,8 +18,8 @@ from ..errors import PlacementError
 from ..graph import check_one_graph
 from ..placement import Partial, Replicate
 from ..spec import moved_bytes
-from . import relayout
-from .executor import move_into
+from ..redistribute import relayout
+from ..redistribute.executor import move_into
 
 BUCKET_BYTES = 32 << 20  # bytes landed per bucket (every destination block counted)
 
