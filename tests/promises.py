@@ -3,8 +3,9 @@ written without reading (or importing) the rule code, so a sweep can check them 
 
 A tensor is abstracted to a ``Lay`` (global shape, placements). An oracle takes the mesh and the operands'
 Lays and returns the output's Lay; composite calls compose oracles (``x * 2 + 1`` is
-``add(mesh, scale(mesh, x))``). A placement of ``None`` means the rule picks that mesh dim by cost (matmul
-when every strategy needs communication): nothing is promised there, and the sweep does not check it.
+``add(mesh, mul(mesh, x), scalar=True)``). A placement of ``None`` means the rule does not pin that mesh dim
+down (matmul picks by cost where every strategy communicates; a flatten keeps a shard where block
+boundaries line up): nothing is promised there, and the sweep does not check it.
 """
 from __future__ import annotations
 

@@ -8,13 +8,14 @@ got them (a "forget" record, queued after every record that used them).
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 import dtorch
 from dtorch import DeviceMesh, Replicate, Shard
 from dtorch._lru import LRU
 
-from .conftest import using
+from .conftest import process_graph, using
 
 MESH = DeviceMesh("cpu", [0, 2, 1], mesh_dim_names=["a"])  # device ids out of mesh order
 BOUND = 32
@@ -42,9 +43,18 @@ def test_lru_reports_what_it_drops_once():
     assert sorted(dropped) == [(2, 2), (3, 3)]  # clear() drops without reporting
 
 
-def test_decode_loop_keeps_plan_ids_bounded_on_controller_and_workers(proc, monkeypatch):
-    rt = proc.runtime
-    monkeypatch.setattr(rt._plans, "maxsize", BOUND)
+@pytest.fixture
+def bounded(monkeypatch):
+    """A process Graph of its own whose plan-id table holds ``BOUND`` entries (the shared pool's table is full
+    of other tests' plans, and its workers hold their definitions)."""
+    g = process_graph(workers=3)
+    monkeypatch.setattr(g.runtime._plans, "maxsize", BOUND)
+    yield g
+    g.runtime.shutdown()
+
+
+def test_decode_loop_keeps_plan_ids_bounded_on_controller_and_workers(bounded):
+    proc, rt = bounded, bounded.runtime
     steps = 300
     with using(proc):
         q = value((1, 8), seed=1)
