@@ -14,9 +14,10 @@ from sweep import run_sweep
 
 
 def _clear_plans():
-    for cache in list(_ALL):
-        if cache.name == "ops.plans":
-            cache.clear()
+    plans = [cache for cache in list(_ALL) if cache.name == "ops.plans"]
+    assert plans, "no LRU named 'ops.plans' (dispatch's plan cache): a patched rule would not be planned again"
+    for cache in plans:
+        cache.clear()
 
 
 @pytest.fixture
