@@ -125,6 +125,9 @@ def test_cli_table_and_json(capsys):
     (["--devices", "8", "--config", "llama9"], "neither a shipped config"),
     (["--devices", "8", "--seq", "1001", "--ring-cp", "8", "--fsdp", "1"], "must be divisible by ulysses_cp * ring_cp"),
     (["--devices", "8", "--global-batch", "3"], "must split into 1 micro-batches of a multiple of dp * fsdp = 8"),
+    (["--devices", "0"], "--devices 0: must be at least 1"),
+    (["--search"], "--search needs --devices N"),
+    (["--search", "--devices", "8", "--tp", "2"], "--search chooses the layout itself: drop --tp"),
 ])
 def test_cli_bad_flags_say_what_to_change(argv, message, capsys):
     assert plan_main(argv) == 2

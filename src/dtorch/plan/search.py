@@ -3,7 +3,6 @@ fit, and why each runner-up lost (memory, pipeline bubble, communication, comput
 from __future__ import annotations
 
 import multiprocessing
-import os
 
 from .estimate import PlanError, estimate, load_config
 from .hardware import load as load_hardware
@@ -68,10 +67,11 @@ def _estimate_one(job):
 
 
 def search(config, devices: int, hardware, *, seq: int = 8192, global_batch: int | None = None,
-           micro_batches: int | None = None, limit: int | None = None, progress=None, workers: int | None = None,
+           micro_batches: int | None = None, limit: int | None = None, progress=None, workers: int = 1,
            **kw) -> list:
     """Estimates of every valid layout, best first (fitting ones by tokens/s, then the rest by memory).
-    ``workers``: processes estimating layouts side by side (default: one per CPU; 1: in this process)."""
+    ``workers``: processes estimating layouts side by side (spawned: a script calling this with workers > 1 needs
+    the ``if __name__ == "__main__":`` guard; ``dtorch plan --search`` uses one per CPU)."""
     cfg = load_config(config)
     hw = load_hardware(hardware)
     cands = layouts(cfg, devices, hw.gpus_per_node, seq)
@@ -83,15 +83,13 @@ def search(config, devices: int, hardware, *, seq: int = 8192, global_batch: int
         if gb is None:  # one sequence per data-parallel rank per micro-batch
             gb = lay["dp"] * lay["fsdp"] * (micro_batches or max(1, lay["pp"]))
         jobs.append((cfg, devices, hw, lay, dict(seq=seq, global_batch=gb, micro_batches=micro_batches, **kw)))
-    workers = min(len(jobs), workers or os.cpu_count() or 1)
-    if workers > 1 and "fork" not in multiprocessing.get_all_start_methods():
-        workers = 1  # (a spawned pool re-imports the caller's main module: forked only)
+    workers = max(1, min(len(jobs), workers))
     results = []
     if workers > 1:
         from concurrent.futures import ProcessPoolExecutor
 
-        # forked workers inherit the imported modules; they run meta tensors only (no torch thread pools)
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        # spawned: a forked child of a process with threads can wait forever on a lock one of them held
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = [pool.submit(_estimate_one, job) for job in jobs]
             for n, fut in enumerate(futures):
                 results.append(fut.result(timeout=LAYOUT_TIMEOUT_S))
