@@ -84,7 +84,8 @@ def test_estimate_of_the_8b_on_8_gpus():
 # -- predicted vs published --------------------------------------------------------------------------------------
 # (docs/plan.md lists them with their sources and settings.) Llama 3 paper (Dubey et al. 2024, "The Llama 3 Herd
 # of Models", table 4): Llama 3 405B pre-training on H100s in bf16, TP 8, PP 16, seq 8192: 430 TFLOPs/GPU (43% MFU)
-# on 8,192 GPUs (DP 64, 32 sequences per DP rank in micro-batches, interleaved 1F1B). Planned here on 512 GPUs with
+# on 8,192 GPUs (DP 64, 32 sequences per DP rank in micro-batches, interleaved 1F1B); BF16 (no float8); the
+# table gives no activation checkpointing, so none is planned. Planned here on 512 GPUs with
 # the same per-GPU layout (TP 8 x PP 16 x DP 4, the same micro-batches per DP rank): the per-GPU work and the
 # collectives of a TP / PP group are the same; DP's all-reduce is overlapped in both.
 PUBLISHED = [
