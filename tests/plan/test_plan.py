@@ -84,7 +84,8 @@ def test_estimate_of_the_8b_on_8_gpus():
 # -- predicted vs published --------------------------------------------------------------------------------------
 # (docs/plan.md lists them with their sources and settings.) Llama 3 paper (Dubey et al. 2024, "The Llama 3 Herd
 # of Models", table 4): Llama 3 405B pre-training on H100s in bf16, TP 8, PP 16, seq 8192: 430 TFLOPs/GPU (43% MFU)
-# on 8,192 GPUs (DP 64, 32 sequences per DP rank in micro-batches, interleaved 1F1B). Planned here on 512 GPUs with
+# on 8,192 GPUs (DP 64, 32 sequences per DP rank in micro-batches, interleaved 1F1B); BF16 (no float8); the
+# table gives no activation checkpointing, so none is planned. Planned here on 512 GPUs with
 # the same per-GPU layout (TP 8 x PP 16 x DP 4, the same micro-batches per DP rank): the per-GPU work and the
 # collectives of a TP / PP group are the same; DP's all-reduce is overlapped in both.
 PUBLISHED = [
@@ -125,6 +126,9 @@ def test_cli_table_and_json(capsys):
     (["--devices", "8", "--config", "llama9"], "neither a shipped config"),
     (["--devices", "8", "--seq", "1001", "--ring-cp", "8", "--fsdp", "1"], "must be divisible by ulysses_cp * ring_cp"),
     (["--devices", "8", "--global-batch", "3"], "must split into 1 micro-batches of a multiple of dp * fsdp = 8"),
+    (["--devices", "0"], "--devices 0: must be at least 1"),
+    (["--search"], "--search needs --devices N"),
+    (["--search", "--devices", "8", "--tp", "2"], "--search chooses the layout itself: drop --tp"),
 ])
 def test_cli_bad_flags_say_what_to_change(argv, message, capsys):
     assert plan_main(argv) == 2
@@ -154,3 +158,14 @@ def _tiny_config():
            "num_key_value_heads": 4, "vocab_size": 1024, "max_position_embeddings": 4096}
     (d / "config.json").write_text(json.dumps(cfg))
     return d / "config.json"
+
+
+def test_calibrate_writes_a_profile_of_measured_rates(tmp_path):
+    from dtorch.plan.calibrate import calibrate
+
+    out = tmp_path / "here.json"
+    calibrate(str(out), threads=1)
+    hw = load_hardware(str(out))
+    assert hw.peak("float32") > 1e9 and hw.peak("bfloat16") > 1e9 and hw.hbm_gbps > 0.1
+    assert 0 < hw.efficiency["kernel_overhead_us"] < 1e5 and hw.intra.latency_us > 0 and hw.intra.gbps > 0
+    assert all(hw.efficiency[k] == 1.0 for k in ("matmul", "attention", "memory", "collective"))

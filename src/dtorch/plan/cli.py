@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -21,9 +22,15 @@ from .hardware import HardwareError, shipped
 GIB = 1 << 30
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown, the examples kept as written."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dtorch plan", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                epilog="examples:\n" + __doc__.split("\n\n", 1)[1].split("\n\n")[0] +
+                                "\n\nThe method, what is modelled and what is not: docs/plan.md.",
+                                formatter_class=_HelpFormatter)
     p.add_argument("--config", default="llama3-8b", help="a Hugging Face config.json (or its directory), or a shipped "
                    "one: llama3-8b, llama3-70b, llama3-405b")
     p.add_argument("--devices", type=int, help="GPUs (default: the product of the layout flags)")
@@ -50,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("output")
     o.add_argument("--search", action="store_true", help="cost every valid layout of --devices; print the best")
     o.add_argument("--top", type=int, default=10, help="rows of the --search table")
+    o.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="--search: processes costing layouts "
+                   "side by side")
     o.add_argument("--json", action="store_true", help="print JSON instead of a table")
     o.add_argument("--plot", metavar="PNG", help="draw memory and step time per layout (needs matplotlib)")
     o.add_argument("--calibrate", metavar="OUT", help="measure this machine (GEMM rate, memory bandwidth, the process "
@@ -107,30 +116,56 @@ def plot(results, path: str) -> None:
     plt.close(fig)
 
 
+def check_args(args) -> None:
+    """Flags that describe no plan: a PlanError saying what to change."""
+    for flag in ("devices", "top", "workers", "seq", "global_batch", "micro_batches", "dp", "tp", "pp", "ulysses_cp",
+                 "ring_cp", "fsdp"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise PlanError(f"--{flag.replace('_', '-')} {v}: must be at least 1")
+    if args.search:
+        if args.devices is None:
+            raise PlanError("--search needs --devices N: the device count whose layouts to compare")
+        fixed = [f"--{f.replace('_', '-')}" for f in ("dp", "tp", "pp", "ulysses_cp", "ring_cp")
+                 if getattr(args, f) != 1] + (["--fsdp"] if args.fsdp is not None else [])
+        if fixed:
+            raise PlanError(f"--search chooses the layout itself: drop {', '.join(fixed)} (or drop --search to cost "
+                            "that one layout)")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise PlanError("--plot needs matplotlib (pip install matplotlib), or drop --plot") from None
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.calibrate:
         from .calibrate import calibrate
 
-        calibrate(args.calibrate)
+        try:
+            calibrate(args.calibrate)
+        except OSError as exc:
+            print(f"dtorch plan --calibrate: cannot write {args.calibrate}: {exc}", file=sys.stderr)
+            return 2
         return 0
     kw = dict(seq=args.seq, global_batch=args.global_batch, micro_batches=args.micro_batches,
               activation_checkpointing=args.activation_checkpointing, mixed_precision=args.mixed_precision,
               float8=args.float8, pp_schedule=args.pp_schedule, exact=args.exact)
     t0 = time.perf_counter()
     try:
+        check_args(args)
         if args.search:
             from .search import search, why_lost
 
-            if args.devices is None:
-                raise PlanError("--search needs --devices")
-            results = search(args.config, args.devices, args.hardware, **kw)
+            results = search(args.config, args.devices, args.hardware, workers=args.workers, **kw)
             fitting = [e for e in results if e.fits]
             best = fitting[0] if fitting else None
             if args.json:
                 print(json.dumps({"best": best.to_dict() if best else None,
                                   "layouts": [dict(e.to_dict(), lost_because=None if e is best else why_lost(best, e)
-                                                   if best else "memory") for e in results]}, indent=1))
+                                                   if best else "memory") for e in results]}, indent=1,
+                                 sort_keys=True))
             else:
                 print(f"dtorch plan --search: {len(results)} layouts of {args.devices} devices costed in "
                       f"{time.perf_counter() - t0:.0f} s\n")
@@ -151,7 +186,7 @@ def main(argv=None) -> int:
         print(f"dtorch plan: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(e.to_dict(), indent=1))
+        print(json.dumps(e.to_dict(), indent=1, sort_keys=True))
     else:
         print(describe(e))
     if args.plot:

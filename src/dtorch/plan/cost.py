@@ -129,17 +129,20 @@ def _backward_flops(kernel, in_specs, kwargs, device_args, coord) -> float:
 def kernel_work(call, options: Options) -> tuple[float, float, str]:
     """(FLOPs, bytes moved, class) on the busiest device for one ``KernelCall``; class: "linear", "attention",
     "other" (which efficiency applies)."""
-    key = (call.kind, call.kernel.name, call.in_specs, call.out_specs, _freeze(call.kwargs), _freeze(call.device_args),
-           options.native_backward)
-    hit = _KERNEL_CACHE.get(key)
-    if hit is not None:
-        return hit
     name = call.kernel.name
     base = name[len(VJP_PREFIX):] if name.startswith(VJP_PREFIX) else name
     mesh = (call.in_specs or call.out_specs)[0].mesh
     coords = [(0,) * mesh.ndim]
     if call.device_args or not all(sp.is_even() for sp in call.in_specs + call.out_specs):
         coords.append(tuple(n - 1 for n in mesh.shape))
+    # keyed by what one device computes (its blocks' shapes, the arguments it gets), not by the mesh: layouts
+    # of a search that give a device the same blocks share the count
+    key = (call.kind, name, tuple((s.local_shape(c), s.dtype) for c in coords for s in call.in_specs + call.out_specs),
+           _freeze(call.kwargs), tuple(_freeze({k: np.asarray(v)[c].item() for k, v in (call.device_args or {}).items()})
+                                       for c in coords), options.native_backward)
+    hit = _KERNEL_CACHE.get(key)
+    if hit is not None:
+        return hit
     flops = 0.0
     for coord in coords:  # the slowest of the first and last device (uneven shards, causal ring steps)
         try:

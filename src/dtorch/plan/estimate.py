@@ -3,7 +3,7 @@ of one training layout, from a meta-backend trace of the step and the cost model
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -131,8 +131,8 @@ def estimate(config="llama3-8b", devices: int | None = None, hardware="h100-sxm-
     ``micro_batches`` (default: the pipeline stage count); ``activation_checkpointing`` none/full/selective
     (torchtitan's per-op policy); ``mixed_precision`` "bf16" (FSDP2's: bf16 compute, float32 master weights,
     gradient reductions and AdamW states) or "fp32"; ``float8``: linear layers' matmuls in float8.
-    ``exact``: trace every layer (default: trace 1 and 2 layers per stage and extrapolate, exact for identical
-    layers)."""
+    ``exact``: trace every layer of every stage (default: trace 1 and 2 layers per stage, and at most 3 stages,
+    and extrapolate: exact for identical layers and identical middle stages, ``tests/plan``)."""
     cfg = load_config(config)
     hw = hw_mod.load(hardware)
     lay = _layout(devices, dp, fsdp, tp, pp, ulysses_cp, ring_cp)
@@ -166,21 +166,34 @@ def estimate(config="llama3-8b", devices: int | None = None, hardware="h100-sxm-
     ac_traced = "full" if activation_checkpointing == "full" else "none"
     L = cfg.num_hidden_layers
     stage_counts = [assign_layers_to_stages(L, lay.pp).count(s) for s in range(lay.pp)]
-    if exact or L <= 2 * lay.pp:
+    if exact:
         tr = trace_step(cfg, lay, seq=seq, rows=rows, ac=ac_traced, param_dtype=param_dtype)
         per_stage = _stage_summaries(tr, hw, options)
-    else:  # every stage's numbers are affine in its layer count: trace 1 and 2 layers per stage
-        import copy
-
-        summaries = []
-        for n in (1, 2):
-            c = copy.deepcopy(cfg)
-            c.num_hidden_layers = n * lay.pp
-            summaries.append(_stage_summaries(trace_step(c, lay, seq=seq, rows=rows, ac=ac_traced,
-                                                         param_dtype=param_dtype), hw, options))
-        per_stage = [_affine(a, b, k - 1) for a, b, k in zip(summaries[0], summaries[1], stage_counts)]
+    else:
+        per_stage = _extrapolated_stages(cfg, lay, hw, options, stage_counts, seq=seq, rows=rows, ac=ac_traced,
+                                         param_dtype=param_dtype)
     return _compose(cfg, lay, hw, per_stage, seq=seq, global_batch=global_batch, m=m, ac=activation_checkpointing,
                     float8=float8, schedule=pp_schedule)
+
+
+def _extrapolated_stages(cfg, lay: Layout, hw, options, stage_counts, **trace_kw) -> list[dict]:
+    """Per stage summaries of ``lay`` from two short traces. Every stage's numbers are affine in its layer count
+    (identical decoder layers), so the step is traced with 1 and 2 layers per stage; and a pipeline's middle stages
+    (a stage that holds neither the embedding nor the head) are all alike, so at most 3 stages are traced (first,
+    one middle, last) and the middle one stands for the others. The collectives are costed on ``lay`` itself
+    (the pipeline's size decides which links its hand-offs cross)."""
+    import copy
+
+    traced = replace(lay, pp=min(lay.pp, 3))
+    summaries = []
+    for n in (1, 2):
+        c = copy.deepcopy(cfg)
+        c.num_hidden_layers = n * traced.pp
+        tr = trace_step(c, traced, **trace_kw)
+        tr.layout = lay
+        per = _stage_summaries(tr, hw, options)
+        summaries.append(per[:1] + per[1:2] * (lay.pp - 2) + per[-1:] if lay.pp > 3 else per)
+    return [_affine(a, b, k - 1) for a, b, k in zip(summaries[0], summaries[1], stage_counts)]
 
 
 def _stage_summaries(tr, hw, options) -> list[dict]:

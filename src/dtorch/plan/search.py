@@ -2,8 +2,12 @@
 fit, and why each runner-up lost (memory, pipeline bubble, communication, compute)."""
 from __future__ import annotations
 
+import multiprocessing
+
 from .estimate import PlanError, estimate, load_config
 from .hardware import load as load_hardware
+
+LAYOUT_TIMEOUT_S = 900  # one layout's estimate takes seconds; a worker that takes this long is stuck
 
 
 def _divisors(n: int) -> list[int]:
@@ -53,26 +57,50 @@ def why_lost(best, other) -> str:
     return f"{reason} ({share[reason] / other.step_time:.0%} of its step); {slower:.0%} slower"
 
 
+def _estimate_one(job):
+    """One layout's estimate, or None when the batch does not split over it (a process pool's task)."""
+    cfg, devices, hw, lay, kw = job
+    try:
+        return estimate(cfg, devices, hw, **lay, **kw)
+    except PlanError:
+        return None
+
+
 def search(config, devices: int, hardware, *, seq: int = 8192, global_batch: int | None = None,
-           micro_batches: int | None = None, limit: int | None = None, progress=None, **kw) -> list:
-    """Estimates of every valid layout, best first (fitting ones by tokens/s, then the rest by memory)."""
+           micro_batches: int | None = None, limit: int | None = None, progress=None, workers: int = 1,
+           **kw) -> list:
+    """Estimates of every valid layout, best first (fitting ones by tokens/s, then the rest by memory).
+    ``workers``: processes estimating layouts side by side (spawned: a script calling this with workers > 1 needs
+    the ``if __name__ == "__main__":`` guard; ``dtorch plan --search`` uses one per CPU)."""
     cfg = load_config(config)
     hw = load_hardware(hardware)
-    results = []
     cands = layouts(cfg, devices, hw.gpus_per_node, seq)
     if limit:
         cands = cands[:limit]
-    for n, lay in enumerate(cands):
+    jobs = []
+    for lay in cands:
         gb = global_batch
         if gb is None:  # one sequence per data-parallel rank per micro-batch
             gb = lay["dp"] * lay["fsdp"] * (micro_batches or max(1, lay["pp"]))
-        try:
-            results.append(estimate(cfg, devices, hw, seq=seq, global_batch=gb, micro_batches=micro_batches, **lay,
-                                    **kw))
-        except PlanError:
-            pass  # (the batch does not split over this layout)
-        if progress:
-            progress(n + 1, len(cands))
+        jobs.append((cfg, devices, hw, lay, dict(seq=seq, global_batch=gb, micro_batches=micro_batches, **kw)))
+    workers = max(1, min(len(jobs), workers))
+    results = []
+    if workers > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        # spawned: a forked child of a process with threads can wait forever on a lock one of them held
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(_estimate_one, job) for job in jobs]
+            for n, fut in enumerate(futures):
+                results.append(fut.result(timeout=LAYOUT_TIMEOUT_S))
+                if progress:
+                    progress(n + 1, len(jobs))
+    else:
+        for n, job in enumerate(jobs):
+            results.append(_estimate_one(job))
+            if progress:
+                progress(n + 1, len(jobs))
+    results = [e for e in results if e is not None]
     if not results:
         raise PlanError(f"no layout of {devices} devices can run this config with --global-batch {global_batch}")
     results.sort(key=lambda e: (not e.fits, -e.tokens_per_second_per_device if e.fits else e.memory["peak"]))

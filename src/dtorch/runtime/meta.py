@@ -237,10 +237,11 @@ class MetaRuntime(Runtime):
 class _MetaTape:
     """A kept local graph on meta tensors (``_MetaExecutable.run_tracked``): the in-process backend's tape."""
 
-    __slots__ = ("leaves", "outs", "grid", "released", "measured")
+    __slots__ = ("leaves", "outs", "grid", "released", "measured", "call")
 
-    def __init__(self, leaves, outs, grid, released, measured):
+    def __init__(self, leaves, outs, grid, released, measured, call=None):
         self.leaves, self.outs, self.grid, self.released, self.measured = leaves, outs, grid, released, measured
+        self.call = call  # (kwargs, device_args) of the forward, for the backward's report to ``on_kernel``
 
 
 class _MetaExecutable(Executable):
@@ -350,11 +351,13 @@ class _MetaExecutable(Executable):
             if y.grad_fn is not None and y.numel() >= RELEASE_NUMEL:
                 drop_values(y)
         released = tuple(i for i, ref in views if ref() is None)
-        return res, _MetaTape(leaves, outs, grid, released, measured)
+        call = (kwargs, device_args) if self.rt.on_kernel is not None else None
+        return res, _MetaTape(leaves, outs, grid, released, measured, call)
 
     def vjp_tracked(self, tape, cotangents, ct_specs, has_ct, grad_specs) -> list:
         if self.rt.on_kernel is not None:
-            self._report("backward", {}, None, tuple(has_ct))
+            kwargs, device_args = tape.call or ({}, None)
+            self._report("backward", kwargs, device_args, tuple(has_ct))
         return [_handle(s) for s in grad_specs]
 
     def tape_released(self, tape) -> tuple:
