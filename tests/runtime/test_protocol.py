@@ -1,0 +1,69 @@
+"""The worker protocol and the transport seam: typed records, a handler per record type, and a ray backend
+that is the process backend's controller over another transport (no private method overridden)."""
+from __future__ import annotations
+
+import inspect
+import pickle
+
+import pytest
+import torch
+
+from dtorch.runtime import protocol as rec
+from dtorch.runtime.process import ProcessRuntime
+from dtorch.runtime.transport import Transport
+from dtorch.runtime.worker_loop import Worker
+
+
+def test_every_record_type_has_exactly_its_handler():
+    assert set(Worker.HANDLERS) == set(rec.RECORD_TYPES)
+    for record_type, fn in Worker.HANDLERS.items():
+        assert fn.handles is record_type
+        # a handler takes the record, nothing else: its fields cannot drift from the sender's
+        assert list(inspect.signature(fn).parameters) == ["self", "r"], fn.__qualname__
+
+
+def test_a_type_without_handler_is_named():
+    class Partial(Worker):
+        pass
+
+    Partial.on_kernel = lambda self, r: None  # unmarked: not a handler
+    assert rec.handler_table(Partial)[rec.Kernel] is Worker.on_kernel
+
+    class Bare:
+        @rec.handles(rec.Kernel)
+        def on_kernel(self, r):
+            pass
+
+    with pytest.raises(TypeError, match="handles no .*Put"):
+        rec.handler_table(Bare)
+
+
+def test_records_pickle_as_themselves_and_smaller_than_the_default():
+    records = [rec.Kernel(7, 3, (1, 2), (5,), {"dim": -1}, None), rec.Put(1, 2, torch.float32, (3, 4), "cpu", b"xy"),
+               rec.Exit(), rec.Reform(), rec.Get(4, 5, 6)]
+    back = pickle.loads(pickle.dumps(records, protocol=5))
+    assert back == records and [type(b) for b in back] == [type(r) for r in records]
+    assert back[4].how is False and back[4].tag == 0  # defaults survive
+
+
+def test_failure_names_the_op_number_of_numbered_records():
+    try:
+        raise ValueError("boom")
+    except ValueError as exc:
+        seq, kind, text, tb = rec.failure(rec.Kernel(42, 1, (), (), {}, None), exc)
+        assert (seq, kind, text) == (42, "Kernel", "ValueError: boom") and "boom" in tb
+        seq, kind, _, _ = rec.failure(rec.Free((3, 4)), exc)
+        assert seq is None and kind == "Free (3, 4)"
+    assert rec.NUMBERED == {t for t in rec.RECORD_TYPES if "seq" in t._fields}
+
+
+def test_the_ray_backend_overrides_no_private_method_of_the_process_backend():
+    ray_backend = pytest.importorskip("dtorch.runtime.ray_backend")
+    methods = {name for name, v in vars(ray_backend.RayRuntime).items()
+               if inspect.isfunction(v) or isinstance(v, (staticmethod, classmethod, property))}
+    own = {name for name in methods if name.startswith("_") and not (name.startswith("__") and name.endswith("__"))}
+    shadowed = sorted(name for name in own if hasattr(ProcessRuntime, name))
+    assert shadowed == [], f"RayRuntime overrides private methods of ProcessRuntime: {shadowed}"
+    # and what it does define is its construction: the transport carries every difference
+    assert methods == {"__init__"}, methods
+    assert issubclass(ray_backend.RayTransport, Transport)
