@@ -55,6 +55,24 @@ class _Incoming:
         return out
 
 
+class _Posted:
+    """A collective posted with ``async_op``: its block is ``then(blocks())`` once the work completed, where
+    it is first read (``_Blocks``). ``overlapped`` counts the posts that kernels ran behind (statistics)."""
+
+    __slots__ = ("worker", "works", "blocks", "then", "kernels")
+
+    def __init__(self, worker, work, blocks):
+        self.worker, self.works, self.blocks, self.then = worker, [work], blocks, None
+        self.kernels = worker.kernels_run
+
+    def finish(self) -> torch.Tensor:
+        for w in self.works:
+            w.wait()
+        if self.worker.kernels_run > self.kernels:
+            self.worker.calls["overlapped"] += 1  # kernels ran while it moved
+        return self.then(self.blocks())
+
+
 class _Blocks(dict):
     """Handle id -> local block. A block still arriving from another worker waits in ``pending`` (an
     ``_Incoming``) and is completed by its first read, so every reader (kernels, steps, uploads, aliases)
@@ -154,7 +172,7 @@ class Collectives:
         _, pid, in_id, out_id, tag = r
         fn, before, after, arg = self.defs[pid]
         out = fn(self.t.get(in_id), before, after, arg, tag)
-        if isinstance(out, _Incoming):
+        if isinstance(out, (_Incoming, _Posted)):
             self.t.pending[out_id] = out
         elif out is not None:  # a move leaves nothing on a rank outside the target mesh
             self.t[out_id] = out
@@ -174,8 +192,12 @@ class Collectives:
         return x if j == 0 or after.placements[i].reduce_op != "sum" else torch.zeros_like(x)
 
     def p_all_gather(self, x, before, after, i, tag):
+        """Posted, not waited on, where torch.distributed moves it: the block completes where it is first
+        read, so a gather issued ahead (FSDP's prefetch of the next layer) moves while the kernels queued
+        before that read compute. (Shared-memory slots exchange at once: a copy, no wire to wait on.)"""
         coord, ranks, m, j = self.along(before.mesh, i)
-        return torch.cat(self.all_gather(x, pp.member_shapes(before, coord, i), ranks), dim=before.placements[i].dim)
+        d = before.placements[i].dim
+        return self.all_gather(x, pp.member_shapes(before, coord, i), ranks, then=lambda got: torch.cat(got, dim=d))
 
     def p_all_to_all(self, x, before, after, i, tag):
         coord, ranks, m, j = self.along(before.mesh, i)
@@ -340,8 +362,18 @@ class Collectives:
             hit = self.slots[key] = (pg, slots)
         return hit[1]
 
-    def all_gather(self, x, shapes, ranks) -> list:
-        """Every member's block, in mesh order (gloo gathers equal sizes: pad to the largest, trim)."""
+    def all_gather(self, x, shapes, ranks, then=None):
+        """Every member's block, in mesh order (gloo gathers equal sizes: pad to the largest, trim).
+
+        ``then`` (a function of that list): its result, or a ``_Posted`` that computes it once the
+        torch.distributed gather completes (waited where the block is first read)."""
+        got = self._all_gather(x, shapes, ranks, then is not None)
+        if isinstance(got, _Posted):
+            got.then = then
+            return got
+        return got if then is None else then(got)
+
+    def _all_gather(self, x, shapes, ranks, post: bool):
         if len(ranks) == 1:
             return [x]
         sizes = [pp.nbytes(s, x.dtype) for s in shapes]
@@ -360,9 +392,13 @@ class Collectives:
             buf = torch.cat([buf, buf.new_zeros(top - buf.numel())])
         outs = [buf.new_empty(top) for _ in ranks]
         self.calls["all_gather"] += 1
-        dist.all_gather(outs, buf, group=self.group(ranks))
+        work = dist.all_gather(outs, buf, group=self.group(ranks), async_op=post)
         pos = {r: n for n, r in enumerate(sorted(ranks))}
-        return [pp.from_bytes(outs[pos[r]][:n], x.dtype, s) for r, n, s in zip(ranks, sizes, shapes)]
+
+        def blocks():
+            return [pp.from_bytes(outs[pos[r]][:n], x.dtype, s) for r, n, s in zip(ranks, sizes, shapes)]
+
+        return _Posted(self, work, blocks) if post else blocks()
 
     def all_to_all(self, pieces, shapes, ranks) -> list:
         """Send ``pieces[j]`` to member j; returns what each member sent here (shapes known), mesh order."""

@@ -84,6 +84,7 @@ class Worker(Collectives):
         self.defs: dict = {}  # plan id -> what this rank does for it (until a forget record drops it)
         self.groups: dict = {}  # sorted ranks -> process group
         self.calls: Counter = Counter()  # torch.distributed calls by kind (worker_stats(collectives=True))
+        self.kernels_run = 0  # kernel records run (a posted collective notes whether kernels ran behind it)
         self.failed = False
         self.stopping = False  # the controller is shutting down: skip to the exit record
         self.leaving = False  # got the exit record: the controller closing its store now is no fault
@@ -240,6 +241,7 @@ class Worker(Collectives):
             kw = dict(kw, lead=0)
         t = self.t
         out = k.fn(*[t[i] for i in in_ids], **kw)
+        self.kernels_run += 1
         outs = out if isinstance(out, tuple) else (out,)
         for i, y, shape in zip(out_ids, outs, shapes):
             if tuple(y.shape) != shape:
