@@ -1,4 +1,4 @@
-"""The worker protocol and the transport seam: typed records, a handler per record type, and a ray backend
+"""The worker protocol and the transport seam: records tagged with their type, a handler per record type, and a ray backend
 that is the process backend's controller over another transport (no private method overridden)."""
 from __future__ import annotations
 
@@ -38,12 +38,18 @@ def test_a_type_without_handler_is_named():
         rec.handler_table(Bare)
 
 
-def test_records_pickle_as_themselves_and_smaller_than_the_default():
-    records = [rec.Kernel(7, 3, (1, 2), (5,), {"dim": -1}, None), rec.Put(1, 2, torch.float32, (3, 4), "cpu", b"xy"),
-               rec.Exit(), rec.Reform(), rec.Get(4, 5, 6)]
-    back = pickle.loads(pickle.dumps(records, protocol=5))
-    assert back == records and [type(b) for b in back] == [type(r) for r in records]
-    assert back[4].how is False and back[4].tag == 0  # defaults survive
+def test_records_are_tagged_tuples_checked_like_calls():
+    k = rec.Kernel(7, 3, (1, 2), (5,), {"dim": -1}, None)
+    assert k == (rec.Kernel, 7, 3, (1, 2), (5,), {"dim": -1}, None) and type(k) is tuple
+    assert rec.Kernel.fields == ("seq", "pid", "in_ids", "out_ids", "kwargs", "dev_kw")
+    assert rec.Get(4, 5, 6) == (rec.Get, 4, 5, 6, False, 0)  # defaults
+    assert rec.Exit() == (rec.Exit,)
+    with pytest.raises(TypeError, match=r"Kernel\(\) missing 1 required positional argument: 'dev_kw'"):
+        rec.Kernel(7, 3, (1, 2), (5,), {})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'sequence'"):
+        rec.Zeros(sequence=1, hid=2, dtype=torch.float32, shape=(3,), device_type="cpu")
+    records = [k, rec.Put(1, 2, torch.float32, (3, 4), "cpu", b"xy"), rec.Exit(), rec.Reform()]
+    assert pickle.loads(pickle.dumps(records, protocol=5)) == records
 
 
 def test_failure_names_the_op_number_of_numbered_records():
@@ -54,7 +60,7 @@ def test_failure_names_the_op_number_of_numbered_records():
         assert (seq, kind, text) == (42, "Kernel", "ValueError: boom") and "boom" in tb
         seq, kind, _, _ = rec.failure(rec.Free((3, 4)), exc)
         assert seq is None and kind == "Free (3, 4)"
-    assert rec.NUMBERED == {t for t in rec.RECORD_TYPES if "seq" in t._fields}
+    assert rec.NUMBERED == {t for t in rec.RECORD_TYPES if "seq" in t.fields}
 
 
 def test_the_ray_backend_overrides_no_private_method_of_the_process_backend():
@@ -67,3 +73,19 @@ def test_the_ray_backend_overrides_no_private_method_of_the_process_backend():
     # and what it does define is its construction: the transport carries every difference
     assert methods == {"__init__"}, methods
     assert issubclass(ray_backend.RayTransport, Transport)
+
+
+def test_the_kernel_records_written_as_tuples_have_the_kernel_fields():
+    # process_ops writes the hottest record as its tuple literal: it must stay what the type declares
+    import ast
+
+    from dtorch.runtime import process_ops
+
+    tree = ast.parse(inspect.getsource(process_ops))
+    literals = [n for n in ast.walk(tree) if isinstance(n, ast.Tuple) and n.elts
+                and isinstance(n.elts[0], ast.Name) and n.elts[0].id == "Kernel"]
+    assert len(literals) == 2
+    for lit in literals:
+        assert [getattr(e, "id", None) for e in lit.elts[1:6]] == ["seq", "pid", "in_ids", "out_ids", "kwargs"]
+        assert len(lit.elts) == 1 + len(rec.Kernel.fields)
+

@@ -1,8 +1,8 @@
 """The process backend (scale-out): one worker process per device, torch.distributed underneath.
 
 The controller (this object, in the user's process) never touches data. It turns each runtime call
-into an op record, buffers the records per worker and pushes them in batches through its TCPStore
-(one queue per worker); it waits on workers only to fetch values (``to_global``), in ``sync`` and in
+into an op record (``protocol``), buffers the records per worker and pushes them in batches through its
+transport (the store transport: a TCPStore queue per worker); it waits on workers only to fetch values (``to_global``), in ``sync`` and in
 ``TensorFuture.get``. Handles are integer ids the controller allocates, so outputs exist before any
 worker has run anything. A mesh's device id is a worker's rank; what each worker does for a kernel
 or a redistribution primitive is a pure function of the specs (``process_plan``), sent once per plan.
@@ -11,7 +11,8 @@ Transport (``transport.py``): records and data move through a ``Transport``, the
 controller and its workers: the store transport here, Ray's in ``ray_backend``. Worker<->worker data goes
 through torch.distributed collectives and send/recv (gloo on CPU, NCCL on CUDA), except all_reduce and
 all_gather among workers of the controller's host, which exchange blocks through shared-memory slots and
-reduce in mesh order with the in-process backend's function, its bits (``worker_comm._Slots``). Otherwise Partial terms reduce with torch.distributed's all_reduce / reduce_scatter (half floats in
+reduce in mesh order with the in-process backend's function, its bits (``worker_comm._Slots``).
+Otherwise Partial terms reduce with torch.distributed's all_reduce / reduce_scatter (half floats in
 float32, integer avg in int64). Where any order gives the same bits (two terms, max/min, integers) the
 results equal the in-process backend's bit for bit; float sums/avgs over more than two terms add in
 the collective's order, so they may differ from the in-process backend's mesh-order sums in the last
@@ -371,8 +372,8 @@ class ProcessRuntime(Operations, Runtime):
         stage = self.transport.stage
         payload = {key: stage(self._pool, f"{h.id}-{n}", block, readers[key]) for n, (key, block) in enumerate(data.items())}
         for r, record in plan:
-            if type(record) is rec.Put:
-                record = record._replace(data=payload[record.data])
+            if record[0] is rec.Put:
+                record = record[:-1] + (payload[record[-1]],)
             self._buf[r].append(record)
         self._counted(len(plan))
         return h
@@ -539,8 +540,9 @@ class ProcessRuntime(Operations, Runtime):
             try:
                 pickle.dumps(record)
             except Exception:  # noqa: BLE001
-                kind = type(record).__name__
-                what = self._describe(record.seq, kind) if type(record) in rec.NUMBERED else f"record {kind}"
+                kind = record[0]
+                what = (self._describe(record[1 + kind.fields.index("seq")], kind.__name__) if kind in rec.NUMBERED
+                        else f"record {kind.__name__}")
                 return (f"dtorch process backend: cannot send {what} to the workers: {exc}. Kernel arguments "
                         "must be picklable (numbers, strings, tuples, dtypes, torch tensors).")
         return f"dtorch process backend: cannot send records to the workers: {exc}"
@@ -558,19 +560,18 @@ class ProcessRuntime(Operations, Runtime):
     def shutdown(self) -> None:
         with self._lock:
             pool = self._pool
-            if pool is None:
-                return
-            try:
-                self._farewell(pool)
-                clean = True
-            except Exception:  # noqa: BLE001
-                clean = False
-            self._pool = None
-            pool.stop(clean=clean)
-            self._lost = "the backend was shut down"
-            self._epoch += 1
-            self._reset()
-        self.transport.close()
+            if pool is not None:
+                try:
+                    self._farewell(pool)
+                    clean = True
+                except Exception:  # noqa: BLE001
+                    clean = False
+                self._pool = None
+                pool.stop(clean=clean)
+                self._lost = "the backend was shut down"
+                self._epoch += 1
+                self._reset()
+        self.transport.close()  # (also after a fault stopped the workers: the ray transport may stop Ray)
 
     def _farewell(self, pool) -> None:
         """Tell every worker to exit once it reaches the end of its queue."""

@@ -3,9 +3,11 @@
 Both sides import these types; a worker dispatches on a record's type (``Worker.HANDLERS``, built from
 ``RECORD_TYPES`` and the handlers' ``@handles`` marks), so a record and its handler cannot drift apart.
 
-Records are NamedTuples: a batch of them is one pickle per worker per push. They pickle as
-``(type, fields)`` (``__reduce__``): NamedTuple's default reduction costs about 3x more per record
-(docs/benchmarks.md, "worker records").
+A record is the tuple ``(Kind, *fields)``: ``Kind`` (a ``Record`` subclass) declares the fields as
+annotations, and calling it checks them as a call does (names, count, defaults). Plain tuples because a
+batch is one pickle per worker per push: a tuple of a class and values pickles in C, where NamedTuples
+and dataclasses call back into Python per record (3-10x the pickling time per record, measured; the
+controller's time per op grew by half: docs/benchmarks.md, "worker records").
 
 Fields named ``seq`` carry the op's number, by which the controller names a failed op (``failure``);
 ``pid`` names a plan definition (``Define*``) the worker holds until a ``Forget`` drops it.
@@ -13,88 +15,84 @@ Fields named ``seq`` carry the op's number, by which the controller names a fail
 from __future__ import annotations
 
 import traceback
-from typing import Any, NamedTuple
+from typing import Any
 
 
-RECORD_TYPES: list = []  # every record type, in definition order (``@record``)
+RECORD_TYPES: list = []  # every record type, in definition order
 
 
-def _reduce(self):
-    return (type(self), tuple(self))
+class Record:
+    """A record type: its fields are the class's annotations (in order; a class attribute is a default).
+    ``Kind(*fields)`` checks the fields as a call does and returns the tuple ``(Kind, *fields)``."""
 
+    fields: tuple = ()
 
-def record(cls):
-    """Registers a record type; it pickles as its type and its fields (see the module docstring for why)."""
-    cls.__reduce__ = _reduce
-    RECORD_TYPES.append(cls)
-    return cls
+    def __init_subclass__(cls):
+        names = tuple(cls.__dict__.get("__annotations__", {}))
+        cls.fields = names
+        params = ", ".join(f"{n}={n}" if n in cls.__dict__ else n for n in names)
+        # named after the record: a wrong call says "Kernel() missing 1 required positional argument: 'dev_kw'"
+        src = f"def {cls.__name__}(cls, {params}):\n    return (cls, {''.join(n + ', ' for n in names)})"
+        scope: dict = {}
+        exec(src, {n: cls.__dict__[n] for n in names if n in cls.__dict__}, scope)  # defaults: the class's values
+        cls.__new__ = staticmethod(scope[cls.__name__])
+        RECORD_TYPES.append(cls)
 
 
 # -- membership and lifetime ------------------------------------------------------------------------------
-@record
-class Reform(NamedTuple):
+class Reform(Record):
     """Join the current process-group generation (the process backend's workers read it from the store:
     ``cfg`` None; Ray actors get it here)."""
     cfg: Any = None
 
 
-@record
-class Pair(NamedTuple):
+class Pair(Record):
     """Open the gloo group of two with the controller (process backend: its data plane off this host)."""
     gen: int
 
 
-@record
-class Groups(NamedTuple):
+class Groups(Record):
     """Create these process groups, in this order (new_group is collective over every worker)."""
     groups: tuple
 
 
-@record
-class Free(NamedTuple):
+class Free(Record):
     ids: tuple
 
 
-@record
-class Forget(NamedTuple):
+class Forget(Record):
     """The controller dropped these plan ids; no later record uses them."""
     pids: tuple
 
 
-@record
-class EmptyCache(NamedTuple):
-    pass
+class EmptyCache(Record):
+    """Hand the device's cached memory back (CUDA)."""
 
 
-@record
-class Exit(NamedTuple):
-    pass
+class Exit(Record):
+    """Leave once the queue reaches this record."""
 
 
-@record
-class Batch(NamedTuple):
+class Batch(Record):
     """A batch too large for one queue message, stored under ``name`` (process backend)."""
     name: str
     size: int
 
 
 # -- answers: the worker replies through its link (``worker_link``) ---------------------------------------------
-@record
-class Sync(NamedTuple):
+class Sync(Record):
     """Complete every posted transfer, then answer: the controller waits for ``world`` answers."""
     tok: int
     world: int
 
 
-@record
-class Stats(NamedTuple):
+class Stats(Record):
     req: int
     collectives: bool
     world: int
 
 
-@record
-class Get(NamedTuple):
+class Get(Record):
     """Send block ``hid`` to the controller. ``how``: False (the link's default), True (a shared-memory
     file of its own), or (path, offset) into the controller's file of the global value; ``tag`` for the
     process backend's pair."""
@@ -106,8 +104,7 @@ class Get(NamedTuple):
 
 
 # -- placement -------------------------------------------------------------------------------------------
-@record
-class Put(NamedTuple):
+class Put(Record):
     """A block from the controller: ``data`` is its bytes (small) or what the transport staged."""
     seq: int
     hid: int
@@ -117,8 +114,7 @@ class Put(NamedTuple):
     data: Any
 
 
-@record
-class Zeros(NamedTuple):
+class Zeros(Record):
     seq: int
     hid: int
     dtype: Any
@@ -126,8 +122,7 @@ class Zeros(NamedTuple):
     device_type: str
 
 
-@record
-class FileRead(NamedTuple):
+class FileRead(Record):
     """Read the block from files where the worker is (``interface.read_file_block``)."""
     seq: int
     hid: int
@@ -137,15 +132,13 @@ class FileRead(NamedTuple):
     where: Any
 
 
-@record
-class Alias(NamedTuple):
+class Alias(Record):
     hid: int
     new_id: int
 
 
 # -- kernels ---------------------------------------------------------------------------------------------
-@record
-class DefineKernel(NamedTuple):
+class DefineKernel(Record):
     pid: int
     name: str
     module: str
@@ -153,8 +146,7 @@ class DefineKernel(NamedTuple):
     out_specs: tuple
 
 
-@record
-class Kernel(NamedTuple):
+class Kernel(Record):
     """Run kernel plan ``pid`` on blocks ``in_ids`` into new blocks ``out_ids``; ``dev_kw``: this device's
     own values (``device_args``) or None."""
     seq: int
@@ -165,8 +157,7 @@ class Kernel(NamedTuple):
     dev_kw: Any
 
 
-@record
-class Write(NamedTuple):
+class Write(Record):
     """Run in-place kernel plan ``pid`` into block ``tid`` (copied first when its storage is shared)."""
     seq: int
     pid: int
@@ -177,8 +168,7 @@ class Write(NamedTuple):
 
 
 # -- redistribution --------------------------------------------------------------------------------------
-@record
-class DefineStep(NamedTuple):
+class DefineStep(Record):
     """A redistribution primitive (``primitive``: a ``Worker.p_*`` name) between two specs; ``arg``: the mesh
     dim (a move: whether the layouts match)."""
     pid: int
@@ -188,8 +178,7 @@ class DefineStep(NamedTuple):
     arg: Any
 
 
-@record
-class Step(NamedTuple):
+class Step(Record):
     seq: int
     pid: int
     in_id: int
@@ -197,30 +186,26 @@ class Step(NamedTuple):
     tag: int
 
 
-@record
-class DefineMoveInto(NamedTuple):
+class DefineMoveInto(Record):
     pid: int
     pairs: tuple
 
 
-@record
-class MoveInto(NamedTuple):
+class MoveInto(Record):
     seq: int
     pid: int
     ids: tuple
     tag: int
 
 
-@record
-class DefineRingShift(NamedTuple):
+class DefineRingShift(Record):
     pid: int
     spec: Any
     mesh_dim: int
     shift: int
 
 
-@record
-class RingShift(NamedTuple):
+class RingShift(Record):
     seq: int
     pid: int
     in_id: int
@@ -228,18 +213,17 @@ class RingShift(NamedTuple):
     tag: int
 
 
-NUMBERED = frozenset(t for t in RECORD_TYPES if "seq" in t._fields)  # records that carry an op number
+NUMBERED = frozenset(t for t in RECORD_TYPES if "seq" in t.fields)  # records that carry an op number
 
 
 def failure(rec, exc: BaseException) -> tuple:
     """(op number or None, record kind, the exception in one line, its traceback): what the controller
     needs to name the op a record belonged to (it knows what op #seq was)."""
-    kind = type(rec).__name__
-    seq = rec.seq if type(rec) in NUMBERED else None
-    if seq is None and rec:
-        kind = f"{kind} {rec[0]!r}"
+    kind = rec[0]
+    seq = rec[1 + kind.fields.index("seq")] if kind in NUMBERED else None
+    name = kind.__name__ if seq is not None or len(rec) < 2 else f"{kind.__name__} {rec[1]!r}"
     text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    return seq, kind, text, traceback.format_exc()
+    return seq, name, text, traceback.format_exc()
 
 
 def handles(record_type):

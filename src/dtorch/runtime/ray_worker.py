@@ -91,13 +91,14 @@ class RayLink(Link):
 
     def receive(self, worker: Worker, r: rec.Put) -> torch.Tensor:
         # Ray's mapping is read-only and may be shared by the actors of this node: the block is our copy
-        raw = torch.from_numpy(np.array(self.arrived.pop(r.data[1]), copy=True))
-        return pp.from_bytes(raw, r.dtype, r.shape)
+        _, seq, hid, dtype, shape, device_type, data = r
+        raw = torch.from_numpy(np.array(self.arrived.pop(data[1]), copy=True))
+        return pp.from_bytes(raw, dtype, shape)
 
     def send(self, worker: Worker, r: rec.Get, x: torch.Tensor) -> None:
         # the controller flushes right after a get, so no later record of this batch writes the block
         # before Ray copies the result into its object store
-        self.answers[("get", r.req)] = (x.dtype, tuple(x.shape), pp.as_bytes(x.detach().cpu()).numpy())
+        self.answers[("get", r[3])] = (x.dtype, tuple(x.shape), pp.as_bytes(x.detach().cpu()).numpy())
 
     def report(self, worker: Worker, r, exc: BaseException) -> None:
         self.answers["err"] = failure(r, exc)  # the records after it are skipped; the controller stops every actor

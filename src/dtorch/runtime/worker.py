@@ -78,34 +78,37 @@ class StoreLink(Link):
         self.pair = dist.ProcessGroupGloo(store, 1, 2, datetime.timedelta(seconds=worker.cfg["timeout"]))
 
     def batch(self, worker: Worker, r: rec.Batch) -> list:
-        return pickle.loads(pp.store_take(self.store, r.name, r.size))
+        _, name, size = r
+        return pickle.loads(pp.store_take(self.store, name, size))
 
     def receive(self, worker: Worker, r: rec.Put) -> torch.Tensor:
-        if r.data[0] == "shm":  # a file in the shared-memory directory
-            _, path, size, name = r.data
-            block = pp.shm_take(path, size, r.dtype, r.shape, unlink=False)  # mapped before anyone unlinks
+        _, seq, hid, dtype, shape, device_type, data = r
+        if data[0] == "shm":  # a file in the shared-memory directory
+            _, path, size, name = data
+            block = pp.shm_take(path, size, dtype, shape, unlink=False)  # mapped before anyone unlinks
             if self.store.add(f"{name}/left", -1) == 0:  # the last reader unlinks it
                 os.unlink(path)
                 self.store.delete_key(f"{name}/left")
             return block
-        _, size, tag = r.data  # a large block the controller sent through our pair
+        _, size, tag = data  # a large block the controller sent through our pair
         buf = torch.empty(size, dtype=torch.uint8)
         self.pair.recv([buf], 0, tag).wait()
-        return pp.from_bytes(buf, r.dtype, r.shape)
+        return pp.from_bytes(buf, dtype, shape)
 
     def send(self, worker: Worker, r: rec.Get, x: torch.Tensor) -> None:
         """Our block of a fetch: into shared memory when the controller asked and there is room, else
         inline (small) or through our pair (the header in the store says which)."""
-        key = f"g/{r.req}/{worker.rank}"
+        _, seq, hid, req, how, tag = r
+        key = f"g/{req}/{worker.rank}"
         head = (x.dtype, tuple(x.shape))
         sent = None
         try:
-            if isinstance(r.how, tuple):  # into the controller's file of the global value, at our block's offset
-                path, offset = r.how
+            if isinstance(how, tuple):  # into the controller's file of the global value, at our block's offset
+                path, offset = how
                 pp.shm_write_at(path, offset, x)
                 sent = head + ("direct",)
-            elif r.how and worker.shm:  # a file of its own: the controller maps it and unlinks it
-                path = os.path.join(worker.shm, f"g-{r.req}-{worker.rank}")
+            elif how and worker.shm:  # a file of its own: the controller maps it and unlinks it
+                path = os.path.join(worker.shm, f"g-{req}-{worker.rank}")
                 try:
                     sent = head + ("shm", path, pp.shm_write(path, x))
                 except OSError:
@@ -117,11 +120,11 @@ class StoreLink(Link):
         data = None
         if sent is None:
             data = pp.as_bytes(x.detach().cpu())
-            sent = head + (("inline", data.numpy().tobytes()) if data.numel() <= pp.INLINE_BYTES else ("pg", r.tag))
+            sent = head + (("inline", data.numpy().tobytes()) if data.numel() <= pp.INLINE_BYTES else ("pg", tag))
         self.store.set(key, pickle.dumps(sent))
-        self.store.add(f"g/{r.req}", 1)
+        self.store.add(f"g/{req}", 1)
         if sent[2] == "pg":  # the controller receives once every block's header is in
-            self.pair.send([data], 0, r.tag).wait()
+            self.pair.send([data], 0, tag).wait()
 
     def report(self, worker: Worker, r, exc: BaseException) -> None:
         self.store.set(f"err/{worker.rank}", pickle.dumps(failure(r, exc)))

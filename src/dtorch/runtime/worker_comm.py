@@ -165,11 +165,12 @@ class Collectives:
 
     @handles(rec.DefineStep)
     def on_define_step(self, r: rec.DefineStep):
-        self.defs[r.pid] = (getattr(self, "p_" + r.primitive), r.before, r.after, r.arg)
+        _, pid, primitive, before, after, arg = r
+        self.defs[pid] = (getattr(self, "p_" + primitive), before, after, arg)
 
     @handles(rec.Step)
     def on_step(self, r: rec.Step):
-        _, pid, in_id, out_id, tag = r
+        _, seq, pid, in_id, out_id, tag = r
         fn, before, after, arg = self.defs[pid]
         out = fn(self.t.get(in_id), before, after, arg, tag)
         if isinstance(out, (_Incoming, _Posted)):
@@ -288,7 +289,8 @@ class Collectives:
 
     @handles(rec.DefineMoveInto)
     def on_define_move_into(self, r: rec.DefineMoveInto):
-        self.defs[r.pid] = tuple((before, after, pp.move_transfers(before, after)) for before, after in r.pairs)
+        _, pid, pairs = r
+        self.defs[pid] = tuple((before, after, pp.move_transfers(before, after)) for before, after in pairs)
 
     @handles(rec.MoveInto)
     def on_move_into(self, r: rec.MoveInto):
@@ -296,7 +298,7 @@ class Collectives:
         copied, the others received (straight into the block where the region is contiguous) from the one
         rank ``move_transfers`` names, and what other ranks need from here is sent. Every send and receive
         of the batch is posted at once; each target waits in ``t.pending`` until it is first read."""
-        _, pid, ids, tag = r
+        _, seq, pid, ids, tag = r
         me = self.rank
         ops, landing = [], []  # landing: (target id, block, [receive op index], [(buffer, dst slices, shape)])
         k = tag
@@ -418,11 +420,12 @@ class Collectives:
 
     @handles(rec.DefineRingShift)
     def on_define_ring_shift(self, r: rec.DefineRingShift):
-        self.defs[r.pid] = (r.spec, r.mesh_dim, r.shift)
+        _, pid, spec, mesh_dim, shift = r
+        self.defs[pid] = (spec, mesh_dim, shift)
 
     @handles(rec.RingShift)
     def on_ring_shift(self, r: rec.RingShift):
-        _, pid, in_id, out_id, tag = r
+        _, seq, pid, in_id, out_id, tag = r
         spec, i, shift = self.defs[pid]
         mesh = spec.mesh
         coord = pp.rank_coords(mesh)[self.rank]

@@ -115,12 +115,12 @@ class Worker(Collectives):
     def run(self, records) -> None:
         handlers = self.HANDLERS
         for r in records:
-            if self.failed or (self.stopping and type(r) is not rec.Exit):
-                if type(r) is rec.Exit and self.failed:
+            if self.failed or (self.stopping and r[0] is not rec.Exit):
+                if r[0] is rec.Exit and self.failed:
                     os._exit(0)
                 continue
             try:
-                handlers[type(r)](self, r)
+                handlers[r[0]](self, r)
             except Exiting:
                 self.link.leave(self)
             except BaseException as exc:  # noqa: BLE001  (report everything, then wait to be stopped)
@@ -152,11 +152,11 @@ class Worker(Collectives):
     @handles(rec.Reform)
     def on_reform(self, r: rec.Reform):
         self.settle()
-        self.link.join(self, r.cfg)
+        self.link.join(self, r[1])
 
     @handles(rec.Pair)
     def on_pair(self, r: rec.Pair):
-        self.link.open_pair(self, r.gen)
+        self.link.open_pair(self, r[1])
 
     @handles(rec.Batch)
     def on_batch(self, r: rec.Batch):
@@ -165,21 +165,21 @@ class Worker(Collectives):
     @handles(rec.Groups)
     def on_groups(self, r: rec.Groups):
         # every worker creates every group, in the controller's order (new_group is collective)
-        for ranks in r.groups:
+        for ranks in r[1]:
             key = tuple(sorted(ranks))
             if key not in self.groups:
                 self.groups[key] = dist.new_group(list(key))
 
     @handles(rec.Free)
     def on_free(self, r: rec.Free):
-        for i in r.ids:
+        for i in r[1]:
             if self.t.pop(i, None) is None and i in self.t.pending:
                 self.sends += self.t.pending.pop(i).works  # never read: still completed before a sync answers
 
     @handles(rec.Forget)
     def on_forget(self, r: rec.Forget):
         """The controller's plan table dropped these ids; no later record uses them (new ids replace them)."""
-        for pid in r.pids:
+        for pid in r[1]:
             self.defs.pop(pid, None)
 
     @handles(rec.EmptyCache)
@@ -189,52 +189,59 @@ class Worker(Collectives):
 
     @handles(rec.Stats)
     def on_stats(self, r: rec.Stats):
-        self.link.answer(self, "st", r.req, self.statistics(r.collectives), r.world)
+        _, req, collectives, world = r
+        self.link.answer(self, "st", req, self.statistics(collectives), world)
 
     @handles(rec.Sync)
     def on_sync(self, r: rec.Sync):
         self.settle()
-        self.link.answer(self, "s", r.tok, None, r.world)
+        _, tok, world = r
+        self.link.answer(self, "s", tok, None, world)
 
     # -- placement ----------------------------------------------------------------------------------
     @handles(rec.Put)
     def on_put(self, r: rec.Put):
         # small blocks ride in the record; the link fetches what the controller staged
-        block = pp.from_blob(r.data, r.dtype, r.shape) if isinstance(r.data, bytes) else self.link.receive(self, r)
-        self.t[r.hid] = block.to(self.device(r.device_type))
+        _, seq, hid, dtype, shape, device_type, data = r
+        block = pp.from_blob(data, dtype, shape) if isinstance(data, bytes) else self.link.receive(self, r)
+        self.t[hid] = block.to(self.device(device_type))
 
     @handles(rec.FileRead)
     def on_file_read(self, r: rec.FileRead):
-        self.t[r.hid] = read_file_block(r.where, r.shape, r.dtype).to(self.device(r.device_type))
+        _, seq, hid, dtype, shape, device_type, where = r
+        self.t[hid] = read_file_block(where, shape, dtype).to(self.device(device_type))
 
     @handles(rec.Zeros)
     def on_zeros(self, r: rec.Zeros):
-        self.t[r.hid] = torch.zeros(r.shape, dtype=r.dtype, device=self.device(r.device_type))
+        _, seq, hid, dtype, shape, device_type = r
+        self.t[hid] = torch.zeros(shape, dtype=dtype, device=self.device(device_type))
 
     @handles(rec.Get)
     def on_get(self, r: rec.Get):
-        self.link.send(self, r, self.t[r.hid])
+        self.link.send(self, r, self.t[r[2]])
 
     @handles(rec.Alias)
     def on_alias(self, r: rec.Alias):
-        self.t[r.new_id] = self.t[r.hid]
+        _, hid, new_id = r
+        self.t[new_id] = self.t[hid]
 
     # -- kernels ------------------------------------------------------------------------------------
     @handles(rec.DefineKernel)
     def on_define_kernel(self, r: rec.DefineKernel):
+        _, pid, name, module, in_specs, out_specs = r
         try:
-            k = get_kernel(r.name)
+            k = get_kernel(name)
         except KeyError:
-            importlib.import_module(r.module)  # kernels registered outside dtorch's own op modules
-            k = get_kernel(r.name)
-        mesh = r.out_specs[0].mesh if r.out_specs else r.in_specs[0].mesh
+            importlib.import_module(module)  # kernels registered outside dtorch's own op modules
+            k = get_kernel(name)
+        mesh = out_specs[0].mesh if out_specs else in_specs[0].mesh
         coord = pp.rank_coords(mesh)[self.rank]
         lead = "lead" in inspect.signature(k.fn).parameters
-        self.defs[r.pid] = (k, lead, tuple(s.local_shape(coord) for s in r.out_specs))
+        self.defs[pid] = (k, lead, tuple(s.local_shape(coord) for s in out_specs))
 
     @handles(rec.Kernel)
     def on_kernel(self, r: rec.Kernel):
-        _, pid, in_ids, out_ids, kwargs, dev_kw = r
+        _, seq, pid, in_ids, out_ids, kwargs, dev_kw = r
         k, lead, shapes = self.defs[pid]
         kw = dict(kwargs, **dev_kw) if dev_kw else kwargs
         if lead:
@@ -251,7 +258,7 @@ class Worker(Collectives):
     @handles(rec.Write)
     def on_write(self, r: rec.Write):
         """In place into block ``tid``; copy-on-write when another id holds the same tensor or storage."""
-        _, pid, tid, in_ids, kwargs, dev_kw = r
+        _, seq, pid, tid, in_ids, kwargs, dev_kw = r
         k, lead, _ = self.defs[pid]
         kw = dict(kwargs, **dev_kw) if dev_kw else kwargs
         if lead:
