@@ -89,3 +89,33 @@ def test_the_kernel_records_written_as_tuples_have_the_kernel_fields():
         assert [getattr(e, "id", None) for e in lit.elts[1:6]] == ["seq", "pid", "in_ids", "out_ids", "kwargs"]
         assert len(lit.elts) == 1 + len(rec.Kernel.fields)
 
+
+
+def _unpackings(fn):
+    """The name lists of ``a, b, c = r`` statements in ``fn``'s source."""
+    import ast
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Name) and node.value.id == "r"
+                and isinstance(node.targets[0], ast.Tuple)):
+            yield [getattr(e, "id", None) for e in node.targets[0].elts]
+
+
+def test_handlers_and_links_unpack_exactly_the_declared_fields():
+    from dtorch.runtime.ray_worker import RayLink
+    from dtorch.runtime.worker import StoreLink
+
+    # each record read by unpacking is read whole, in the declared order (a renamed, added or moved field
+    # fails here, not on a worker)
+    readers = list(Worker.HANDLERS.items()) + [(rec.Put, StoreLink.receive), (rec.Get, StoreLink.send),
+                                                (rec.Batch, StoreLink.batch), (rec.Put, RayLink.receive)]
+    checked = 0
+    for record_type, fn in readers:
+        for names in _unpackings(fn):
+            assert len(names) == 1 + len(record_type.fields), (fn.__qualname__, names)
+            for got, field in zip(names[1:], record_type.fields):
+                assert got in ("_", field), (fn.__qualname__, got, field)
+            checked += 1
+    assert checked >= 15

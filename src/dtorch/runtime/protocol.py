@@ -7,7 +7,7 @@ A record is the tuple ``(Kind, *fields)``: ``Kind`` (a ``Record`` subclass) decl
 annotations, and calling it checks them as a call does (names, count, defaults). Plain tuples because a
 batch is one pickle per worker per push: a tuple of a class and values pickles in C, where NamedTuples
 and dataclasses call back into Python per record (3-10x the pickling time per record, measured; the
-controller's time per op grew by half: docs/benchmarks.md, "worker records").
+controller's time per op grew by half: docs/benchmarks.md, "Worker records and the transport seam").
 
 Fields named ``seq`` carry the op's number, by which the controller names a failed op (``failure``);
 ``pid`` names a plan definition (``Define*``) the worker holds until a ``Forget`` drops it.
