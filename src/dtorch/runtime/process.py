@@ -172,7 +172,8 @@ class ProcessRuntime(Operations, Runtime):
         if mesh in self._ready:
             return
         with self._lock:
-            problem = None if mesh.device_type == "cuda" and self.transport.force_cuda else mesh_problems(mesh, self.config)
+            remote = mesh.device_type == "cuda" and self.transport.remote_gpus(self.config)
+            problem = None if remote else mesh_problems(mesh, self.config)
             if problem:
                 raise DeviceUnavailableError(problem)
             if mesh.device_type == "cuda" and not self.transport.real_gpus(self.config):

@@ -106,11 +106,13 @@ class RayTransport(Transport):
         _connect(address)
         _USERS.add(self)
         self.gpus = int(ray.cluster_resources().get("GPU", 0))
-        self.force_cuda = None  # decided by the device config (``real_gpus``)
 
-    def real_gpus(self, config) -> bool:
+    def remote_gpus(self, config) -> bool:
         # "cuda" meshes: one GPU actor per device when the cluster has GPUs, though this process may have none
         return self.gpus > 0 and not config.same_device
+
+    def real_gpus(self, config) -> bool:
+        return self.remote_gpus(config)
 
     def make_pool(self, timeout: float, world: int, heartbeat: float) -> "RayPool":
         _connect(self.address)  # again, if another runtime's shutdown stopped the Ray dtorch had started

@@ -43,7 +43,6 @@ class Transport:
 
     name = "transport"
     shm = False  # may blocks to and from workers go through this host's shared memory?
-    force_cuda = False  # "cuda" meshes are the workers' GPUs, whatever this machine has
     spawn = True  # does the controller start its workers? (else they join: the pool cannot grow)
 
     def __init__(self):
@@ -52,6 +51,10 @@ class Transport:
     def real_gpus(self, config) -> bool:
         """Do "cuda" meshes run on GPUs (NCCL), or simulated on the workers' CPUs?"""
         raise NotImplementedError
+
+    def remote_gpus(self, config) -> bool:
+        """Are "cuda" meshes the workers' GPUs, whatever this machine has (its devices are not checked)?"""
+        return False
 
     def make_pool(self, timeout: float, world: int, heartbeat: float):
         raise NotImplementedError
@@ -109,6 +112,9 @@ class StoreTransport(Transport):
         self.pairs: dict = {}
         self.posted: list = []  # (send work, its bytes) of blocks placed through a pair, until complete
         self.pair_tag = 0
+
+    def remote_gpus(self, config) -> bool:
+        return self.force_cuda
 
     def real_gpus(self, config) -> bool:
         return self.force_cuda or (torch.cuda.is_available() and not config.same_device)
