@@ -64,7 +64,7 @@ def main(argv=None) -> None:
         for layout, spec in zip(layouts, specs):
             rates = {}
             for path, shm in (("shm", True), ("dist", False)):
-                rt.shm = shm
+                rt.transport.shm = shm
                 rates[path] = measure(rt, x, spec, args.iters)
             (sp, sf), (tp, tf) = rates["shm"], rates["dist"]
             print(f"{mb:.0f} MB {layout[0]!s:<12} place: shm {sp:6.0f} MB/s  torch.distributed {tp:5.0f} MB/s   "

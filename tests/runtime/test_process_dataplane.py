@@ -114,7 +114,7 @@ def test_torch_distributed_path_gives_the_same_values(trio):
     x = torch.randn(7, INLINE_BYTES // 4 + 5, dtype=torch.float64)
     with using(trio):
         rt = trio.runtime
-        rt.shm = False
+        rt.transport.shm = False
         try:
             before = dict(rt.stats)
             d = dtorch.Tensor(x, device_mesh=TRIO, placements=[Shard(0)])
@@ -122,7 +122,7 @@ def test_torch_distributed_path_gives_the_same_values(trio):
             assert rt.stats["bytes_shm"] == before["bytes_shm"]
             assert rt.stats["bytes_put"] > before["bytes_put"] and rt.stats["bytes_fetched"] > before["bytes_fetched"]
         finally:
-            rt.shm = True
+            rt.transport.shm = True
 
 
 def test_a_full_dev_shm_falls_back_to_torch_distributed(trio, monkeypatch):
@@ -227,7 +227,7 @@ def fetch_under_way(path: str, **graph_kw):
     none of its /dev/shm files is left."""
     others = set(shm_files())  # other tests' pools, still running
     g = process_graph(workers=2, **graph_kw)
-    g.runtime.shm = path == "shm"
+    g.runtime.transport.shm = path == "shm"
     pids: list = []
     try:
         with using(g):

@@ -33,8 +33,9 @@ def test_a_worker_whose_controller_closes_the_store_after_the_exit_record_exits_
 
         master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                timeout=datetime.timedelta(seconds=10))
-        w = worker.Worker(worker.connect(f"127.0.0.1:{master.port}", 10), 0, 0, None)
-        threading.Thread(target=worker._watch, args=(w.store, w, None), daemon=True).start()
+        link = worker.StoreLink(worker.connect(f"127.0.0.1:{master.port}", 10))
+        w = worker.Worker(link, 0, 0)
+        threading.Thread(target=worker._watch, args=(link.store, w, None), daemon=True).start()
         time.sleep(0.7)  # the watchdog ticks
 
         def slow_barrier():
@@ -42,7 +43,7 @@ def test_a_worker_whose_controller_closes_the_store_after_the_exit_record_exits_
             master = None  # the controller finishes: its store closes
             time.sleep(2)  # the watchdog notices meanwhile
         dist.barrier = slow_barrier
-        w.leave()
+        link.leave(w)
     """)
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr and "frame #" not in r.stderr, r.stderr

@@ -26,7 +26,7 @@ import torch
 
 from .._lru import LRU
 from ..errors import RuntimeBackendError
-from ..spec import DTensorSpec, move_transfers
+from ..spec import DTensorSpec
 from .blocks import assemble, cut_global, cut_shard, dim_groups, reduce_dim, reduce_list
 from .cow import private_copy, writable
 from .grids import global_to_grid, grid_to_global
@@ -34,6 +34,7 @@ from .grids import grid_gather as _grid_gather, grid_slice as _grid_slice, to_pa
 from .devices import DeviceConfig, read_device_config, torch_devices
 from .interface import Executable, Runtime
 from .kernels import Kernel, as_terms, broadcast_pair, broadcast_shape, varying
+from .inprocess_move_into import move_into
 from .tapes import RELEASE_NUMEL, as_views as _as_views, drop_values as _drop_values, saved_tensors as _saved_tensors
 
 
@@ -275,41 +276,7 @@ class InProcessRuntime(Runtime):
         return self.from_global(self.to_global(h, before), after)
 
     def move_into(self, moves) -> list:
-        """Each region of each target block copied straight from a source block that holds it (one copy per
-        distinct block: replicas of a grid are stored once). A shared target gets fresh storage: every
-        element is about to be written."""
-        out = []
-        for src, before, target, after in moves:
-            sources = self.local_blocks(src, before)
-            index = {d: n for n, d in enumerate(before.mesh.device_ids)}
-            if target.grid is not None:
-                if not writable(target.grid):
-                    target = Shards(grid=torch.empty_like(target.grid, memory_format=torch.contiguous_format))
-                grid = target.grid
-                g = grid.shape[: after.mesh.ndim]
-                slots = [tuple(c if m > 1 else 0 for c, m in zip(coord, g)) for coord in after.mesh.coordinates()]
-                dest = [grid[c] for c in slots]
-            else:
-                blocks = target.blocks
-                slots = [id(b) for b in blocks]
-                held = {}
-                for n in range(len(blocks)):  # (no loop variable may keep a block referenced: writable() counts)
-                    held[slots[n]] = held.get(slots[n], 0) + 1
-                if not all(writable(blocks[slots.index(k)], holder_refs=c) for k, c in held.items()):
-                    fresh = {k: torch.empty_like(blocks[slots.index(k)], memory_format=torch.contiguous_format)
-                             for k in held}
-                    target = Shards(blocks=[fresh[k] for k in slots])
-                dest = target.blocks
-            position = {d: n for n, d in enumerate(after.mesh.device_ids)}
-            writer: dict = {}  # storage slot -> the one device that writes it (replicas stored once: once)
-            for n, slot in enumerate(slots):
-                writer.setdefault(slot, n)
-            for s_id, d_id, s_sl, d_sl, _ in move_transfers(before, after):
-                n = position[d_id]
-                if writer[slots[n]] == n:
-                    dest[n][d_sl].copy_(sources[index[s_id]][s_sl])
-            out.append(target)
-        return out
+        return move_into(self, moves, Shards)  # (Shards: the storage type, built here)
 
 
 @lru_cache(maxsize=4096)

@@ -1,20 +1,18 @@
 """The process backend (scale-out): one worker process per device, torch.distributed underneath.
 
 The controller (this object, in the user's process) never touches data. It turns each runtime call
-into an op record, buffers the records per worker and pushes them in batches through its TCPStore
-(one queue per worker); it waits on workers only to fetch values (``to_global``), in ``sync`` and in
+into an op record (``protocol``), buffers the records per worker and pushes them in batches through its
+transport (the store transport: a TCPStore queue per worker); it waits on workers only to fetch values (``to_global``), in ``sync`` and in
 ``TensorFuture.get``. Handles are integer ids the controller allocates, so outputs exist before any
 worker has run anything. A mesh's device id is a worker's rank; what each worker does for a kernel
 or a redistribution primitive is a pure function of the specs (``process_plan``), sent once per plan.
 
-Transport: control records go through the store. Controller<->worker data: workers on this host get
-large blocks as files in a shared-memory directory (``process_plan.shm_*``: the record carries the name);
-workers elsewhere (and any block /dev/shm has no room for) through a gloo group of two per worker, the
-controller and that worker (``_open_pairs``): torch.distributed send/recv, so the store carries control only;
-worker<->worker data goes through torch.distributed collectives and send/recv (gloo on CPU, NCCL on
-CUDA), except all_reduce and all_gather among workers of the controller's host, which exchange blocks
-through shared-memory slots (met at a futex barrier, ``shm_barrier``) and reduce in mesh order with the
-in-process backend's function, its bits (``worker._Slots``). Otherwise Partial terms reduce with torch.distributed's all_reduce / reduce_scatter (half floats in
+Transport (``transport.py``): records and data move through a ``Transport``, the one seam between this
+controller and its workers: the store transport here, Ray's in ``ray_backend``. Worker<->worker data goes
+through torch.distributed collectives and send/recv (gloo on CPU, NCCL on CUDA), except all_reduce and
+all_gather among workers of the controller's host, which exchange blocks through shared-memory slots and
+reduce in mesh order with the in-process backend's function, its bits (``worker_comm._Slots``).
+Otherwise Partial terms reduce with torch.distributed's all_reduce / reduce_scatter (half floats in
 float32, integer avg in int64). Where any order gives the same bits (two terms, max/min, integers) the
 results equal the in-process backend's bit for bit; float sums/avgs over more than two terms add in
 the collective's order, so they may differ from the in-process backend's mesh-order sums in the last
@@ -38,8 +36,6 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import contextlib
-import datetime
 import functools
 import itertools
 import os
@@ -48,27 +44,27 @@ import threading
 import time
 import weakref
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
 from ..errors import DeviceUnavailableError, RuntimeBackendError
 from ..mesh import DeviceMesh
-from ..placement import Replicate, Shard
+from ..placement import Replicate
 from ..spec import DTensorSpec
 from . import process_plan as pp
+from . import protocol as rec
 from .blocks import assemble, cut_global
-from .process_plan import INLINE_BYTES
+from .process_plan import INLINE_BYTES  # noqa: F401  (re-exported: tests and the ray backend size blocks by it)
 from .devices import mesh_problems, read_device_config, simulation_device
 from .._lru import LRU
-from .interface import Executable, Runtime
+from .interface import Runtime
+from .process_ops import Operations
 from .process_pool import Pool, WorkerError, heartbeat_timeout
+from .transport import StoreTransport, Transport, _TAG_SPAN
 
 __all__ = ["ProcessRuntime", "WorkerError"]
 
 FLUSH_RECORDS = 64  # records buffered before a push
 FLUSH_AFTER_S = 0.002  # ... or this long after the first one
-_TAG_SPAN = 1 << 24
 PLAN_IDS = 4096  # plan ids the workers hold at most (a decode loop makes new ones every step)
 
 _LIVE: "weakref.WeakSet[ProcessRuntime]" = weakref.WeakSet()
@@ -108,25 +104,30 @@ def _env_int(name: str, default):
         raise ValueError(f"{name}={raw!r} must be an integer") from None
 
 
-class ProcessRuntime(Runtime):
+class ProcessRuntime(Operations, Runtime):
+    """The controller of one worker per device; ``transport`` reaches the workers (default: the process
+    backend's store transport, configured by the arguments and the environment above)."""
+
     name = "process"
 
     def __init__(self, *, workers: int | None = None, listen: str | None = None, spawn: bool | None = None,
                  timeout: float | None = None, max_workers: int | None = None,
-                 heartbeat_timeout_s: float | None = None):
+                 heartbeat_timeout_s: float | None = None, transport: Transport | None = None):
         self.config = read_device_config()
         self.min_workers = workers if workers is not None else _env_int("DTORCH_PROCESS_WORKERS", None)
-        self.listen = listen or os.environ.get("DTORCH_PROCESS_LISTEN") or "127.0.0.1:0"
-        self.spawn = spawn if spawn is not None else os.environ.get("DTORCH_PROCESS_SPAWN", "1") not in ("0", "false")
         self.timeout = float(timeout if timeout is not None else _env_int("DTORCH_PROCESS_TIMEOUT", 300))
         self.max_workers = max_workers or _env_int("DTORCH_PROCESS_MAX_WORKERS", 64)
         self.heartbeat_timeout = heartbeat_timeout(heartbeat_timeout_s)
         self.sync_every_op = os.environ.get("DTORCH_PROCESS_SYNC", "0") in ("1", "true")
-        self.shm = os.environ.get("DTORCH_PROCESS_SHM", "1") not in ("0", "false")
-        # the workers' GPUs, when this controller's machine has none (several nodes)
-        self.force_cuda = os.environ.get("DTORCH_PROCESS_CUDA", "0") in ("1", "true")
-        if not self.spawn and not self.min_workers:
-            raise ValueError("DTORCH_PROCESS_SPAWN=0 needs DTORCH_PROCESS_WORKERS=N: how many workers will join")
+        if transport is None:
+            spawn = spawn if spawn is not None else os.environ.get("DTORCH_PROCESS_SPAWN", "1") not in ("0", "false")
+            if not spawn and not self.min_workers:
+                raise ValueError("DTORCH_PROCESS_SPAWN=0 needs DTORCH_PROCESS_WORKERS=N: how many workers will join")
+            transport = StoreTransport(
+                listen or os.environ.get("DTORCH_PROCESS_LISTEN") or "127.0.0.1:0", spawn, self.timeout, shm=os.environ.get("DTORCH_PROCESS_SHM", "1") not in ("0", "false"),
+                # the workers' GPUs, when this controller's machine has none (several nodes)
+                force_cuda=os.environ.get("DTORCH_PROCESS_CUDA", "0") in ("1", "true"))
+        self.transport = transport
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._seq = itertools.count(1)
@@ -137,6 +138,7 @@ class ProcessRuntime(Runtime):
         # bytes_shm: blocks moved through shared memory (both ways); bytes_fetched: fetched through torch.distributed
         self.stats = {"ops": 0, "records": 0, "flushes": 0, "bytes_pushed": 0, "bytes_put": 0, "bytes_shm": 0,
                       "bytes_fetched": 0}
+        transport.stats = self.stats
         self._sink: list = []  # (id, ranks, epoch) of dead handles, appended by Handle.__del__
         self._executables = LRU("process.executables", 4096)  # (kernel, in specs, out specs) -> _Executable
         self._pid_seq = itertools.count(1)  # plan ids are never reused (a worker may still hold a forgotten one)
@@ -158,12 +160,7 @@ class ProcessRuntime(Runtime):
         self._tag = 0
         self._world = 0
         self._cuda = False
-        self._shm_ranks: set = set()  # workers that see the pool's shared-memory directory
-        # rank -> a two-member gloo group (controller 0, worker 1): large blocks to and from workers that do
-        # not see the shared-memory directory (other hosts, DTORCH_PROCESS_SHM=0, a full /dev/shm)
-        self._pairs: dict = {}
-        self._posted: list = []  # (send work, its bytes) of blocks placed through a pair, until complete
-        self._pair_tag = 0
+        self.transport.reset()
 
     # -- devices ---------------------------------------------------------------------------------
     def devices(self, mesh) -> tuple:
@@ -175,10 +172,11 @@ class ProcessRuntime(Runtime):
         if mesh in self._ready:
             return
         with self._lock:
-            problem = None if mesh.device_type == "cuda" and self.force_cuda else mesh_problems(mesh, self.config)
+            remote = mesh.device_type == "cuda" and self.transport.remote_gpus(self.config)
+            problem = None if remote else mesh_problems(mesh, self.config)
             if problem:
                 raise DeviceUnavailableError(problem)
-            if mesh.device_type == "cuda" and not self._real_gpus():
+            if mesh.device_type == "cuda" and not self.transport.real_gpus(self.config):
                 simulation_device()  # says once that simulated GPUs run on the CPU, as in-process does
             need = max(mesh.device_ids) + 1
             if need > self.max_workers:
@@ -186,12 +184,12 @@ class ProcessRuntime(Runtime):
                     f"mesh {mesh} needs {need} worker processes (one per device id 0..{need - 1}) but the process "
                     f"backend allows {self.max_workers}; use a smaller mesh, the in-process backend, or raise "
                     "DTORCH_PROCESS_MAX_WORKERS")
-            cuda = self._cuda or (mesh.device_type == "cuda" and self._real_gpus())
+            cuda = self._cuda or (mesh.device_type == "cuda" and self.transport.real_gpus(self.config))
             world = max(need, self._world, self.min_workers or 0)
             if self._pool is None:
                 self._start(world, cuda)
             elif world > self._world or cuda != self._cuda:
-                if not self.spawn:
+                if not self.transport.spawn:
                     raise DeviceUnavailableError(
                         f"mesh {mesh} needs device ids up to {need - 1} but {self._world} workers joined "
                         "(DTORCH_PROCESS_WORKERS); start workers for the missing ranks and raise "
@@ -199,16 +197,10 @@ class ProcessRuntime(Runtime):
                 self._grow(world, cuda)
             self._ready.add(mesh)
 
-    def _real_gpus(self) -> bool:
-        """Do "cuda" meshes run on GPUs (NCCL), or simulated on the workers' CPUs?"""
-        return self.force_cuda or (torch.cuda.is_available() and not self.config.same_device)
-
-    def _make_pool(self, world: int):
-        return Pool(self.listen, self.spawn, self.timeout, max(60.0, 15.0 * world), self.heartbeat_timeout)
-
     def _start(self, world: int, cuda: bool) -> None:
-        pool = self._make_pool(world)
+        pool = self.transport.make_pool(self.timeout, world, self.heartbeat_timeout)
         pool.describe = self._describe
+        pool.last_op = self._last_op
         self._pool = pool
         try:
             self._resize(world, cuda)
@@ -227,34 +219,12 @@ class ProcessRuntime(Runtime):
 
     def _resize(self, world: int, cuda: bool) -> None:
         old = self._world
-
-        def reform():
-            for r in range(old):
-                self._pool.push(r, pickle.dumps([("reform",)]))
-
-        self._pool.resize(world, "cpu:gloo,cuda:nccl" if cuda else "gloo", cuda, reform)
+        self.transport.resize(self._pool, old, world, "cpu:gloo,cuda:nccl" if cuda else "gloo", cuda)
         self._world, self._cuda = world, cuda
-        self._shm_ranks = self._pool.shm_ranks() if self._pool.shm else set()
         for r in range(world):
             self._buf.setdefault(r, [])
-        self._open_pairs(range(old, world))
         # the plans stay defined: running workers keep theirs across a re-form, and no plan names a new rank
         self._groups.clear()
-
-    def _open_pairs(self, ranks) -> None:
-        """A gloo group of two (this controller, the worker) per new worker: the data plane wherever shared
-        memory is not (the store then carries control only). Each side's constructor waits for the other."""
-        pool = self._pool
-        for r in ranks:
-            pool.push(r, pickle.dumps([("pair", pool.gen)]))
-            store = dist.PrefixStore(f"pair/{pool.gen}/{r}/", pool.client.clone())
-            self._pairs[r] = watched(
-                pool, lambda: dist.ProcessGroupGloo(store, 0, 2, datetime.timedelta(seconds=self.timeout)),
-                f"{pool.who(r)} to open its data connection", pool.start_timeout)
-
-    def _next_pair_tag(self) -> int:
-        self._pair_tag = (self._pair_tag + 1) % _TAG_SPAN
-        return self._pair_tag
 
     # -- records ---------------------------------------------------------------------------------
     def _new(self, ranks: tuple) -> Handle:
@@ -290,7 +260,7 @@ class ProcessRuntime(Runtime):
         if self._nrec >= FLUSH_RECORDS or time.perf_counter() - self._t_first > FLUSH_AFTER_S:
             self.flush()
 
-    def _define(self, key, rec: tuple, ranks) -> int:
+    def _define(self, key, define, args: tuple, ranks) -> int:
         """The plan id of ``key``; its definition is queued for ``ranks`` the first time (and again, under
         a fresh id, if the id was dropped from the table since)."""
         hit = self._plans.fast_get(key)  # the common case: one dict lookup
@@ -299,7 +269,7 @@ class ProcessRuntime(Runtime):
             if hit is None:
                 hit = (next(self._pid_seq), ranks)
                 self._plans[key] = hit  # may drop old ids: their forget records go before this definition
-                full = (rec[0], hit[0]) + rec[1:]
+                full = define(hit[0], *args)
                 for r in ranks:
                     self._buf[r].append(full)
         return hit[0]
@@ -314,15 +284,15 @@ class ProcessRuntime(Runtime):
             for r in ranks:
                 per.setdefault(r, []).append(pid)
         for r, pids in per.items():
-            buf[r].append(("forget", pids))
+            buf[r].append(rec.Forget(tuple(pids)))
 
     def _make_groups(self, mesh: DeviceMesh, dim: int) -> None:
         """new_group is collective over all workers: every worker creates every group, in our order."""
         if (mesh, dim) in self._groups or mesh.shape[dim] == 1:
             return
-        rec = ("groups", pp.dim_groups(mesh, dim))
+        groups = rec.Groups(pp.dim_groups(mesh, dim))
         for r in range(self._world):
-            self._buf[r].append(rec)
+            self._buf[r].append(groups)
         self._groups.add((mesh, dim))
 
     def _tags(self, n: int) -> int:
@@ -345,7 +315,7 @@ class ProcessRuntime(Runtime):
                     frees.setdefault(r, []).append(hid)
             del sink[:n]
             for r, ids in frees.items():
-                self._buf[r].append(("free", ids))
+                self._buf[r].append(rec.Free(tuple(ids)))
 
     def flush(self) -> None:
         """Push every buffered record to its worker (one store message per worker)."""
@@ -367,8 +337,6 @@ class ProcessRuntime(Runtime):
                 self._buf[r] = []
             self.stats["flushes"] += 1
             self.stats["records"] += self._nrec
-            if self._posted:  # blocks placed through a pair: their bytes are ours until sent
-                self._posted = [p for p in self._posted if not p[0].is_completed()]
             self._nrec = 0
             try:
                 pool.check()  # a dead worker surfaces at the next op, not only at the next wait
@@ -394,45 +362,22 @@ class ProcessRuntime(Runtime):
         for r, coord, block in zip(ranks, mesh.coordinates(), blocks):
             shape = spec.local_shape(coord)
             if block is None:
-                plan.append((r, ("zeros", seq, h.id, spec.dtype, shape, mesh.device_type)))
+                plan.append((r, rec.Zeros(seq, h.id, spec.dtype, shape, mesh.device_type)))
                 continue
             key = id(block)
             if key not in data:
                 data[key] = block
                 readers[key] = []
             readers[key].append(r)
-            plan.append((r, ("put", seq, h.id, spec.dtype, shape, mesh.device_type, key)))
-        payload = {key: self._stage(f"{h.id}-{n}", block, readers[key]) for n, (key, block) in enumerate(data.items())}
-        for r, rec in plan:
-            if rec[0] == "put":
-                rec = rec[:-1] + (payload[rec[-1]],)
-            self._buf[r].append(rec)
+            plan.append((r, rec.Put(seq, h.id, spec.dtype, shape, mesh.device_type, key)))
+        stage = self.transport.stage
+        payload = {key: stage(self._pool, f"{h.id}-{n}", block, readers[key]) for n, (key, block) in enumerate(data.items())}
+        for r, record in plan:
+            if record[0] is rec.Put:
+                record = record[:-1] + (payload[record[-1]],)
+            self._buf[r].append(record)
         self._counted(len(plan))
         return h
-
-    def _stage(self, name: str, block: torch.Tensor, readers: list):
-        """What a put record carries for ``block``, which the workers ``readers`` read: small blocks inline;
-        larger ones a file in shared memory (workers on this host), else a gloo send to each reader."""
-        size = pp.nbytes(tuple(block.shape), block.dtype)
-        if size > INLINE_BYTES and self.shm and self._shm_ranks.issuperset(readers):
-            path = os.path.join(self._pool.shm[0], f"p-{name}")
-            try:
-                pp.shm_write(path, block)
-            except OSError:  # /dev/shm full (a container's is often 64 MB): this block takes the store
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-            else:
-                self.stats["bytes_shm"] += size
-                self._pool.client.add(f"p/{name}/left", len(readers))
-                return ("shm", path, size, f"p/{name}")
-        data = pp.as_bytes(block.detach().cpu())
-        if size <= INLINE_BYTES:
-            return data.numpy().tobytes()
-        tag = self._next_pair_tag()
-        for r in readers:  # posted now, received when the worker reaches the record
-            self._posted.append((self._pairs[r].send([data], 1, tag), data))
-            self.stats["bytes_put"] += size
-        return ("pg", size, tag)
 
     def zeros(self, spec: DTensorSpec) -> Handle:
         return self.from_blocks([None] * spec.mesh.size(), spec)  # each worker makes its own
@@ -446,38 +391,27 @@ class ProcessRuntime(Runtime):
         h = self._new(ranks)
         seq = self._note(("read", spec))
         for r, coord, where in zip(ranks, mesh.coordinates(), reads):
-            self._buf[r].append(("fread", seq, h.id, spec.dtype, spec.local_shape(coord), mesh.device_type, where))
+            self._buf[r].append(rec.FileRead(seq, h.id, spec.dtype, spec.local_shape(coord), mesh.device_type, where))
         self._counted(len(ranks))
         return h
 
     # -- fetching values -------------------------------------------------------------------------
     def _request(self, h: Handle, spec: DTensorSpec, coords, whole: bool = False) -> tuple:
-        """Ask the workers holding ``coords`` for their blocks; returns what ``_collect`` needs.
-
-        ``whole`` (the global value is wanted): where every block is one contiguous run of it and every
-        worker is on this host, the workers write their blocks straight into one shared-memory file of
-        the global value (its path is returned last), which the controller then maps: no assembly copy."""
+        """Ask the workers holding ``coords`` for their blocks (``whole``: the global value is wanted);
+        returns what ``_collect`` needs, and the shared-memory file of the global value the workers write
+        into, or None (``Transport.fetch_plan``)."""
         self._ensure(spec.mesh)
         hid = self._id(h)
         req = next(self._ids)
         seq = self._note(("get", spec))
         ranks = [spec.mesh.device_id(c) for c in coords]
-        shm = self.shm and pp.nbytes(spec.local_shape(coords[0]), spec.dtype) > INLINE_BYTES
-        out = None
-        if shm and whole and self._shm_ranks.issuperset(ranks) and all(
-                isinstance(p, (Replicate, Shard)) for p in spec.placements):
-            offsets = [pp.contiguous_offset(spec, c) for c in coords]
-            if None not in offsets:
-                out = os.path.join(self._pool.shm[0], f"o-{req}")
-                with open(out, "wb") as f:
-                    f.truncate(pp.nbytes(spec.shape, spec.dtype))
-        tag = self._next_pair_tag()
-        for n, r in enumerate(ranks):
-            how = (out, offsets[n]) if out else shm and r in self._shm_ranks
-            self._buf[r].append(("get", seq, hid, req, how, tag))
+        pool = self._pool
+        hows, tag, out = self.transport.fetch_plan(pool, spec, coords, ranks, req, whole)
+        for r, how in zip(ranks, hows):
+            self._buf[r].append(rec.Get(seq, hid, req, how, tag))
         self._counted(len(ranks))
-        self.flush()
-        return req, ranks, self._pool, out
+        self.flush()  # the gets end their batches (the ray transport's answer is the batch's call)
+        return req, self.transport.pending(pool, ranks), pool, out
 
     def _fetch(self, req: int, ranks, pool: Pool, out, spec: DTensorSpec, coords) -> torch.Tensor:
         """The global value: mapped from the file the workers wrote into, else assembled from blocks."""
@@ -494,47 +428,13 @@ class ProcessRuntime(Runtime):
                 flat[offset: offset + block.numel() * block.element_size()] = pp.as_bytes(block)
         return full
 
-    def _collect(self, req: int, ranks, pool: Pool, spec: DTensorSpec) -> list:
-        key = f"g/{req}"
-        store = pool.client
+    def _collect(self, req: int, pending, pool: Pool, spec: DTensorSpec, writable: bool = False) -> list:
         try:
-            pool.wait(lambda: int(store.add(key, 0)) >= len(ranks), f"the blocks of {spec}")
+            return self.transport.collect(pool, req, pending, spec, writable)
         except WorkerError as exc:
             with self._lock:
                 if pool is self._pool:
                     self._teardown(str(exc))
-            raise
-        store.delete_key(key)
-        heads = store.multi_get([f"{key}/{r}" for r in ranks])
-        out, recvs = [], []
-        for r, head in zip(ranks, heads):
-            dtype, shape, how, *where = pickle.loads(head)
-            if how == "direct":  # written into the global value's file (``_request``)
-                out.append(None)
-            elif how == "shm":  # a file in the shared-memory directory
-                path, size = where
-                out.append(pp.shm_take(path, size, dtype, shape))
-                self.stats["bytes_shm"] += size
-            elif how == "inline":
-                out.append(pp.from_blob(where[0], dtype, shape))
-            else:  # sent through our gloo pair: every receive is posted before any is waited on
-                buf = torch.empty(pp.nbytes(shape, dtype), dtype=torch.uint8)
-                recvs.append((r, self._pairs[r].recv([buf], 1, where[0])))
-                out.append(pp.from_bytes(buf, dtype, shape))
-                self.stats["bytes_fetched"] += buf.numel()
-            store.delete_key(f"{key}/{r}")
-        for r, work in recvs:
-            self._pair_wait(pool, r, work, spec)
-        return out
-
-    def _pair_wait(self, pool: Pool, r: int, work, spec) -> None:
-        """Wait for worker ``r``'s block, watching the workers as in every wait (``watched``)."""
-        try:
-            watched(pool, work.wait, f"the blocks of {spec} from {pool.who(r)}")
-        except WorkerError as err:
-            with self._lock:
-                if pool is self._pool:
-                    self._teardown(str(err))
             raise
 
     def _assemble(self, spec: DTensorSpec, coords, blocks) -> torch.Tensor:
@@ -573,165 +473,37 @@ class ProcessRuntime(Runtime):
         coords = spec.mesh.coordinates()
         with self._lock:
             req, ranks, pool, _ = self._request(h, spec, coords)
-        return self._collect(req, ranks, pool, spec)
-
-    # -- local kernels ---------------------------------------------------------------------------
-    def executable(self, kernel, in_specs, out_specs) -> "_Executable":
-        key = (kernel.name, tuple(in_specs), tuple(out_specs))
-        ex = self._executables.get(key)
-        if ex is None:
-            ex = self._executables[key] = _Executable(self, kernel, key[1], key[2])
-        return ex
-
-    def write(self, kernel, target: Handle, target_spec: DTensorSpec, inputs, in_specs, kwargs, device_args=None):
-        """Each worker runs the in-place kernel on its block of ``target`` under the same id; a block that
-        another id shares (an alias, an identity kernel's output) is copied first on the worker."""
-        mesh = target_spec.mesh
-        self._ensure(mesh)
-        specs = (target_spec,) + tuple(in_specs)
-        ranks = tuple(mesh.device_ids)
-        pid = self._define(("k", kernel.name, specs, ()), ("defk", kernel.name, kernel.fn.__module__, specs, ()), ranks)
-        tid = self._id(target)
-        in_ids = tuple(self._id(h) for h in inputs)
-        seq = self._note(("kernel", kernel.name, kwargs, specs))
-        per = self._per_rank(mesh, device_args) if device_args else None
-        for r in ranks:
-            self._buf[r].append(("w", seq, pid, tid, in_ids, kwargs, per[r] if per else None))
-        self._counted(len(ranks))
-        if self.sync_every_op:
-            self.sync()
-        return target
-
-    def alias(self, h: Handle, spec: DTensorSpec) -> Handle:
-        self._ensure(spec.mesh)
-        hid = self._id(h)
-        out = self._new(h.ranks)
-        self._emit(h.ranks, ("alias", hid, out.id))
-        return out
-
-    def _per_rank(self, mesh, device_args: dict) -> dict:
-        """rank -> {name: python number} (cached per device_args object: plans reuse theirs)."""
-        hit = self._dev_args.get(id(device_args))
-        if hit is not None and hit[0] is device_args and hit[1] == mesh:
-            return hit[2]
-        arrays = {k: np.asarray(v) for k, v in device_args.items()}
-        per = {r: {k: a[c].item() for k, a in arrays.items()} for r, c in zip(mesh.device_ids, mesh.coordinates())}
-        if len(self._dev_args) > 4096:
-            self._dev_args.clear()
-        self._dev_args[id(device_args)] = (device_args, mesh, per)
-        return per
-
-    # -- redistribution primitives: one mesh dim each (CommLog is the executor's, not ours) ------------
-    def _primitive(self, name: str, h: Handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int,
-                   collective: bool = True) -> Handle:
-        """Queue primitive ``name`` on mesh dim ``mesh_dim`` for every worker of the mesh (``Worker.p_<name>``)."""
-        mesh = before.mesh
-        self._ensure(mesh)
-        if collective:
-            self._make_groups(mesh, mesh_dim)
-        ranks = tuple(mesh.device_ids)
-        pid = self._define(("p", name, before, after, mesh_dim), ("defp", name, before, after, mesh_dim), ranks)
-        hid = self._id(h)
-        out = self._new(ranks)
-        what = f"{before.placements[mesh_dim]}->{after.placements[mesh_dim]} {name} on {mesh.dim_label(mesh_dim)}"
-        seq = self._note(("step", what, before))
-        self._emit(ranks, ("s", seq, pid, hid, out.id, 0))
-        if self.sync_every_op:
-            self.sync()
-        return out
-
-    def all_gather(self, h: Handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Handle:
-        return self._primitive("all_gather", h, before, after, mesh_dim)
-
-    def all_reduce(self, h: Handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Handle:
-        return self._primitive("all_reduce", h, before, after, mesh_dim)
-
-    def reduce_scatter(self, h: Handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Handle:
-        return self._primitive("reduce_scatter", h, before, after, mesh_dim)
-
-    def all_to_all(self, h: Handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Handle:
-        return self._primitive("all_to_all", h, before, after, mesh_dim)
-
-    def local_slice(self, h: Handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Handle:
-        return self._primitive("local_slice", h, before, after, mesh_dim, collective=False)
-
-    def to_partial(self, h: Handle, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Handle:
-        return self._primitive("to_partial", h, before, after, mesh_dim, collective=False)
-
-    def move(self, h: Handle, before: DTensorSpec, after: DTensorSpec, same_layout: bool) -> Handle:
-        self._ensure(before.mesh)
-        self._ensure(after.mesh)
-        ranks = tuple(dict.fromkeys(before.mesh.device_ids + after.mesh.device_ids))
-        pid = self._define(("p", "move", before, after, same_layout), ("defp", "move", before, after, same_layout),
-                           ranks)
-        hid = self._id(h)
-        out = self._new(tuple(after.mesh.device_ids))
-        tag = self._tags(len(pp.move_transfers(before, after, same_layout)))
-        how = "block to block" if same_layout else "regions"
-        seq = self._note(("step", f"move {before.mesh} -> {after.mesh} ({how})", before))
-        self._emit(ranks, ("s", seq, pid, hid, out.id, tag))
-        if self.sync_every_op:
-            self.sync()
-        return out
-
-    def move_into(self, moves) -> list:
-        """One record for the whole batch: every worker of the meshes posts its sends and receives of every
-        move at once (``Worker.op_mi``) and runs on; a target completes where it is first read. The targets
-        keep their ids (a worker whose block is shared gives it fresh storage under the same id, as ``write``)."""
-        pairs = tuple((before, after) for _, before, _, after in moves)
-        ranks = set()
-        for before, after in pairs:
-            self._ensure(before.mesh)
-            self._ensure(after.mesh)
-            ranks.update(before.mesh.device_ids + after.mesh.device_ids)
-        ranks = tuple(sorted(ranks))
-        pid = self._define(("mi", pairs), ("defmi", pairs), ranks)
-        ids = tuple((self._id(src), self._id(target)) for src, _, target, _ in moves)
-        tag = self._tags(sum(len(pp.move_transfers(before, after)) for before, after in pairs))
-        seq = self._note(("step", f"move_into of {len(moves)} tensors", pairs[0][0]))
-        self._emit(ranks, ("mi", seq, pid, ids, tag))
-        if self.sync_every_op:
-            self.sync()
-        return [target for _, _, target, _ in moves]
-
-    def ring_shift(self, h: Handle, spec: DTensorSpec, mesh_dim: int, shift: int = 1) -> Handle:
-        mesh = spec.mesh
-        self._ensure(mesh)
-        ranks = tuple(mesh.device_ids)
-        pid = self._define(("r", spec, mesh_dim, shift), ("defr", spec, mesh_dim, shift), ranks)
-        hid = self._id(h)
-        out = self._new(ranks)
-        seq = self._note(("ring_shift", mesh_dim, spec))
-        self._emit(ranks, ("r", seq, pid, hid, out.id, self._tags(1)))
-        if self.sync_every_op:
-            self.sync()
-        return out
+        return self._collect(req, ranks, pool, spec, writable=True)
 
     # -- waiting, errors, lifetime -----------------------------------------------------------------
-    def sync(self) -> None:
+    def _ask_everyone(self, make, kind: str, what: str, values: bool = False):
+        """Queue ``make(req, world)`` for every worker, push, and wait until all answered (``Transport.answers``);
+        their answers' values when ``values``. None when no worker runs."""
         with self._lock:
             pool = self._pool
             if pool is None:
-                return
-            tok = next(self._ids)
+                return None
+            req = next(self._ids)
             self._queue_frees()
+            record = make(req, self._world)
             for r in range(self._world):
-                self._buf[r].append(("sync", tok, self._world))
+                self._buf[r].append(record)
             self.flush()
-            key = f"s/{tok}"
             try:
-                pool.wait_key(f"{key}/all", "the workers to finish their queued work")
+                return self.transport.answers(pool, kind, req, self._world, what, values)
             except WorkerError as exc:
-                self._teardown(str(exc))
+                if pool is self._pool:
+                    self._teardown(str(exc))
                 raise
-            pool.client.delete_key(key)
-            pool.client.delete_key(f"{key}/all")
+
+    def sync(self) -> None:
+        self._ask_everyone(rec.Sync, "s", "the workers to finish their queued work")
 
     def empty_cache(self) -> None:
         with self._lock:
             if self._pool is not None:
                 for r in range(self._world):
-                    self._buf[r].append(("empty_cache",))
+                    self._buf[r].append(rec.EmptyCache())
                 self.flush()
 
     def worker_stats(self, collectives: bool = False) -> dict:
@@ -740,27 +512,13 @@ class ProcessRuntime(Runtime):
         (for tests, debugging and memory checks).
 
         ``collectives=True`` adds "collectives": {kind: torch.distributed calls this worker made so far}."""
-        with self._lock:
-            pool = self._pool
-            if pool is None:
-                return {}
-            req = next(self._ids)
-            self._queue_frees()
-            for r in range(self._world):
-                self._buf[r].append(("stats", req, collectives, self._world))
-            self.flush()
-            key = f"st/{req}"
-            try:
-                pool.wait_key(f"{key}/all", "worker statistics")
-            except WorkerError as exc:
-                self._teardown(str(exc))
-                raise
-            out = {r: pickle.loads(pool.client.get(f"{key}/{r}")) for r in range(self._world)}
-            for r in range(self._world):
-                pool.client.delete_key(f"{key}/{r}")
-            pool.client.delete_key(key)
-            pool.client.delete_key(f"{key}/all")
-            return out
+        got = self._ask_everyone(lambda req, world: rec.Stats(req, collectives, world), "st", "worker statistics",
+                                 values=True)
+        return {} if got is None else dict(enumerate(got))
+
+    def _last_op(self):
+        """The number of the latest op issued (a dead Ray actor's message names the ops it had)."""
+        return next(reversed(self._ops), None)
 
     def _describe(self, seq, kind) -> str:
         what = self._ops.get(seq)
@@ -779,11 +537,13 @@ class ProcessRuntime(Runtime):
         return {"put": "placing", "get": "fetching", "read": "reading from files"}[what[0]] + f" {what[1]}"
 
     def _unpicklable(self, recs, exc) -> str:
-        for rec in recs:
+        for record in recs:
             try:
-                pickle.dumps(rec)
+                pickle.dumps(record)
             except Exception:  # noqa: BLE001
-                what = self._describe(rec[1], rec[0]) if rec[0] in ("k", "w", "s", "r", "put") else f"record {rec[0]}"
+                kind = record[0]
+                what = (self._describe(record[1 + kind.fields.index("seq")], kind.__name__) if kind in rec.NUMBERED
+                        else f"record {kind.__name__}")
                 return (f"dtorch process backend: cannot send {what} to the workers: {exc}. Kernel arguments "
                         "must be picklable (numbers, strings, tuples, dtypes, torch tensors).")
         return f"dtorch process backend: cannot send records to the workers: {exc}"
@@ -801,24 +561,24 @@ class ProcessRuntime(Runtime):
     def shutdown(self) -> None:
         with self._lock:
             pool = self._pool
-            if pool is None:
-                return
-            try:
-                self._farewell(pool)
-                clean = True
-            except Exception:  # noqa: BLE001
-                clean = False
-            self._pool = None
-            pool.stop(clean=clean)
-            self._lost = "the backend was shut down"
-            self._epoch += 1
-            self._reset()
+            if pool is not None:
+                try:
+                    self._farewell(pool)
+                    clean = True
+                except Exception:  # noqa: BLE001
+                    clean = False
+                self._pool = None
+                pool.stop(clean=clean)
+                self._lost = "the backend was shut down"
+                self._epoch += 1
+                self._reset()
+        self.transport.close()  # (also after a fault stopped the workers: the ray transport may stop Ray)
 
     def _farewell(self, pool) -> None:
         """Tell every worker to exit once it reaches the end of its queue."""
-        pool.client.set("stop", "1")  # queued work can no longer be observed: workers skip it
+        self.transport.farewell(pool)
         for r in range(self._world):
-            self._buf[r].append(("exit",))
+            self._buf[r].append(rec.Exit())
         self.flush()
 
     def __del__(self):
@@ -827,62 +587,6 @@ class ProcessRuntime(Runtime):
         except Exception:  # noqa: BLE001
             pass
 
-
-
-class _Executable(Executable):
-    """One kernel on one combination of specs: each run queues one kernel record per worker (the plan,
-    the handles' ids, the call's kwargs, each rank's per-device values); the workers run it on their
-    blocks."""
-
-    def __init__(self, rt: ProcessRuntime, kernel, in_specs: tuple, out_specs: tuple):
-        self.runtime = weakref.ref(rt)  # the runtime caches us: no cycle (its __del__ stops the workers)
-        self.kernel = kernel
-        self.in_specs, self.out_specs = in_specs, out_specs
-        self.mesh = out_specs[0].mesh if out_specs else in_specs[0].mesh
-        self.ranks = tuple(self.mesh.device_ids)
-        self.plan_key = ("k", kernel.name, in_specs, out_specs)
-        self.plan_rec = ("defk", kernel.name, kernel.fn.__module__, in_specs, out_specs)
-
-    def run(self, handles, kwargs, device_args=None):
-        rt = self.runtime()
-        mesh, ranks = self.mesh, self.ranks
-        rt._ensure(mesh)
-        pid = rt._define(self.plan_key, self.plan_rec, ranks)  # per pool of workers: defined once each
-        in_ids = tuple(rt._id(h) for h in handles)
-        outs = [rt._new(ranks) for _ in self.out_specs]
-        out_ids = tuple(h.id for h in outs)
-        seq = rt._note(("kernel", self.kernel.name, kwargs, self.in_specs))
-        if device_args:
-            per = rt._per_rank(mesh, device_args)
-            for r in ranks:
-                rt._buf[r].append(("k", seq, pid, in_ids, out_ids, kwargs, per[r]))
-            rt._counted(len(ranks))
-        else:
-            rt._emit(ranks, ("k", seq, pid, in_ids, out_ids, kwargs, None))
-        if rt.sync_every_op:
-            rt.sync()
-        return outs
-
-def watched(pool: Pool, fn, what: str, timeout: float | None = None):
-    """``fn()`` (a blocking gloo call) in a thread while this one watches the workers, as every wait does:
-    gloo may not notice a peer that died mid-transfer until its own timeout, and a gloo work's
-    is_completed() does not move until someone waits on it. Its result; a dead or hung worker, a timeout
-    or what ``fn`` raised is a WorkerError."""
-    done: concurrent.futures.Future = concurrent.futures.Future()
-
-    def call():
-        try:
-            done.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001  (delivered below)
-            done.set_exception(exc)
-
-    threading.Thread(target=call, name="dtorch-gloo-wait", daemon=True).start()
-    pool.wait(done.done, what, timeout, lambda s: concurrent.futures.wait([done], s))
-    try:
-        return done.result()
-    except Exception as exc:  # noqa: BLE001  (gloo: RuntimeError on a closed connection)
-        pool.check(force=True)  # a dead worker is the news, when there is one
-        raise WorkerError(f"dtorch process backend: waiting for {what} failed: {exc}") from None
 
 
 @atexit.register

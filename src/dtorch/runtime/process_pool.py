@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..errors import RuntimeBackendError
 from . import process_plan as pp
+from . import protocol as rec
 from .worker import worker_command, worker_env
 
 # A worker whose heartbeat (ticked every 0.5 s by its watchdog thread) has not moved for this long is
@@ -111,6 +112,7 @@ class Pool:
         self._info: dict = {}  # rank -> what the worker said about itself (pid, host, device)
         self._next_check = 0.0
         self.describe = lambda seq, kind: f"{kind} #{seq}"
+        self.last_op = lambda: None
         self._owner = threading.get_ident()
         self._tls = threading.local()
         self._batches = 0
@@ -161,7 +163,7 @@ class Pool:
             self._batches += 1
             name = f"b/{self._batches}"
             pp.store_put(self.client, name, blob)
-            blob = pickle.dumps([("batch", name, len(blob))])
+            blob = pickle.dumps([rec.Batch(name, len(blob))])
         self.client.queue_push(f"q/{rank}", blob)
         return len(blob)
 

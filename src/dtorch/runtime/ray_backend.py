@@ -1,7 +1,7 @@
 """The ray backend: one Ray actor per device, torch.distributed between the actors.
 
 The controller is the process backend's (``ProcessRuntime``: handles, op records, plans, batching); this
-module swaps its transport for Ray's:
+module gives it Ray's transport (``RayTransport``, the seam of ``transport.py``):
 
 * workers are Ray actors (``ray_worker.DeviceActor``): CPU actors for "cpu" meshes, which reserve a
   fraction of a CPU each (a 4-device mesh runs on a 2-core machine), GPU actors through a placement group,
@@ -39,8 +39,10 @@ import torch
 
 from ..errors import DeviceUnavailableError, RuntimeBackendError
 from . import process_plan as pp
+from . import protocol as rec
 from .process import INLINE_BYTES, ProcessRuntime, _shutdown_all
 from .process_pool import HEARTBEAT_TIMEOUT_S, Heartbeats, WorkerError
+from .transport import Transport
 from .worker import connect
 
 try:
@@ -76,127 +78,94 @@ def _env_float(name: str, default: float) -> float:
 
 
 class RayRuntime(ProcessRuntime):
+    """The process backend's controller over Ray's transport (``RayTransport``): nothing else differs."""
+
     name = "ray"
 
     def __init__(self, *, address: str | None = None, workers: int | None = None, timeout: float | None = None,
                  max_workers: int | None = None, cpus_per_device: float | None = None,
                  heartbeat_timeout_s: float | None = None):
         _need_ray()
+        transport = RayTransport(address, cpus_per_device or _env_float("DTORCH_RAY_CPUS_PER_DEVICE", CPUS_PER_DEVICE))
         super().__init__(workers=workers, timeout=timeout, max_workers=max_workers,
-                         heartbeat_timeout_s=heartbeat_timeout_s)
-        self.shm = False  # Ray's object store is the data plane
+                         heartbeat_timeout_s=heartbeat_timeout_s, transport=transport)
         self.stats["bytes_object_store"] = 0
-        self.cpus_per_device = cpus_per_device or _env_float("DTORCH_RAY_CPUS_PER_DEVICE", CPUS_PER_DEVICE)
+
+
+class RayTransport(Transport):
+    """Device actors (``RayPool``) for workers, actor calls for records, Ray's object store for data."""
+
+    name = "ray"
+    shm = False  # Ray's object store is the data plane (the actors' collectives still use /dev/shm)
+
+    def __init__(self, address: str | None, cpus_per_device: float):
+        super().__init__()
         self.address = address
+        self.cpus_per_device = cpus_per_device
+        self.pool_alive = False  # (``close``: is Ray still in use?)
         _connect(address)
         _USERS.add(self)
         self.gpus = int(ray.cluster_resources().get("GPU", 0))
+
+    def remote_gpus(self, config) -> bool:
         # "cuda" meshes: one GPU actor per device when the cluster has GPUs, though this process may have none
-        self.force_cuda = self.gpus > 0 and not self.config.same_device
+        return self.gpus > 0 and not config.same_device
 
-    def _real_gpus(self) -> bool:
-        return self.force_cuda
+    def real_gpus(self, config) -> bool:
+        return self.remote_gpus(config)
 
-    def _make_pool(self, world: int):
+    def make_pool(self, timeout: float, world: int, heartbeat: float) -> "RayPool":
         _connect(self.address)  # again, if another runtime's shutdown stopped the Ray dtorch had started
-        return RayPool(self.timeout, max(60.0, 15.0 * world), self.cpus_per_device, self._last_op,
-                       self.heartbeat_timeout)
+        self.pool_alive = True
+        return RayPool(timeout, max(60.0, 15.0 * world), self.cpus_per_device, heartbeat)
 
-    def _open_pairs(self, ranks) -> None:
-        pass  # Ray's object store is the data plane everywhere
+    def reset(self) -> None:
+        self.pool_alive = False
 
-    def _last_op(self):
-        return next(reversed(self._ops), None)
+    def resize(self, pool: "RayPool", old: int, world: int, backend: str, cuda: bool) -> None:
+        pool.resize(world, backend, cuda)
 
-    # -- data plane: Ray's object store ----------------------------------------------------------------
-    def _stage(self, name: str, block: torch.Tensor, readers: list):
+    def stage(self, pool: "RayPool", name: str, block: torch.Tensor, readers: list):
         data = pp.as_bytes(block.detach().cpu())
         if data.numel() <= INLINE_BYTES:
             return data.numpy().tobytes()
         ref = ray.put(data.numpy())  # one copy into the object store; every reader's node maps or pulls it
         self.stats["bytes_object_store"] += data.numel()
         for r in readers:
-            self._pool.attach(r, name, ref)
+            pool.attach(r, name, ref)
         return ("ray", name)
 
-    def _request(self, h, spec, coords, whole: bool = False) -> tuple:
-        self._ensure(spec.mesh)
-        hid = self._id(h)
-        req = next(self._ids)
-        seq = self._note(("get", spec))
-        ranks = [spec.mesh.device_id(c) for c in coords]
-        for r in ranks:
-            self._buf[r].append(("get", seq, hid, req, False))
-        self._counted(len(ranks))
-        self.flush()  # the get is the last record of its batch: the call's result holds the block
-        pool = self._pool
-        return req, [(r, pool.last[r]) for r in ranks], pool, None
+    def pending(self, pool: "RayPool", ranks) -> list:
+        return [pool.last[r] for r in ranks]  # the get is the last record of its call: the result holds the block
 
-    def _collect(self, req: int, ranks, pool, spec) -> list:
-        answers = self._answers(pool, [ref for _, ref in ranks], f"the blocks of {spec}")
+    def collect(self, pool: "RayPool", req: int, pending, spec, writable: bool) -> list:
+        answers = pool.results(pending, f"the blocks of {spec}")
         out = []
-        with warnings.catch_warnings():  # Ray maps results read-only; assembling (or local_blocks) copies
+        with warnings.catch_warnings():  # Ray maps results read-only; assembling copies, ``writable`` too
             warnings.simplefilter("ignore", UserWarning)
             for answer in answers:
                 dtype, shape, data = answer[("get", req)]
                 self.stats["bytes_object_store"] += data.nbytes
-                out.append(pp.from_bytes(torch.from_numpy(data), dtype, shape))
+                block = pp.from_bytes(torch.from_numpy(data), dtype, shape)
+                out.append(block.clone() if writable else block)
         return out
 
-    def local_blocks(self, h, spec) -> list[torch.Tensor]:
-        return [b.clone() for b in super().local_blocks(h, spec)]
+    def answers(self, pool: "RayPool", kind: str, req: int, world: int, what: str, values: bool) -> list | None:
+        # an actor runs its calls in order: the last call's completion is the answer to everything before
+        got = pool.results([pool.last[r] for r in range(world)], what)
+        return [a[(kind, req)] for a in got] if values else None
 
-    def _answers(self, pool: "RayPool", refs, what: str) -> list:
-        try:
-            return pool.results(refs, what)
-        except WorkerError as exc:
-            with self._lock:
-                if pool is self._pool:
-                    self._teardown(str(exc))
-            raise
-
-    # -- waits ---------------------------------------------------------------------------------------
-    def _everyone(self, record) -> "RayPool":
-        """Queue ``record`` for every actor and push; the pool (None when no actor runs)."""
-        pool = self._pool
-        if pool is not None:
-            self._queue_frees()
-            for r in range(self._world):
-                self._buf[r].append(record)
-            self.flush()
-        return pool
-
-    def sync(self) -> None:
-        with self._lock:
-            pool = self._everyone(("sync", 0))
-            if pool is not None:
-                self._answers(pool, [pool.last[r] for r in range(self._world)],
-                              "the device actors to finish their queued work")
-
-    def worker_stats(self, collectives: bool = False) -> dict:
-        with self._lock:
-            req = next(self._ids)
-            pool = self._everyone(("stats", req, collectives))
-            if pool is None:
-                return {}
-            answers = self._answers(pool, [pool.last[r] for r in range(self._world)], "device actor statistics")
-            return {r: a[("stats", req)] for r, a in enumerate(answers)}
-
-    def _farewell(self, pool) -> None:
-        self._everyone(("exit",))
-
-    def shutdown(self) -> None:
-        with self._lock:
-            super().shutdown()
+    def close(self) -> None:
+        """The Ray that dtorch started stops with the last runtime that has actors on it."""
+        self.pool_alive = False
         _USERS.discard(self)
-        # the Ray that dtorch started stops with the last runtime that has actors on it
-        if _STARTED["local"] and not any(rt._pool is not None for rt in list(_USERS)) and ray.is_initialized():
+        if _STARTED["local"] and not any(t.pool_alive for t in list(_USERS)) and ray.is_initialized():
             _STARTED["local"] = False
             ray.shutdown()
 
 
 _STARTED = {"local": False, "exit hook": False}  # local: did dtorch start this process's Ray (ray.init, no address)?
-_USERS: "weakref.WeakSet[RayRuntime]" = weakref.WeakSet()
+_USERS: "weakref.WeakSet[RayTransport]" = weakref.WeakSet()
 
 
 def _connect(address: str | None) -> None:
@@ -221,12 +190,12 @@ class RayPool:
     died) or an answer carrying an error is a fault. ``last[rank]`` is the latest call to that actor; since
     an actor runs its calls in order, waiting for it waits for everything queued before."""
 
-    def __init__(self, timeout: float, start_timeout: float, cpus_per_device: float, last_op,
+    def __init__(self, timeout: float, start_timeout: float, cpus_per_device: float,
                  heartbeat: float = HEARTBEAT_TIMEOUT_S):
         self.timeout = timeout
         self.start_timeout = start_timeout
         self.cpus_per_device = cpus_per_device
-        self.last_op = last_op
+        self.last_op = lambda: None  # the number of the latest op issued (the controller's)
         self.actors: dict = {}
         self.groups: list = []  # placement groups of GPU actors
         self.info: dict = {}  # rank -> what the actor said about itself
@@ -251,7 +220,7 @@ class RayPool:
         self.shm = pp.shm_dir()
 
     # -- membership ----------------------------------------------------------------------------------
-    def resize(self, world: int, backend: str, cuda: bool, reform) -> None:
+    def resize(self, world: int, backend: str, cuda: bool) -> None:
         """``world`` actors join process-group generation gen+1 (the running ones keep their blocks)."""
         if self.world and cuda != self.cuda:
             raise DeviceUnavailableError(
@@ -283,7 +252,7 @@ class RayPool:
         threads = int(os.environ.get("DTORCH_RAY_THREADS") or max(1, (os.cpu_count() or 1) // world))
         cfg = {"gen": gen, "world": world, "backend": backend, "cuda": cuda, "timeout": self.timeout,
                "rendezvous": self.rendezvous, "threads": threads, "shm": self.shm}
-        blob = pickle.dumps([("reform", cfg)])
+        blob = pickle.dumps([rec.Reform(cfg)])
         refs = [self.call(r, blob) for r in range(world)]
         for r, answer in enumerate(self.results(refs, f"{world} device actors to join (generation {gen})",
                                                 self.start_timeout)):

@@ -1,7 +1,7 @@
-"""The ray backend's device actor: a process-backend worker (``worker.Worker``) living in a Ray actor.
+"""The ray backend's device actor: a worker (``worker_loop.Worker``) living in a Ray actor, with its link.
 
 Records, kernels and redistribution primitives are the process backend's own (``Worker``: one piece of
-code for what a device does); what differs is how records arrive and how answers leave:
+code for what a device does); what differs is how records arrive and how answers leave (``RayLink``):
 
 * the controller calls ``run(batch, keys, *blocks)`` without waiting (Ray runs one caller's calls on an
   actor in order). Blocks to place that are too large to ride in the batch come as top-level object refs
@@ -25,19 +25,21 @@ import torch
 import torch.distributed as dist
 
 from . import process_plan as pp
-from .worker import Worker, connect, failure
+from . import protocol as rec
+from .protocol import failure
+from .worker import connect
+from .worker_loop import Link, Worker
 
 
-class DeviceActor(Worker):
-    """One mesh device: its blocks, its process-group membership (wrapped by ``ray.remote`` by the
-    controller, with the resources its device needs)."""
+class DeviceActor:
+    """One mesh device: a worker and its Ray link (wrapped by ``ray.remote`` by the controller, with the
+    resources its device needs)."""
 
     def __init__(self, rank: int):
         faulthandler.enable()  # a crash in native code leaves its Python stack in the actor's log
+        self.link = RayLink()
         # Ray gives a GPU actor one visible GPU: it is cuda:0 here
-        super().__init__(None, rank, 0, None)
-        self.arrived: dict = {}  # key -> a placed block's bytes, resolved by Ray from its object store
-        self.answers: dict = {}
+        self.worker = Worker(self.link, rank, 0)
         self._rendezvous = None  # the TCPStore this actor hosts (the first device actor)
 
     def host_rendezvous(self, timeout_s: float) -> str:
@@ -51,59 +53,61 @@ class DeviceActor(Worker):
 
     def run(self, blob: bytes, keys=(), *blocks):
         """Run a batch of records in order; the answers they produced (None when there are none)."""
-        self.arrived.update(zip(keys, blocks))
-        self.answers = {}
-        Worker.run(self, pickle.loads(blob))
-        return self.answers or None
+        link = self.link
+        link.arrived.update(zip(keys, blocks))
+        link.answers = {}
+        self.worker.run(pickle.loads(blob))
+        return link.answers or None
 
-    def report(self, rec, exc: BaseException) -> None:
-        self.failed = True  # the records after it are skipped; the controller stops every actor
-        self.answers["err"] = failure(rec, exc)
 
-    def leave(self) -> None:
-        self.leaving = True
-        self.settle()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+class RayLink(Link):
+    """A call's answers are its result: fetched blocks (uint8 numpy arrays, which Ray puts in its object
+    store), statistics, who this actor is after a (re-)join, and the first failure."""
 
-    def identity(self, cfg) -> dict:
+    def __init__(self):
+        self.arrived: dict = {}  # key -> a placed block's bytes, resolved by Ray from its object store
+        self.answers: dict = {}
+        self.store = None  # the rendezvous store (actor 0 hosts it): process groups and heartbeats
+
+    def identity(self, worker: Worker, cfg) -> dict:
         if not cfg["cuda"]:
             return {"pid": os.getpid(), "host": socket.gethostname(), "device": "cpu"}
         import ray
 
         return {"pid": os.getpid(), "host": socket.gethostname(), "device": f"cuda:0 (Ray GPU {ray.get_gpu_ids()})"}
 
-    # -- records whose transport differs from the process backend's ------------------------------------
-    def op_reform(self, cfg):
+    def join(self, worker: Worker, cfg) -> None:
         """Join process-group generation ``cfg["gen"]`` (the first call, and after the mesh grew)."""
-        self.settle()
         if self.store is None:
             self.store = connect(cfg["rendezvous"], cfg["timeout"])
-            threading.Thread(target=_beat, args=(self.store.clone(), self.rank), name="dtorch-heartbeat",
+            threading.Thread(target=_beat, args=(self.store.clone(), worker.rank), name="dtorch-heartbeat",
                              daemon=True).start()
         torch.set_num_threads(cfg["threads"])
-        self.shm = pp.shm_reachable(cfg.get("shm"))  # on the controller's node: collectives through /dev/shm
-        self.form(cfg, dist.PrefixStore(f"g{cfg['gen']}/", self.store))
-        self.answers["info"] = self.identity(cfg)
+        worker.form(cfg, dist.PrefixStore(f"g{cfg['gen']}/", self.store))
+        self.answers["info"] = self.identity(worker, cfg)
 
-    def op_put(self, seq, hid, dtype, shape, device_type, data):
-        if not (isinstance(data, tuple) and data[0] == "ray"):
-            return Worker.op_put(self, seq, hid, dtype, shape, device_type, data)
+    def answer(self, worker: Worker, kind: str, req: int, value, world: int) -> None:
+        self.answers[(kind, req)] = value  # (a sync's answer is the call's completion)
+
+    def receive(self, worker: Worker, r: rec.Put) -> torch.Tensor:
         # Ray's mapping is read-only and may be shared by the actors of this node: the block is our copy
+        _, seq, hid, dtype, shape, device_type, data = r
         raw = torch.from_numpy(np.array(self.arrived.pop(data[1]), copy=True))
-        self.t[hid] = pp.from_bytes(raw, dtype, shape).to(self.device(device_type))
+        return pp.from_bytes(raw, dtype, shape)
 
-    def op_get(self, seq, hid, req, how=False):
+    def send(self, worker: Worker, r: rec.Get, x: torch.Tensor) -> None:
         # the controller flushes right after a get, so no later record of this batch writes the block
         # before Ray copies the result into its object store
-        x = self.t[hid]
-        self.answers[("get", req)] = (x.dtype, tuple(x.shape), pp.as_bytes(x.detach().cpu()).numpy())
+        self.answers[("get", r[3])] = (x.dtype, tuple(x.shape), pp.as_bytes(x.detach().cpu()).numpy())
 
-    def op_sync(self, tok):
-        self.settle()  # the call's completion is the answer
+    def report(self, worker: Worker, r, exc: BaseException) -> None:
+        self.answers["err"] = failure(r, exc)  # the records after it are skipped; the controller stops every actor
 
-    def op_stats(self, req, collectives=False):
-        self.answers[("stats", req)] = self.statistics(collectives)
+    def leave(self, worker: Worker) -> None:
+        worker.leaving = True
+        worker.settle()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _beat(store: dist.TCPStore, rank: int) -> None:
