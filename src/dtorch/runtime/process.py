@@ -57,7 +57,7 @@ from .process_plan import INLINE_BYTES  # noqa: F401  (re-exported: tests and th
 from .devices import mesh_problems, read_device_config, simulation_device
 from .._lru import LRU
 from .interface import Runtime
-from .process_ops import Operations
+from .process_ops import Handle, Operations
 from .process_pool import Pool, WorkerError, heartbeat_timeout
 from .transport import StoreTransport, Transport, _TAG_SPAN
 
@@ -68,30 +68,6 @@ FLUSH_AFTER_S = 0.002  # ... or this long after the first one
 PLAN_IDS = 4096  # plan ids the workers hold at most (a decode loop makes new ones every step)
 
 _LIVE: "weakref.WeakSet[ProcessRuntime]" = weakref.WeakSet()
-
-
-class Handle:
-    """A DTensor's storage on the workers. When the last reference goes, its blocks are freed."""
-
-    __slots__ = ("id", "ranks", "epoch", "sink", "__weakref__")
-    # code written for the in-process backend's storage probes these; here the data lives elsewhere
-    grid = None
-    blocks = None
-
-    def __init__(self, hid: int, ranks: tuple, epoch: int, sink: list):
-        self.id = hid
-        self.ranks = ranks
-        self.epoch = epoch
-        self.sink = sink
-
-    def __del__(self):
-        try:
-            self.sink.append((self.id, self.ranks, self.epoch))
-        except Exception:  # noqa: BLE001  (interpreter shutdown)
-            pass
-
-    def __repr__(self):
-        return f"Handle({self.id} on ranks {list(self.ranks)})"
 
 
 def _env_int(name: str, default):

@@ -1,12 +1,10 @@
 """The process backend's operations: what the controller queues for a kernel, an in-place write, and each
 redistribution primitive (``Operations``, mixed into ``process.ProcessRuntime``, which provides the
 records' plumbing: ``_ensure``, ``_define``, ``_note``, ``_emit``, ``_new``, ``_id``, ``_tags``), and the
-kernel executables it caches."""
+kernel executables it caches; ``Handle``, what they take and give."""
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from ..spec import DTensorSpec
@@ -15,8 +13,28 @@ from . import protocol as rec
 from .interface import Executable
 from .protocol import Kernel
 
-if TYPE_CHECKING:
-    from .process import Handle
+class Handle:
+    """A DTensor's storage on the workers. When the last reference goes, its blocks are freed."""
+
+    __slots__ = ("id", "ranks", "epoch", "sink", "__weakref__")
+    # code written for the in-process backend's storage probes these; here the data lives elsewhere
+    grid = None
+    blocks = None
+
+    def __init__(self, hid: int, ranks: tuple, epoch: int, sink: list):
+        self.id = hid
+        self.ranks = ranks
+        self.epoch = epoch
+        self.sink = sink
+
+    def __del__(self):
+        try:
+            self.sink.append((self.id, self.ranks, self.epoch))
+        except Exception:  # noqa: BLE001  (interpreter shutdown)
+            pass
+
+    def __repr__(self):
+        return f"Handle({self.id} on ranks {list(self.ranks)})"
 
 
 class Operations:
