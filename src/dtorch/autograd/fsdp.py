@@ -30,6 +30,7 @@ import torch
 from ..placement import Replicate, Shard
 from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
+from .kernel_entry import run_blocks, wrap
 from .mode import backward_count, in_backward, is_grad_enabled, no_grad
 from .node import Node, attach, requires_grad
 
@@ -247,12 +248,10 @@ def cast_terms(g, dtype):
     """``g`` with each device's block cast to ``dtype``, placements kept: a Partial gradient's terms are cast
     one by one (reduced after, in ``dtype``, as FSDP2 casts to ``reduce_dtype`` before the reduce-scatter),
     where the ``to`` op would reduce them first."""
-    from ..tensor import Tensor
-
     spec = g._spec
     out = DTensorSpec(spec.mesh, spec.placements, spec.shape, dtype)
-    h, = g._graph.runtime.run_local(_cast_kernel, [g._h], [spec], [out], {"dtype": dtype})
-    return Tensor._make(out, h, g._graph)
+    h, = run_blocks("fsdp.cast_terms", _cast_kernel, g._graph, [g._h], [spec], [out], {"dtype": dtype})
+    return wrap(out, h, g._graph)
 
 
 def unshard(p, param_dtype=None, reduce_dtype=None, reshard_after_forward: bool = True):

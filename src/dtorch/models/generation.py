@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..ops.registry import OpPlan, dispatch
+from ..ops.dispatch import OpPlan, dispatch
 from ..placement import Replicate, Shard
 from ..runtime.kernels import kernel
 from ..spec import DTensorSpec

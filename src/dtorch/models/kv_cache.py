@@ -35,7 +35,8 @@ import dtorch
 from ..errors import DTorchError
 from ..mesh import DeviceMesh
 from ..ops.attention import _plain as plain_attention
-from ..ops.registry import OpPlan, dispatch, spec_like
+from ..ops.dispatch import OpPlan, dispatch
+from ..ops.rules import spec_like
 from ..placement import Partial, Replicate, Shard
 from ..redistribute.executor import ring_shift
 from ..runtime.kernels import kernel

@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-from ..autograd.dispatched import record_kernel
 from ..autograd.mode import is_grad_enabled as _grad_enabled
 from ..autograd.node import Node, attach, requires_grad
 from ..errors import AttentionInputError, DTorchError, OpError
@@ -39,7 +38,10 @@ from ..redistribute.executor import ring_shift
 from ..runtime.kernels import Kernel, kernel
 from ..spec import DTensorSpec, block_offsets, chunk_size
 from ..tensor import Tensor
-from .registry import OpPlan, _broadcast_shape, describe, dispatch, register, spec_like, to_dtensors
+from ..runtime.kernels import broadcast_shape as _broadcast_shape
+from .dispatch import OpPlan, describe, dispatch, local_map
+from .rules import spec_like, to_dtensors
+from .table import register
 from .matrix import whole
 
 _NAME = "scaled_dot_product_attention"
@@ -658,17 +660,9 @@ def _cp_plan(q, k, v, mask, noise, causal, scale, gqa, u, r) -> _CPPlan:
 
 
 def _local(kern: Kernel, xs: list, out_specs, kwargs: dict, device_args=None, record: bool = True) -> list:
-    """Run a local kernel on every device's blocks of ``xs`` -> one Tensor per output spec. Recorded for
-    autograd (its VJP is torch's autograd on the same blocks, like any dispatched op) unless ``record`` is
-    False (a node that covers the kernel records instead)."""
-    graph = xs[0]._graph
-    handles = [x._h for x in xs]
-    in_specs = [x._spec for x in xs]
-    hs = graph.runtime.run_local(kern, handles, in_specs, out_specs, kwargs, device_args)
-    outs = [Tensor._make(spec, h, graph) for spec, h in zip(out_specs, hs)]
-    if record and _grad_enabled() and any(x._ag is not None for x in xs):
-        record_kernel(f"{_NAME}.{kern.name}", kern, in_specs, out_specs, kwargs, device_args, xs, handles, outs)
-    return outs
+    """Run a local kernel on every device's blocks of ``xs`` -> one Tensor per output spec (``local_map``).
+    Recorded for autograd unless ``record`` is False (a node that covers the kernel records instead)."""
+    return local_map(f"{_NAME}.{kern.name}", kern, xs, out_specs, kwargs, device_args, record)
 
 
 def _run(kern: Kernel, x: Tensor, out_spec: DTensorSpec, device_args=None, **kwargs) -> Tensor:

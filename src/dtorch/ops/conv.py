@@ -45,7 +45,10 @@ from ..redistribute.executor import ring_shift
 from ..runtime.kernels import kernel, per_device
 from ..spec import DTensorSpec, chunk_size, shard_range
 from ..tensor import Tensor
-from .registry import OpPlan, _broadcast_shape, dispatch, meta_call, register, spec_like, to_dtensors
+from ..runtime.kernels import broadcast_shape as _broadcast_shape
+from .dispatch import OpPlan, dispatch
+from .rules import meta_call, spec_like, to_dtensors
+from .table import register
 
 _R = Replicate()
 _PSUM = Partial("sum")
@@ -529,7 +532,7 @@ def _conv(name: str, nd: int, transposed: bool, input, weight, bias, stride, pad
     except OpError as exc:
         raise OpError(f"dtorch.{name}: {exc}") from exc
     except (RuntimeError, ValueError, TypeError, IndexError) as exc:
-        from .registry import describe
+        from .dispatch import describe
         raise OpError(f"dtorch.{name} cannot run on inputs {describe([t._spec for t in tensors])}: {exc}") from exc
     if cp.halo is None:
         return dispatch(name, _conv_rule, tensors, static)

@@ -31,7 +31,10 @@ from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel, per_device
 from ..spec import DTensorSpec, block_offsets
 from ..tensor import Tensor
-from .registry import OpPlan, _broadcast_shape, dispatch, register, spec_like, to_dtensors
+from ..runtime.kernels import broadcast_shape as _broadcast_shape
+from .dispatch import OpPlan, dispatch
+from .rules import spec_like, to_dtensors
+from .table import register
 from .view import IndexOutOfRangeError
 
 _REDUCTIONS = ("none", "mean", "sum")

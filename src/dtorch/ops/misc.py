@@ -15,7 +15,10 @@ from ..spec import DTensorSpec
 from . import pointwise as pw
 from . import reduce as rd
 from . import view as vw
-from .registry import OpPlan, _broadcast_shape, dispatch, register, spec_like
+from ..runtime.kernels import broadcast_shape as _broadcast_shape
+from .dispatch import OpPlan, dispatch
+from .rules import spec_like
+from .table import register
 
 
 @kernel("misc.one_hot")

@@ -28,7 +28,9 @@ from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel, per_device
 from ..spec import DTensorSpec, block_offsets
 from ..tensor import Tensor
-from .registry import OpPlan, dispatch, meta_call, register, replicated, spec_like, static_value, to_dtensors
+from .dispatch import OpPlan, dispatch
+from .rules import meta_call, replicated, spec_like, static_value, to_dtensors
+from .table import register
 from .view import IndexOutOfRangeError
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)

@@ -14,7 +14,9 @@ from ..autograd.dispatched import SHAPE_ONLY_KERNELS
 from ..placement import Replicate, Shard
 from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
-from .registry import OpPlan, register, spec_like
+from .dispatch import OpPlan
+from .rules import spec_like
+from .table import register
 from .view import IndexOutOfRangeError, _dim, _index, _tensor
 from .views import STEP_META, view_op
 
