@@ -187,14 +187,12 @@ class Derived:
         return self.node.out_specs[self.k].dtype
 
     def remake(self):
-        from ..tensor import Tensor
-
         node = self.node
         graph = node.graph
         handles = [node._laid_out(i)._h for i in range(len(node.saved))]
-        outs = graph.runtime.executable(node.kernel, node.in_specs, node.out_specs).run(
-            handles, node.kwargs, node.device_args)
-        return Tensor._make(node.out_specs[self.k], outs[self.k], graph)
+        outs = run_blocks(node.op, node.kernel, graph, handles, node.in_specs, node.out_specs, node.kwargs,
+                          node.device_args)
+        return wrap(node.out_specs[self.k], outs[self.k], graph)
 
 
 def register_derived(node, outputs) -> None:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..autograd.kernel_entry import wrap
 from ..autograd.mode import is_grad_enabled as _grad_enabled
 from ..autograd.node import Node, attach, requires_grad
 from ..errors import OpError
@@ -257,13 +258,13 @@ class RingShiftNode(Node):
             return [None]
         g = relayout(g.to(self.spec.dtype) if g.dtype != self.spec.dtype else g, self.spec)
         h = ring_shift(self.graph.runtime, g._h, self.spec, self.mesh_dim, -self.shift)
-        return [Tensor._make(self.spec, h, self.graph)]
+        return [wrap(self.spec, h, self.graph)]
 
 
 def shift_blocks(x: Tensor, mesh_dim: int, shift: int) -> Tensor:
     """Device j gets the block of device j - shift along ``mesh_dim`` (cyclic; ``x`` must be even)."""
     h = ring_shift(x._graph.runtime, x._h, x._spec, mesh_dim, shift)
-    out = Tensor._make(x._spec, h, x._graph)
+    out = wrap(x._spec, h, x._graph)
     if _grad_enabled() and requires_grad(x) and x.dtype.is_floating_point:
         attach(RingShiftNode(x, mesh_dim, shift), [out])
     return out
