@@ -8,6 +8,7 @@ import torch
 
 import dtorch
 from dtorch import Partial, Replicate, Shard
+from promises import check_placements, lays
 
 MESH_1D = dtorch.init_device_mesh("cpu", (3,), mesh_dim_names=["a"])
 MESH_2D = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["a", "b"])
@@ -90,12 +91,14 @@ def check(dt_out, expected, rtol=1e-4, atol=1e-5):
 
 
 def run_sweep(dt_fn, torch_fn, inputs: list[torch.Tensor], meshes=MESHES, partial=True, limit=40,
-              rtol=1e-4, atol=1e-5, vary=None):
+              rtol=1e-4, atol=1e-5, vary=None, placements=None):
     """For each mesh and each placement of the inputs listed in ``vary`` (default: all), the dtorch op
-    equals the torch op and leaves its inputs unchanged. Returns the number of cases run."""
+    equals the torch op and leaves its inputs unchanged. ``placements(mesh, *lays)``: the output Lay(s) the
+    op's rule promises (tests/promises.py), asserted on every case; a sweep given one fails unless it
+    checked some mesh dim. Returns the number of cases run."""
     expected = torch_fn(*inputs)
     vary = list(range(len(inputs))) if vary is None else vary
-    n = 0
+    n = checked = 0
     for mesh in meshes:
         per_input = [placement_cases(inputs[j].ndim, mesh, partial=partial and inputs[j].is_floating_point(),
                                      limit=limit, seed=j) if j in vary else [(Replicate(),) * mesh.ndim]
@@ -108,10 +111,13 @@ def run_sweep(dt_fn, torch_fn, inputs: list[torch.Tensor], meshes=MESHES, partia
             out = dt_fn(*dts)
             try:
                 check(out, expected, rtol, atol)
+                if placements is not None:
+                    checked += check_placements(mesh, out, placements(mesh, *lays(mesh, inputs, combo)))
             except AssertionError as exc:
                 raise AssertionError(f"mesh {mesh}, placements {[list(map(str, p)) for p in combo]}: {exc}") from None
             for d, x, p in zip(dts, inputs, combo):
                 assert tuple(d.placements) == canonical(mesh, p), "input placements changed"
                 torch.testing.assert_close(d.to_torch(), x, rtol=1e-6, atol=1e-6, msg="input value changed")
             n += 1
+    assert placements is None or checked > 0, "the promised placements pinned no mesh dim of any case"
     return n

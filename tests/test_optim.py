@@ -347,6 +347,28 @@ def test_scheduler_step_order_warns_like_torch(order):
     assert dopt._opt_called  # the scheduler's wrapper around step counted the call, as on torch's optimizer
 
 
+@pytest.mark.parametrize("opt_name", ["SGD", "Adam", "AdamW"])
+def test_tensor_lr_is_read_at_each_step_as_in_torch(opt_name):
+    """lr may be a 1-element tensor, as torch.optim allows; a scheduler fill_s it in place."""
+    cfg = dict(lr=torch.tensor(0.05), foreach=False)
+    cfg_d = dict(lr=torch.tensor(0.05))
+    tps, dps, topt, _ = _optimizers(opt_name, cfg)
+    dopt = {"SGD": SGD, "Adam": Adam, "AdamW": AdamW}[opt_name](dps, **cfg_d)
+    tsched, dsched = LRS.StepLR(topt, step_size=2, gamma=0.3), LRS.StepLR(dopt, step_size=2, gamma=0.3)
+    for s in range(5):
+        _set_grads(tps, dps, s)
+        topt.step(), dopt.step(), tsched.step(), dsched.step()
+    assert isinstance(dopt.param_groups[0]["lr"], torch.Tensor)
+    assert dopt.param_groups[0]["lr"].item() == topt.param_groups[0]["lr"].item()
+    _assert_same(tps, dps, "with a tensor lr under StepLR")
+    with pytest.raises(ValueError, match="1-element"):
+        AdamW(dps, lr=torch.tensor([0.1, 0.2]))
+    with pytest.raises(ValueError, match="learning rate"):
+        SGD(dps, lr=-0.1)
+    with pytest.raises(TypeError, match="Python number or a 1-element tensor"):
+        SGD(dps, lr="0.1")
+
+
 def test_step_and_state_dict_hooks_run_as_in_torch():
     _, dps = _pair("replicate")
     opt = SGD(dps, lr=0.1)

@@ -8,7 +8,8 @@ import torch
 
 import dtorch
 from dtorch import Replicate, Shard
-from tests.models.test_llama import Layout, hf_model
+from tests.llama_models import hf_model
+from tests.models.test_llama import Layout
 from tests.runtime.conftest import BlocksRuntime, process_graph, using
 
 MESH = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["dp", "tp"])

@@ -19,39 +19,13 @@ from dtorch.ops.sampling import _next_token_kernel
 from dtorch.models.kv_cache import KVCache, KVCacheError
 from dtorch.models.llama import LlamaForCausalLM
 from dtorch.ops import registry
+from tests.llama_models import hf_model, make_config
 
 RTOL = ATOL = 1e-4
 NEW = 32
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models gain nothing from intra-op threads
-
-CONFIGS = {
-    # MHA with 4 layers (pp=2 gets two per stage); initializer_range 0.1: peaked logits, a wrong key shows
-    "mha": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=4, vocab_size=160),
-    # GQA: 2 kv heads (tp=2 gives each tp device one)
-    "gqa": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=128),
-}
-
-
-def make_config(name: str, **overrides) -> transformers.LlamaConfig:
-    kw = dict(CONFIGS[name], max_position_embeddings=128, initializer_range=0.1, rms_norm_eps=1e-6)
-    kw.update(overrides)
-    cfg = transformers.LlamaConfig(**kw)
-    cfg._attn_implementation = "sdpa"
-    return cfg
-
-
-_HF: dict = {}
-
-
-def hf_model(name: str) -> transformers.LlamaForCausalLM:
-    if name not in _HF:
-        torch.manual_seed(0)
-        _HF[name] = transformers.LlamaForCausalLM(make_config(name)).eval()
-    return _HF[name]
 
 
 def mesh_of(dims):
@@ -114,7 +88,7 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("config", ["mha", "gqa"])
+@pytest.mark.parametrize("config", ["decode_mha", "decode_gqa"])
 @pytest.mark.parametrize("case", LAYOUTS, ids=lambda c: c.name)
 def test_greedy_matches_hugging_face(case, config):
     ids, mask, want, want_logits = hf_generate(config, case.lengths)
@@ -139,8 +113,8 @@ def test_prefill_ring_skips_the_blocks_causality_hides(dims, lengths, monkeypatc
     real_ring, real_flash = cp.ring, ring._flash
     monkeypatch.setattr(cp, "ring", lambda plan, *a: used.append(plan.skips_hidden_blocks) or real_ring(plan, *a))
     monkeypatch.setattr(ring, "_flash", lambda q, *a: computed.append(q.shape[0]) or real_flash(q, *a))
-    ids, mask, want, want_logits = hf_generate("mha", lengths, new=2)
-    model = dtorch_model("mha", dims)
+    ids, mask, want, want_logits = hf_generate("decode_mha", lengths, new=2)
+    model = dtorch_model("decode_mha", dims)
     with CommLog() as log:
         got = model.generate(ids, max_new_tokens=1, output_logits=True, return_dict_in_generate=True)
     assert used == [True] * model.config.num_hidden_layers  # every layer's prefill skipped hidden blocks
@@ -154,8 +128,8 @@ def test_prefill_ring_skips_the_blocks_causality_hides(dims, lengths, monkeypatc
 def test_the_logit_check_can_fail():
     """A cache that ignored the padding mask (every slot seen) moves the logits of a padded row far beyond the
     tolerance: the matrix above would notice a mask bug."""
-    ids, mask, _, want_logits = hf_generate("mha", (7, 3, 5))
-    model = dtorch_model("mha")
+    ids, mask, _, want_logits = hf_generate("decode_mha", (7, 3, 5))
+    model = dtorch_model("decode_mha")
     got = model.generate(ids, max_new_tokens=2, output_logits=True, return_dict_in_generate=True)  # no mask
     assert (got.logits[0][1] - want_logits[0][1]).abs().max() > 100 * ATOL
 
@@ -163,9 +137,9 @@ def test_the_logit_check_can_fail():
 @pytest.mark.parametrize("dims", [(("ring_cp", 2), ("tp", 2)), (("dp", 2), ("ulysess_cp", 2))], ids=str)
 def test_left_padded_rows_get_the_tokens_they_get_alone(dims):
     lengths = (9, 4, 6)
-    hf = hf_model("mha")
+    hf = hf_model("decode_mha")
     ids, mask = prompts(lengths, hf.config.vocab_size, seed=5)
-    model = dtorch_model("mha", dims)
+    model = dtorch_model("decode_mha", dims)
     batch = model.generate(ids, attention_mask=mask, max_new_tokens=12)
     for r, n in enumerate(lengths):
         alone = ids[r:r + 1, ids.shape[1] - n:]
@@ -176,10 +150,10 @@ def test_left_padded_rows_get_the_tokens_they_get_alone(dims):
 
 
 def test_eos_pads_finished_rows_and_stops():
-    ids, mask, greedy, _ = hf_generate("mha", (7, 3, 5))
+    ids, mask, greedy, _ = hf_generate("decode_mha", (7, 3, 5))
     eos = int(greedy[1, ids.shape[1] + 3])  # the 4th new token of row 1
-    ids, mask, want, _ = hf_generate("mha", (7, 3, 5), eos_token_id=eos)
-    model = dtorch_model("mha", (("dp", 2),))
+    ids, mask, want, _ = hf_generate("decode_mha", (7, 3, 5), eos_token_id=eos)
+    model = dtorch_model("decode_mha", (("dp", 2),))
     got = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
     assert torch.equal(got, want)
     assert (got[1, ids.shape[1] + 4:] == 0).all()
@@ -199,13 +173,13 @@ def test_sampling_with_a_seed_gives_the_same_tokens_under_every_layout():
     runs = {}
     for case in [Case("none", ()), Case("tp2", (("tp", 2),)), Case("pp2 ring2", (("pp", 2), ("ring_cp", 2))),
                  Case("dp2 ulysses2", (("dp", 2), ("ulysess_cp", 2))), Case("dp2 tp2", (("dp", 2), ("tp", 2)))]:
-        model = dtorch_model("mha", case.dims)
+        model = dtorch_model("decode_mha", case.dims)
         runs[case.name] = model.generate(ids, attention_mask=mask, max_new_tokens=16,
                                          generator=torch.Generator().manual_seed(7), **SAMPLING)
     first = runs["none"]
     for name, got in runs.items():
         assert torch.equal(got, first), name
-    model = dtorch_model("mha")
+    model = dtorch_model("decode_mha")
     greedy = model.generate(ids, attention_mask=mask, max_new_tokens=16)
     other_seed = model.generate(ids, attention_mask=mask, max_new_tokens=16,
                                 generator=torch.Generator().manual_seed(8), **SAMPLING)
@@ -240,10 +214,10 @@ def test_sampling_filters_are_hugging_faces(temperature, top_k, top_p):
 def test_cache_layout_and_bytes_per_device():
     """kv heads over tp, slots over cp, batch over dp, layers on their stage: bytes per device = the ideal
     (every layer's keys and values for prompt + new tokens) / (tp * cp * dp * pp) within 5 %."""
-    hf = hf_model("gqa")
+    hf = hf_model("decode_gqa")
     cfg = hf.config
     mesh = mesh_of((("pp", 2), ("dp", 2), ("tp", 2), ("ring_cp", 2)))
-    model = dtorch_model("gqa", (("pp", 2), ("dp", 2), ("tp", 2), ("ring_cp", 2)))
+    model = dtorch_model("decode_gqa", (("pp", 2), ("dp", 2), ("tp", 2), ("ring_cp", 2)))
     graph = dtorch.default_graph()
     batch, prompt, new = 4, 37, 64
     ids = torch.randint(3, cfg.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0))
@@ -270,7 +244,7 @@ def test_cache_layout_and_bytes_per_device():
 
 
 def test_decode_step_reuses_its_plans():
-    model = dtorch_model("mha", (("tp", 2), ("ring_cp", 2)))
+    model = dtorch_model("decode_mha", (("tp", 2), ("ring_cp", 2)))
     ids, mask = prompts((7, 4), 160)
     misses = []
 
@@ -290,7 +264,7 @@ def test_decode_step_reuses_its_plans():
 def test_decode_step_never_gathers_the_cache():
     """ring_cp=2 x tp=2: a decode step's communication is the partial outputs of the new token (all_gather on
     ring_cp), the tp all-reduces and the logits' vocab gather; no record comes near a layer's cache."""
-    model = dtorch_model("mha", (("tp", 2), ("ring_cp", 2)))
+    model = dtorch_model("decode_mha", (("tp", 2), ("ring_cp", 2)))
     ids = torch.randint(3, 160, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         out = model(ids, use_cache=True)
@@ -309,11 +283,11 @@ def test_cache_made_by_the_user_and_its_errors():
     from dtorch.models.llama import KVCache as api_name
 
     assert api_name is KVCache
-    model = dtorch_model("mha", (("ring_cp", 2),))
+    model = dtorch_model("decode_mha", (("ring_cp", 2),))
     cache = KVCache(model, batch_size=2, max_length=12)
     assert cache.slots == 12 and cache.key_cache[0].placements == [Shard(2)]
     ids = torch.randint(3, 160, (2, 8), generator=torch.Generator().manual_seed(0))
-    hf = hf_model("mha")
+    hf = hf_model("decode_mha")
     with torch.no_grad():
         out = model(ids, past_key_values=cache, use_cache=True)
         ref = hf(ids, use_cache=True)
@@ -338,8 +312,8 @@ def test_cache_made_by_the_user_and_its_errors():
 
 @pytest.mark.parametrize("dims", [(), (("ring_cp", 2), ("tp", 2)), (("pp", 2), ("ulysess_cp", 2))], ids=str)
 def test_forward_with_cache_mask_and_positions_matches_hugging_face(dims):
-    hf = hf_model("mha")
-    model = dtorch_model("mha", dims)
+    hf = hf_model("decode_mha")
+    model = dtorch_model("decode_mha", dims)
     ids, mask = prompts((9, 5), 160, seed=2)
     with torch.no_grad():
         ref = hf(ids, attention_mask=mask, use_cache=True)
@@ -367,7 +341,7 @@ def test_forward_with_cache_mask_and_positions_matches_hugging_face(dims):
 # -- bad input -----------------------------------------------------------------------------------------
 
 def test_generate_bad_input_is_named():
-    model = dtorch_model("mha")
+    model = dtorch_model("decode_mha")
     ids = torch.randint(3, 160, (2, 5))
     with pytest.raises(GenerationError, match=r"max_new_tokens must be an int >= 1.*top_p must be a number in \(0, 1\]"):
         model.generate(ids, max_new_tokens=0, do_sample=True, top_p=1.5)
@@ -391,11 +365,11 @@ def test_process_backend_generates_the_same_and_fetches_only_token_ids(dims, len
     from tests.runtime.conftest import process_graph, using
 
     ids, mask = prompts(lengths, 128, seed=4)
-    ref = dtorch_model("gqa", dims).generate(ids, attention_mask=mask, max_new_tokens=8)
+    ref = dtorch_model("decode_gqa", dims).generate(ids, attention_mask=mask, max_new_tokens=8)
     graph = process_graph(workers=2)
     try:
         with using(graph):
-            model = dtorch_model("gqa", dims)
+            model = dtorch_model("decode_gqa", dims)
             fetched = []
             rt = graph.runtime
             real = rt.to_global
@@ -423,7 +397,7 @@ def _checkpoint_with_tokenizer(path):
     text = ["the quick brown fox jumps over the lazy dog", "hello world, hello dtorch", "once upon a time"] * 20
     tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=120, special_tokens=["[UNK]", "<s>", "</s>"]))
     tok.save(str(path / "tokenizer.json"))
-    hf_model("gqa").save_pretrained(path)
+    hf_model("decode_gqa").save_pretrained(path)
     return tok
 
 
@@ -438,7 +412,7 @@ def test_generate_cli_with_a_checkpoint_matches_hugging_face(tmp_path, capsys):
     assert "PASS, the same tokens" in out and "cpu[tp=2, ring_cp=2]" in out
     assert "prefill 2 x 4 tokens" in out and "tokens/s" in out and "decode  5 steps x 2 rows" in out
     assert "KV cache" in out and "(1/4.0 of it)" in out  # kv heads over tp, slots over ring_cp
-    hf = hf_model("gqa")
+    hf = hf_model("decode_gqa")
     ids = torch.tensor([tok.encode("hello world").ids])
     with torch.no_grad():
         want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -472,7 +446,8 @@ def test_rope_types_past_max_position_embeddings(rope):
     """max_position_embeddings 32, 24 prompt tokens + 16 new: "dynamic" grows its frequencies past 32 in the
     decode steps, as Hugging Face's does."""
     torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(make_config("mha", max_position_embeddings=32, rope_scaling=dict(rope))).eval()
+    hf = transformers.LlamaForCausalLM(make_config("decode_mha", max_position_embeddings=32,
+                                                   rope_scaling=dict(rope))).eval()
     model = LlamaForCausalLM(hf.config, mesh_of((("ring_cp", 2),)))
     model.load_state_dict(hf.state_dict())
     ids, _ = prompts((24, 24), 160)

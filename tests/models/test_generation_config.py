@@ -15,7 +15,9 @@ from dtorch.models import generation
 from dtorch.models.generation import GenerationError, resolve_generation_config
 from dtorch.models.llama import LlamaForCausalLM
 
-from .test_generate import hf_model, mesh_of, prompts
+from tests.llama_models import hf_model
+
+from .test_generate import mesh_of, prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -26,7 +28,7 @@ LAYOUTS = [(), (("tp", 2), ("ring_cp", 2)), (("dp", 2), ("pp", 2))]
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
-    hf_model("mha").save_pretrained(path)
+    hf_model("decode_mha").save_pretrained(path)
     return path
 
 
@@ -49,7 +51,7 @@ def eos_ids(greedy: torch.Tensor, prompt: int) -> list:
 @pytest.fixture(scope="module")
 def greedy():
     """Hugging Face's greedy continuation of the prompts without any eos id (for picking eos ids)."""
-    hf = hf_model("mha")
+    hf = hf_model("decode_mha")
     ids, mask = prompts(LENGTHS, hf.config.vocab_size)
     with torch.no_grad():
         return hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None,
@@ -157,7 +159,7 @@ def test_sampling_defaults_come_from_the_generation_config(checkpoint, monkeypat
     assert run(top_k=0)[1] == (True, 0.6, None, 0.9)  # 0 (or None): no top-k filter, as in transformers
     assert run(temperature=1.2, top_p=None)[1] == (True, 1.2, 50, None)
     assert run(do_sample=False)[1] == (False, 1.0, None, None)
-    plain = LlamaForCausalLM(hf_model("mha").config)  # built from a config: transformers' defaults
+    plain = LlamaForCausalLM(hf_model("decode_mha").config)  # built from a config: transformers' defaults
     chosen.clear()
     plain.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=True)
     assert chosen[0] == (True, 1.0, 50, 1.0)
@@ -180,7 +182,7 @@ def test_the_pad_id_marks_padding_when_no_mask_is_given(checkpoint, greedy):
 def test_generation_config_from_the_model_config(checkpoint):
     """A model built from a config gets transformers' generation config for it; a checkpoint without
     generation_config.json gets one made from config.json, as transformers' from_pretrained does."""
-    hf = hf_model("mha")
+    hf = hf_model("decode_mha")
     assert LlamaForCausalLM(hf.config).generation_config.to_dict() == hf.generation_config.to_dict()
     (checkpoint / "generation_config.json").unlink()
     model, ref = load_both(checkpoint)

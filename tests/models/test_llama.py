@@ -28,41 +28,9 @@ import dtorch
 from dtorch import CommLog, Replicate, Shard
 from dtorch.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaLayoutError, LlamaRotaryEmbedding
 from dtorch.nn import StateDictError
+from tests.llama_models import CONFIGS, hf_model, make_config
 
 RTOL = ATOL = 1e-4
-
-# hidden 64-128, intermediate ~2.75 x hidden; initializer_range 0.1 so attention is far from uniform
-# and a wrong position or a misplaced head shows up well above the tolerance
-CONFIGS = {
-    "base": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=4, vocab_size=160),
-    "three_layers": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=4, vocab_size=160),
-    "gqa": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=8,
-                num_key_value_heads=2, vocab_size=128),
-    # one kv head (with biases: they are replicated over tp like the weights)
-    "mqa": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=1, vocab_size=160, attention_bias=True),
-}
-
-
-def make_config(name: str = "base", **overrides) -> transformers.LlamaConfig:
-    kw = dict(CONFIGS[name], max_position_embeddings=64, initializer_range=0.1, rms_norm_eps=1e-6)
-    kw.update(overrides)
-    cfg = transformers.LlamaConfig(**kw)
-    cfg._attn_implementation = "sdpa"
-    return cfg
-
-
-_HF: dict = {}
-
-
-def hf_model(name: str = "base") -> transformers.LlamaForCausalLM:
-    if name not in _HF:
-        torch.manual_seed(0)
-        _HF[name] = transformers.LlamaForCausalLM(make_config(name)).eval()
-    return _HF[name]
-
 
 @dataclass(frozen=True)
 class Layout:

@@ -6,7 +6,8 @@ import torch
 import dtorch
 from dtorch import Replicate, Shard
 from dtorch.models.llama import LlamaForCausalLM
-from tests.models.test_llama import ATOL, RTOL, hf_model
+from tests.llama_models import hf_model
+from tests.models.test_llama import ATOL, RTOL
 
 
 def _model(mesh):

@@ -11,8 +11,9 @@ import torch
 import dtorch
 from dtorch import CommLog, MixedPrecisionPolicy
 from dtorch.models.llama import LlamaForCausalLM
+from tests.llama_models import hf_model
 
-from .test_llama import Layout, hf_model
+from .test_llama import Layout
 from .test_llama_train import TOL, _batch, _compare_grads
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

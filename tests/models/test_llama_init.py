@@ -9,8 +9,9 @@ import transformers
 
 import dtorch
 from dtorch.models.llama import LlamaForCausalLM, LlamaModel
+from tests.llama_models import make_config
 
-from .test_llama import LAYOUTS, make_config
+from .test_llama import LAYOUTS
 from .test_llama_train import FSDP_LAYOUTS
 
 SEED = 5

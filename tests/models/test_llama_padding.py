@@ -15,8 +15,9 @@ import torch
 import dtorch
 from dtorch.models.forward import GenerationError, packed_sequences
 from dtorch.models.llama import LlamaForCausalLM, activation_placements
+from tests.llama_models import hf_model
 
-from .test_llama import LAYOUTS, Layout, hf_model
+from .test_llama import LAYOUTS, Layout
 from .test_llama_train import FSDP_LAYOUTS, _compare_grads
 
 TOL = 1e-4

@@ -9,8 +9,9 @@ import torch
 import dtorch
 from dtorch import CommLog, Replicate
 from dtorch.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaRotaryEmbedding
+from tests.llama_models import hf_model, make_config
 
-from .test_llama import LAYOUTS, Layout, hf_model, make_config
+from .test_llama import LAYOUTS, Layout
 
 TOL = 1e-4
 

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 import dtorch
 from dtorch import OpError, Partial, Replicate, Shard
 from dtorch.models.layout import context_parallel
+from promises import attention
 from sweep import MESHES, check, distribute, run_sweep
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -36,7 +37,7 @@ def sdpa(q, *args, **kw):
 def test_plain_sweep_uneven(causal):
     q, k, v = _qkv(n=2, h=3, hk=3, l=5, s=6, e=4, ev=3)  # every dim uneven on 2- and 3-device mesh dims
     run_sweep(lambda a, b, c: _sdpa(F, a, b, c, is_causal=causal), lambda a, b, c: _sdpa(F, a, b, c, is_causal=causal),
-              [q, k, v], limit=40, **TOL)
+              [q, k, v], limit=40, placements=attention, **TOL)
 
 
 def test_plain_sweep_gqa_with_float_mask():
@@ -44,7 +45,7 @@ def test_plain_sweep_gqa_with_float_mask():
     mask = torch.randn(4, 5, 6, generator=torch.Generator().manual_seed(1))  # broadcast over N
     run_sweep(lambda a, b, c, m: dtorch.scaled_dot_product_attention(a, b, c, attn_mask=m, enable_gqa=True),
               lambda a, b, c, m: F.scaled_dot_product_attention(a, b, c, attn_mask=m, enable_gqa=True),
-              [q, k, v, mask], limit=30, **TOL)
+              [q, k, v, mask], limit=30, placements=attention, **TOL)
 
 
 def test_plain_bool_mask_with_fully_masked_rows():

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 import dtorch
 from dtorch import CommLog, OpError, Partial, Replicate, Shard
+from promises import contract
 from sweep import MESH_1D, MESH_2D, MESH_3D, check, distribute, run_sweep
 
 torch.manual_seed(0)
@@ -47,9 +48,32 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("dt_fn, torch_fn, inputs", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_sweep(dt_fn, torch_fn, inputs):
-    assert run_sweep(dt_fn, torch_fn, inputs, limit=30) > 0
+# each case in einsum labels (batch dims spelled out; "+bias": the last operand is a bias over the output's last
+# dim): the strategies its rule chooses between, and so the placement it promises where one is free
+EQUATIONS = {
+    "matmul_2d": "mk,kn->mn", "matmul_3d_2d": "bmk,kn->bmn", "matmul_2d_3d": "mk,bkn->bmn",
+    "matmul_batch_broadcast": "abmk,bkn->abmn", "matmul_1d_2d": "k,kn->n", "matmul_3d_1d": "bmk,k->bm",
+    "matmul_1d_1d": "k,k->", "mm": "mk,kn->mn", "bmm": "bmk,bkn->bmn", "dot": "k,k->", "outer": "m,n->mn",
+    "linear": "bmk,nk->bmn", "linear_bias": "bmk,nk->bmn+bias", "linear_1d": "k,nk->n+bias",
+    "einsum_bmm": "bij,bjk->bik", "einsum_chain": "ij,jk,kl->il", "einsum_implicit": "ij,jk->ik",
+    "einsum_ellipsis_broadcast": "bij,bjk->bik", "einsum_attention": "bhqd,bhkd->bhqk",
+    "einsum_outer_sum": "ij,k->ik", "einsum_diagonal": "ii->i", "einsum_transpose": "ijk->kji",
+}
+
+
+def _promise(equation):
+    if equation.endswith("+bias"):
+        return lambda mesh, *ops: contract(mesh, equation[:-5], *ops[:-1], bias=ops[-1])
+    return lambda mesh, *ops: contract(mesh, equation, *ops)
+
+
+@pytest.mark.parametrize("name, dt_fn, torch_fn, inputs", CASES, ids=[c[0] for c in CASES])
+def test_sweep(name, dt_fn, torch_fn, inputs):
+    assert run_sweep(dt_fn, torch_fn, inputs, limit=30, placements=_promise(EQUATIONS[name])) > 0
+
+
+def test_every_case_has_an_equation():
+    assert set(EQUATIONS) == {c[0] for c in CASES}
 
 
 def test_torch_tensor_operands():

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 import dtorch
 from dtorch import OpError, Partial, Replicate, Shard
+from promises import embedding, normalization
 from sweep import MESHES, check, distribute, run_sweep
 
 MESH_TP = dtorch.init_device_mesh("cpu", (2, 3), mesh_dim_names=["dp", "tp"])
@@ -20,7 +21,7 @@ def test_embedding_sweep_every_placement():
     g = _gen()
     weight = torch.randn(7, 5, generator=g)  # uneven vocab and embedding dims on every mesh
     ids = torch.randint(0, 7, (3, 4), generator=g)
-    n = run_sweep(lambda i, w: dtorch.embedding(i, w), F.embedding, [ids, weight], limit=40)
+    n = run_sweep(lambda i, w: dtorch.embedding(i, w), F.embedding, [ids, weight], limit=40, placements=embedding)
     assert n > 60
 
 
@@ -115,15 +116,18 @@ def test_layer_norm_sweep(normalized):
     x = torch.randn(3, 5, 6, generator=g) * 3 + 1
     w, b = torch.randn(normalized, generator=g), torch.randn(normalized, generator=g)
     run_sweep(lambda a, ww, bb: F.layer_norm(a, normalized, ww, bb, eps=1e-5),
-              lambda a, ww, bb: F.layer_norm(a, normalized, ww, bb, eps=1e-5), [x, w, b], limit=30, rtol=1e-5, atol=1e-5)
+              lambda a, ww, bb: F.layer_norm(a, normalized, ww, bb, eps=1e-5), [x, w, b], limit=30, rtol=1e-5, atol=1e-5,
+              placements=lambda m, a, ww, bb: normalization(m, a, len(normalized)))
 
 
 def test_layer_norm_optional_affine():
     g = _gen(5)
     x, b = torch.randn(4, 7, generator=g), torch.randn(7, generator=g)
-    run_sweep(lambda a: dtorch.layer_norm(a, 7), lambda a: F.layer_norm(a, (7,)), [x], rtol=1e-5, atol=1e-5)
+    run_sweep(lambda a: dtorch.layer_norm(a, 7), lambda a: F.layer_norm(a, (7,)), [x], rtol=1e-5, atol=1e-5,
+              placements=lambda m, a: normalization(m, a, 1))
     run_sweep(lambda a, bb: dtorch.nn.functional.layer_norm(a, [7], bias=bb, eps=1e-3),
-              lambda a, bb: F.layer_norm(a, [7], bias=bb, eps=1e-3), [x, b], limit=20, rtol=1e-5, atol=1e-5)
+              lambda a, bb: F.layer_norm(a, [7], bias=bb, eps=1e-3), [x, b], limit=20, rtol=1e-5, atol=1e-5,
+              placements=lambda m, a, bb: normalization(m, a, 1))
 
 
 @pytest.mark.parametrize("normalized", [(6,), (5, 6)])
@@ -132,9 +136,10 @@ def test_rms_norm_sweep(normalized):
     x = torch.randn(3, 5, 6, generator=g) * 2
     w = torch.randn(normalized, generator=g)
     run_sweep(lambda a, ww: F.rms_norm(a, normalized, ww, eps=1e-6),
-              lambda a, ww: F.rms_norm(a, normalized, ww, eps=1e-6), [x, w], limit=30, rtol=1e-5, atol=1e-5)
+              lambda a, ww: F.rms_norm(a, normalized, ww, eps=1e-6), [x, w], limit=30, rtol=1e-5, atol=1e-5,
+              placements=lambda m, a, ww: normalization(m, a, len(normalized)))
     run_sweep(lambda a: dtorch.rms_norm(a, normalized), lambda a: F.rms_norm(a, normalized), [x],
-              rtol=1e-5, atol=1e-5)
+              rtol=1e-5, atol=1e-5, placements=lambda m, a: normalization(m, a, len(normalized)))
 
 
 def test_norms_keep_batch_shards_without_communication():

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import dtorch
 from dtorch import Partial, Replicate, Shard
+from promises import add, elementwise, mul, nonlinear
 from sweep import MESH_2D, MESHES, check, distribute, run_sweep
 
 torch.manual_seed(0)
@@ -23,58 +24,71 @@ UNARY = [
 
 @pytest.mark.parametrize("name,ref", UNARY, ids=[u[0] for u in UNARY])
 def test_unary_matches_torch(name, ref):
-    n = run_sweep(getattr(dtorch, name), ref, [A], limit=25)
+    promise = add if name == "neg" else nonlinear  # -P is P; every other unary op reduces a partial first
+    n = run_sweep(getattr(dtorch, name), ref, [A], limit=25, placements=promise)
     assert n > 0
 
 
 def test_unary_on_positive_inputs():
     for fn, ref in ((dtorch.log, torch.log), (dtorch.sqrt, torch.sqrt), (dtorch.rsqrt, torch.rsqrt),
                     (lambda x: x.reciprocal(), torch.reciprocal)):
-        run_sweep(fn, ref, [POS], limit=15)
+        run_sweep(fn, ref, [POS], limit=15, placements=nonlinear)
 
 
 @pytest.mark.parametrize("op", ["add", "sub", "mul", "div", "maximum", "pow"])
 def test_binary_broadcast_matches_torch(op):
     a, b = (POS, POS[0] + 0.1) if op == "pow" else (A, B)
-    run_sweep(getattr(dtorch, op), getattr(torch, op), [a, b], limit=40)
+    partial = {"add": "add", "sub": "add", "mul": "mul", "div": "div"}.get(op)
+    run_sweep(getattr(dtorch, op), getattr(torch, op), [a, b], limit=40,
+              placements=lambda m, x, y: elementwise(m, x, y, partial=partial))
 
 
 def test_binary_with_size_one_broadcast_dim():
-    run_sweep(dtorch.add, torch.add, [A, C], limit=40)
-    run_sweep(dtorch.mul, torch.mul, [C, A], limit=40)
+    run_sweep(dtorch.add, torch.add, [A, C], limit=40, placements=add)
+    run_sweep(dtorch.mul, torch.mul, [C, A], limit=40, placements=mul)
 
 
 def test_python_operators_and_scalars():
+    # (call, the placements its rule promises): a scalar operand keeps a partial only under * and /
     ops = [
-        (lambda x, y: x + y, None), (lambda x, y: x - y, None), (lambda x, y: x * y, None),
-        (lambda x, y: x / y, None), (lambda x, y: x ** 2, None), (lambda x, y: 2 ** x, None),
-        (lambda x, y: 3.0 - x, None), (lambda x, y: 1 / (y + 10), None), (lambda x, y: -x, None),
-        (lambda x, y: x + 1.5, None), (lambda x, y: x * 2, None), (lambda x, y: x // 0.7, None),
-        (lambda x, y: x % 0.6, None), (lambda x, y: abs(x), None),
+        (lambda x, y: x + y, add), (lambda x, y: x - y, add), (lambda x, y: x * y, mul),
+        (lambda x, y: x / y, lambda m, x, y: elementwise(m, x, y, partial="div")),
+        (lambda x, y: x ** 2, lambda m, x, y: nonlinear(m, x)), (lambda x, y: 2 ** x, lambda m, x, y: nonlinear(m, x)),
+        (lambda x, y: 3.0 - x, lambda m, x, y: add(m, x, scalar=True)),
+        (lambda x, y: 1 / (y + 10), lambda m, x, y: elementwise(m, add(m, y, scalar=True), partial="div", first=-1)),
+        (lambda x, y: -x, lambda m, x, y: add(m, x)),
+        (lambda x, y: x + 1.5, lambda m, x, y: add(m, x, scalar=True)), (lambda x, y: x * 2, lambda m, x, y: mul(m, x)),
+        (lambda x, y: x // 0.7, lambda m, x, y: nonlinear(m, x)), (lambda x, y: x % 0.6, lambda m, x, y: nonlinear(m, x)),
+        (lambda x, y: abs(x), lambda m, x, y: nonlinear(m, x)),
     ]
-    for fn, _ in ops:
-        run_sweep(fn, fn, [A, B], limit=20)
+    for fn, promise in ops:
+        run_sweep(fn, fn, [A, B], limit=20, placements=promise)
 
 
 def test_comparisons_where_masked_fill_clamp():
-    run_sweep(lambda x, y: x > y, lambda x, y: x > y, [A, B], limit=20)
-    run_sweep(lambda x, y: x <= 0.1, lambda x, y: x <= 0.1, [A, B], limit=10, vary=[0])
-    run_sweep(lambda x, y: dtorch.where(x > 0, x, y), lambda x, y: torch.where(x > 0, x, y), [A, B], limit=30)
-    run_sweep(lambda x, y: x.masked_fill(y > 0, -1.0), lambda x, y: x.masked_fill(y > 0, -1.0), [A, B], limit=30)
-    run_sweep(lambda x: x.clamp(-0.5, 0.5), lambda x: x.clamp(-0.5, 0.5), [A], limit=20)
-    run_sweep(lambda x: x.clamp(min=0.0), lambda x: x.clamp(min=0.0), [A], limit=20)
+    run_sweep(lambda x, y: x > y, lambda x, y: x > y, [A, B], limit=20, placements=nonlinear)
+    run_sweep(lambda x, y: x <= 0.1, lambda x, y: x <= 0.1, [A, B], limit=10, vary=[0],
+              placements=lambda m, x, y: nonlinear(m, x))
+    run_sweep(lambda x, y: dtorch.where(x > 0, x, y), lambda x, y: torch.where(x > 0, x, y), [A, B], limit=30,
+              placements=lambda m, x, y: nonlinear(m, nonlinear(m, x), x, y))
+    run_sweep(lambda x, y: x.masked_fill(y > 0, -1.0), lambda x, y: x.masked_fill(y > 0, -1.0), [A, B], limit=30,
+              placements=lambda m, x, y: nonlinear(m, x, nonlinear(m, y)))
+    run_sweep(lambda x: x.clamp(-0.5, 0.5), lambda x: x.clamp(-0.5, 0.5), [A], limit=20, placements=nonlinear)
+    run_sweep(lambda x: x.clamp(min=0.0), lambda x: x.clamp(min=0.0), [A], limit=20, placements=nonlinear)
 
 
 def test_dtype_casts_and_promotion():
     ints = torch.arange(30).reshape(5, 6)
-    run_sweep(lambda x: x.float(), lambda x: x.float(), [ints], limit=10)
-    run_sweep(lambda x: x.half(), lambda x: x.half(), [A], limit=10, partial=False)
-    run_sweep(lambda x: x.bfloat16(), lambda x: x.bfloat16(), [A], limit=10, partial=False)
-    run_sweep(lambda x: x.to(torch.float64), lambda x: x.to(torch.float64), [A], limit=10)
-    run_sweep(lambda x, y: x.type_as(y), lambda x, y: x.type_as(y), [ints, A[0, 0, :6]], limit=10)
-    run_sweep(lambda x: x * 1.5, lambda x: x * 1.5, [ints], limit=10)        # int * float -> float
-    run_sweep(lambda x: x / 2, lambda x: x / 2, [ints], limit=10)            # true division
-    run_sweep(lambda x, y: x + y, lambda x, y: x + y, [ints, A[0, 0, :6]], limit=10)  # int + float tensor
+    # a cast is not in the linear list: a partial is reduced first
+    run_sweep(lambda x: x.float(), lambda x: x.float(), [ints], limit=10, placements=nonlinear)
+    run_sweep(lambda x: x.half(), lambda x: x.half(), [A], limit=10, partial=False, placements=nonlinear)
+    run_sweep(lambda x: x.bfloat16(), lambda x: x.bfloat16(), [A], limit=10, partial=False, placements=nonlinear)
+    run_sweep(lambda x: x.to(torch.float64), lambda x: x.to(torch.float64), [A], limit=10, placements=nonlinear)
+    run_sweep(lambda x, y: x.type_as(y), lambda x, y: x.type_as(y), [ints, A[0, 0, :6]], limit=10,
+              placements=lambda m, x, y: nonlinear(m, x))
+    run_sweep(lambda x: x * 1.5, lambda x: x * 1.5, [ints], limit=10, placements=mul)  # int * float -> float
+    run_sweep(lambda x: x / 2, lambda x: x / 2, [ints], limit=10, placements=mul)      # true division
+    run_sweep(lambda x, y: x + y, lambda x, y: x + y, [ints, A[0, 0, :6]], limit=10, placements=add)  # int + float
 
 
 def test_torch_function_dispatch():
@@ -167,7 +181,8 @@ def test_torch_tensor_operand_becomes_replicate():
 @pytest.mark.parametrize("mesh", MESHES, ids=lambda m: str(m))
 def test_uneven_and_empty_shards(mesh):
     small = torch.randn(1, 3)  # fewer rows than devices: some shards are empty
-    run_sweep(lambda x: x * 2 + 1, lambda x: x * 2 + 1, [small], meshes=[mesh], limit=30)
+    run_sweep(lambda x: x * 2 + 1, lambda x: x * 2 + 1, [small], meshes=[mesh], limit=30,
+              placements=lambda m, x: add(m, mul(m, x), scalar=True))
 
 
 def test_torch_tensor_on_the_left_tensor_keywords_and_torch_spellings():

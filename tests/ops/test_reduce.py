@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import dtorch
 from dtorch import CommLog, OpError, Partial, Replicate, Shard
+from promises import along, reduction
 from sweep import MESH_1D, MESH_2D, check, distribute, run_sweep
 
 torch.manual_seed(0)
@@ -72,21 +73,67 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("dt_fn, torch_fn, x", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_sweep(dt_fn, torch_fn, x):
-    assert run_sweep(dt_fn, torch_fn, [x], limit=25) > 0
 
 
-@pytest.mark.parametrize("fn", [
-    lambda x: x.sum(), lambda x: x.mean(0), lambda x: x.max(0), lambda x: x.amax(), lambda x: x.argmax(0),
-    lambda x: x.norm(), lambda x: x.var(0), lambda x: x.prod(), lambda x: x.cumsum(0), lambda x: x.softmax(-1),
-    lambda x: x.logsumexp(0),
+def _reduces(kind, dims=None, keepdim=False, outputs=1):
+    def promise(mesh, x):
+        out = reduction(mesh, x, kind, dims, keepdim)
+        return [out] * outputs if outputs > 1 else out
+    return promise
+
+
+def _along(dim, linear):
+    return lambda mesh, x: along(mesh, x, dim, linear)
+
+
+# the placements each case's rule promises ("other": a reduction that gathers a sharded reduced dim)
+PROMISES = {
+    "sum": _reduces("sum"), "sum_dim": _reduces("sum", 1), "sum_tuple_keepdim": _reduces("sum", (0, 2), True),
+    "sum_dtype": _reduces("sum", -1), "sum_int": _reduces("sum", 0),
+    "mean": _reduces("mean"), "mean_dim": _reduces("mean", 0), "mean_tuple_keepdim": _reduces("mean", (1, -1), True),
+    "max": _reduces("amax"), "max_dim": _reduces("other", 1, outputs=2),
+    "max_dim_keepdim": _reduces("other", -1, True, outputs=2),
+    "min": _reduces("amin"), "min_dim": _reduces("other", 0, outputs=2),
+    "amax_tuple": _reduces("amax", (0, 2)), "amax_all": _reduces("amax"), "amax_int": _reduces("amax", 0),
+    "amin_keepdim": _reduces("amin", 1, True),
+    "argmax": _reduces("other"), "argmax_dim": _reduces("other", 1), "argmin_keepdim": _reduces("other", 0, True),
+    "norm": _reduces("other"), "norm_p1": _reduces("norm1", 0), "norm_inf": _reduces("norminf", (0, 1)),
+    "norm_neginf": _reduces("norm-inf", 2), "norm_fro": _reduces("other", (0, 1)),
+    "norm_p3_keepdim": _reduces("other", 1, True), "norm_p0": _reduces("norm0", 0),
+    "var": _reduces("var"), "var_dim": _reduces("var", 0), "var_correction": _reduces("var", (0, 1), True),
+    "var_unbiased": _reduces("var", 1), "std": _reduces("other"), "std_dim": _reduces("other", (0, 2), True),
+    "prod": _reduces("other"), "prod_dim": _reduces("other", 1), "prod_int_keepdim": _reduces("other", 0, True),
+    "all": _reduces("all"), "all_dim": _reduces("all", 1), "any_tuple": _reduces("any", (0, 2)),
+    "all_int": _reduces("all", 0),
+    "logsumexp": _reduces("other", 1), "logsumexp_tuple": _reduces("other", (0, 2), True),
+    "cumsum": _along(0, True), "cumsum_dtype": _along(-1, True), "cumsum_int": _along(1, True),
+    "softmax": _along(0, False), "softmax_F": _along(-1, False), "softmax_dtorchF": _along(1, False),
+    "log_softmax": _along(1, False), "log_softmax_F": _along(2, False),
+}
+
+
+@pytest.mark.parametrize("name, dt_fn, torch_fn, x", CASES, ids=[c[0] for c in CASES])
+def test_sweep(name, dt_fn, torch_fn, x):
+    assert run_sweep(dt_fn, torch_fn, [x], limit=25, placements=PROMISES[name]) > 0
+
+
+def test_every_case_has_a_promise():
+    assert set(PROMISES) == {c[0] for c in CASES}
+
+
+@pytest.mark.parametrize("fn, promise", [
+    (lambda x: x.sum(), _reduces("sum")), (lambda x: x.mean(0), _reduces("mean", 0)),
+    (lambda x: x.max(0), _reduces("other", 0, outputs=2)), (lambda x: x.amax(), _reduces("amax")),
+    (lambda x: x.argmax(0), _reduces("other", 0)), (lambda x: x.norm(), _reduces("other")),
+    (lambda x: x.var(0), _reduces("var", 0)), (lambda x: x.prod(), _reduces("other")),
+    (lambda x: x.cumsum(0), _along(0, True)), (lambda x: x.softmax(-1), _along(-1, False)),
+    (lambda x: x.logsumexp(0), _reduces("other", 0)),
 ])
-def test_small_ranks(fn):
+def test_small_ranks(fn, promise):
     # 0-d and uneven 1-D inputs (5 over 3 devices: 2, 2, 1; over 4: 2, 2, 1, 0)
     mesh4 = dtorch.init_device_mesh("cpu", (4,))
-    run_sweep(fn, fn, [torch.tensor(2.5)], meshes=[MESH_1D])
-    run_sweep(fn, fn, [torch.randn(5)], meshes=[MESH_1D, MESH_2D, mesh4])
+    run_sweep(fn, fn, [torch.tensor(2.5)], meshes=[MESH_1D], placements=promise)
+    run_sweep(fn, fn, [torch.randn(5)], meshes=[MESH_1D, MESH_2D, mesh4], placements=promise)
 
 
 def test_return_types():

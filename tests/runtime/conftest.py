@@ -43,11 +43,30 @@ def using(graph: dtorch.Graph):
         dtorch.Graph.set_default_graph(old)
 
 
-@pytest.fixture(scope="module")
-def proc():
+@pytest.fixture(scope="session")
+def process_pool():
+    """One process-backend Graph with 4 workers for the whole session (a mesh of more devices grows it):
+    starting workers is the slow part of a backend test. Tests that break, stop or count workers make
+    their own Graph."""
     g = process_graph(workers=4)
     yield g
     g.runtime.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_pool(ray_cluster):
+    """The ray backend's session Graph: 4 device actors."""
+    g = ray_graph(workers=4)
+    yield g
+    g.runtime.shutdown()
+
+
+@pytest.fixture(scope="module")
+def proc(request):
+    """The Graph the backend tests run on: the process backend's session pool, or the ray backend's in a
+    module that sets ``PROC_BACKEND = "ray"`` (test_ray_backend.py runs the process backend's tests on Ray)."""
+    backend = getattr(request.module, "PROC_BACKEND", "process")
+    return request.getfixturevalue({"process": "process_pool", "ray": "ray_pool"}[backend])
 
 
 @pytest.fixture(scope="module")

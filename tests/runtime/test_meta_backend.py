@@ -16,8 +16,9 @@ from dtorch.errors import MetaBackendError
 from dtorch.models.generation import _hidden
 from dtorch.models.kv_cache import CachedForward, KVCache
 from dtorch.models.llama import LlamaForCausalLM
+from tests.llama_models import make_config
 
-from ..models.test_llama import LAYOUTS, make_config
+from ..models.test_llama import LAYOUTS
 from ..models.test_llama_train import FSDP_LAYOUTS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import ray_graph
 from .test_move_into import (  # noqa: F401  (collected here, on Ray)
     test_copy_on_write_keeps_other_holders_unchanged, test_many_pairs_one_call_per_bucket,
     test_partial_sources_are_reduced_first_and_dtypes_cast, test_targets_used_before_they_are_read,
     test_values_land_in_the_target_in_its_layout)
 
 
-@pytest.fixture(scope="module")
-def proc(ray_cluster):
-    g = ray_graph(workers=4)
-    yield g
-    g.runtime.shutdown()
+PROC_BACKEND = "ray"  # the ``proc`` fixture (conftest.py) is the ray backend's session Graph
 
 
 @pytest.fixture

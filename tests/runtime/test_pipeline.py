@@ -11,29 +11,18 @@ import time
 
 import pytest
 import torch
-import transformers
 
 import dtorch
 from dtorch import Replicate, Shard
 from dtorch.models.llama import LlamaForCausalLM
 from dtorch.pipeline import issue_order, one_f_one_b, split_micro_batches, train_step
 from dtorch.runtime.kernels import get_kernel
+from tests.llama_models import hf_model
 
 from . import process_kernels
-from .conftest import process_graph, using
+from .conftest import using
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # kernels this small only contend over threads
-
-
-CFG = dict(hidden_size=32, intermediate_size=88, num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
-           max_position_embeddings=64, initializer_range=0.1, rms_norm_eps=1e-6)
-
-
-def hf_model(layers: int = 4, dtype=torch.float64) -> transformers.LlamaForCausalLM:
-    cfg = transformers.LlamaConfig(num_hidden_layers=layers, **CFG)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).to(dtype)
 
 
 def dtorch_model(hf, mesh) -> LlamaForCausalLM:
@@ -95,7 +84,7 @@ def test_gpipe_order_is_all_forwards_then_all_backwards():
 def test_the_helper_runs_the_issue_order(monkeypatch):
     import dtorch.pipeline as pipeline
 
-    hf = hf_model(4)
+    hf = hf_model("pipeline", torch.float64)
     ids = torch.randint(0, 97, (8, 5), generator=torch.Generator().manual_seed(1))
     g = dtorch.Graph(backend="inprocess")
     with g, g.dtype_guard(torch.float64):
@@ -134,7 +123,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_gradients_equal_the_full_batch(layout, schedule):
     shape, names = LAYOUTS[layout]
-    hf = hf_model(4)
+    hf = hf_model("pipeline", torch.float64)
     ids = torch.randint(0, 97, (9, 7), generator=torch.Generator().manual_seed(2))
     want_loss, want = hf_grads(hf, ids, ids)
     g = dtorch.Graph(backend="inprocess")
@@ -226,7 +215,7 @@ def test_any_model_whose_stages_hand_on_by_redistribute():
 
 
 def test_activation_memory_is_bounded_by_the_stage_count():
-    hf = hf_model(4, torch.float32)
+    hf = hf_model("pipeline")
     g = dtorch.Graph(backend="inprocess")
     peaks = {}
     with g:
@@ -273,15 +262,8 @@ def test_bad_input_says_what_to_change():
 # -- the process backend ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def proc():
-    g = process_graph(workers=2)
-    yield g
-    g.runtime.shutdown()
-
-
 def test_process_backend_pipeline_step_matches_inprocess(proc):
-    hf = hf_model(4, torch.float32)
+    hf = hf_model("pipeline")
     ids = torch.randint(0, 97, (6, 9), generator=torch.Generator().manual_seed(5))
     out = {}
     for name, graph in (("ref", dtorch.Graph(backend="inprocess")), ("proc", proc)):
@@ -332,4 +314,4 @@ def test_a_stage_waits_for_a_received_block_only_where_it_reads_it(proc):
         torch.testing.assert_close(independent, torch.full((5,), 2.0))
         torch.testing.assert_close((moved * 3).to_torch(), torch.arange(4.0) * 3)
         st = proc.runtime.worker_stats()  # settles every posted receive and send first
-        assert set(st) == {0, 1}
+        assert {0, 1} <= set(st)  # both stages (the shared pool may hold more workers)

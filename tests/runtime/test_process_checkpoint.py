@@ -14,16 +14,10 @@ from dtorch import Shard
 from dtorch.models.llama import LlamaForCausalLM
 from dtorch.runtime.interface import FileBlock
 from dtorch.spec import DTensorSpec
-from tests.models.test_llama import ATOL, RTOL, hf_model, make_config
+from tests.llama_models import hf_model, make_config
+from tests.models.test_llama import ATOL, RTOL
 
 from .conftest import process_graph, using
-
-
-@pytest.fixture(scope="module")
-def proc():
-    g = process_graph(workers=4)
-    yield g
-    g.runtime.shutdown()
 
 
 def _controller_bytes(graph) -> int:

@@ -243,7 +243,11 @@ def fetch_under_way(path: str, **graph_kw):
     assert set(shm_files()) == others
 
 
-@pytest.mark.parametrize("path", ["shm", "torch.distributed"])
+# the default run takes the shared-memory path of each 256 MB fault; -m slow (CI) adds the gloo path
+GLOO_SLOW = ["shm", pytest.param("torch.distributed", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("path", GLOO_SLOW)
 def test_worker_killed_during_a_256mb_transfer(path):
     """Fetch and place of 256 MB with a worker SIGKILLed mid-way, through shared memory or through the
     workers' gloo pairs: the dead worker is named within 5 s, no worker process and no /dev/shm file is
@@ -271,7 +275,7 @@ def test_worker_killed_during_a_256mb_transfer(path):
         assert set(worker_pids(g)).isdisjoint(pids)
 
 
-@pytest.mark.parametrize("path", ["shm", "torch.distributed"])
+@pytest.mark.parametrize("path", GLOO_SLOW)
 def test_worker_hung_during_a_256mb_fetch(path):
     """A worker that stops answering (SIGSTOP) in the middle of a 256 MB fetch is named after the heartbeat
     timeout, through shared memory or through the gloo pairs (where the controller is blocked in a

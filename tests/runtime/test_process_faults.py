@@ -263,7 +263,10 @@ def test_normal_exit_stops_workers_cleanly(tmp_path):
     assert wait_gone(pids, 5) == []
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "Ctrl-C"])
+# (a controller and its workers in fresh interpreters: ~10-20 s each on 2 shared cores; the default run keeps
+# SIGKILL, -m slow (CI) adds Ctrl-C)
+@pytest.mark.parametrize("how", [signal.SIGKILL, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
+                         ids=["SIGKILL", "Ctrl-C"])
 def test_workers_do_not_survive_the_controller(tmp_path, how):
     body = """
     y = x
@@ -321,6 +324,7 @@ print("OK", flush=True)
 """
 
 
+@pytest.mark.slow  # a controller and two launchers in fresh interpreters: ~30 s on 2 shared cores
 def test_workers_launched_separately_join_the_controller(tmp_path):
     port = free_port()
     address = f"127.0.0.1:{port}"
@@ -342,6 +346,7 @@ def test_workers_launched_separately_join_the_controller(tmp_path):
             p.kill()
 
 
+@pytest.mark.slow  # a controller and a launcher in fresh interpreters: ~20 s on 2 shared cores
 def test_launcher_reports_a_dead_worker(tmp_path):
     port = free_port()
     address = f"127.0.0.1:{port}"

@@ -14,17 +14,10 @@ import torch
 import dtorch
 from tests.models.test_llama import ATOL, LAYOUTS, RTOL, run_layout
 
-from .conftest import process_graph, using
+from .conftest import using
 
 CI = {"tp2", "pp2", "ulysses2", "ring2 uneven sequence"}
 CASES = [pytest.param(lay, id=lay.name, marks=() if lay.name in CI else pytest.mark.slow) for lay in LAYOUTS]
-
-
-@pytest.fixture(scope="module")
-def proc():
-    g = process_graph()
-    yield g
-    g.runtime.shutdown()
 
 
 @pytest.mark.parametrize("layout", CASES)
@@ -46,7 +39,7 @@ def test_tied_weight_copy_follows_in_place_writes(proc):
     import transformers
 
     from dtorch.models.llama import LlamaForCausalLM
-    from tests.models.test_llama import make_config
+    from tests.llama_models import make_config
 
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(make_config(tie_word_embeddings=True)).eval()

@@ -11,16 +11,9 @@ import transformers
 import dtorch
 from dtorch import Partial, Replicate, Shard, nn
 from dtorch.models.llama import LlamaForCausalLM
-from tests.models.test_llama import make_config
+from tests.llama_models import make_config
 
-from .conftest import process_graph, using
-
-
-@pytest.fixture(scope="module")
-def proc():
-    g = process_graph(workers=4)
-    yield g
-    g.runtime.shutdown()
+from .conftest import using
 
 
 def test_fills_and_inits_equal_torch(proc):

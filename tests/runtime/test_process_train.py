@@ -7,16 +7,10 @@ import pytest
 import torch
 
 import dtorch
-from tests.models.test_llama import Layout, hf_model
+from tests.llama_models import hf_model
+from tests.models.test_llama import Layout
 
-from .conftest import process_graph, using
-
-
-@pytest.fixture(scope="module")
-def proc():
-    g = process_graph()
-    yield g
-    g.runtime.shutdown()
+from .conftest import using
 
 
 def _step(layout, make_opt):

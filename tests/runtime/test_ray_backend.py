@@ -47,12 +47,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PAIR = DeviceMesh("cpu", [0, 1], mesh_dim_names=["a"])
 
 
-@pytest.fixture(scope="module")
-def proc(ray_cluster):
-    """A ray-backend Graph with 4 device actors (the name the imported process-backend tests ask for)."""
-    g = ray_graph(workers=4)
-    yield g
-    g.runtime.shutdown()
+PROC_BACKEND = "ray"  # the ``proc`` fixture (conftest.py) is the ray backend's session Graph
 
 
 def actor_pids(graph) -> list[int]:
@@ -143,7 +138,7 @@ def test_llama_layout_matches_inprocess_and_hugging_face(proc, ref, layout):
 
 def test_llama_train_step_matches_inprocess(proc, ref):
     """A training step (backward recomputes the local forward on the actors) gives the in-process gradients."""
-    from tests.models.test_llama import hf_model
+    from tests.llama_models import hf_model
 
     from dtorch.models.llama import LlamaForCausalLM
 
@@ -191,7 +186,8 @@ def test_killed_actor_is_named_quickly_and_a_new_graph_goes_on(ray_cluster):
         g.runtime.shutdown()
 
 
-@pytest.mark.parametrize("rank", [1, 0])  # actor 0 also hosts the store the heartbeats tick in
+# actor 0 also hosts the store the heartbeats tick in (-m slow, CI: ~20 s each on 2 shared cores)
+@pytest.mark.parametrize("rank", [1, pytest.param(0, marks=pytest.mark.slow)])
 def test_hung_actor_is_named_after_the_heartbeat_timeout(ray_cluster, rank):
     """An actor that stops answering (SIGSTOP) is not dead to Ray; its heartbeat stands still, and the
     controller names it after DTORCH_PROCESS_HEARTBEAT_TIMEOUT, stops every actor, and goes on."""
@@ -301,6 +297,7 @@ def without_ray(script: str) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # starts a Ray of its own in a fresh interpreter: ~40 s on 2 shared cores
 def test_ray_that_dtorch_started_is_stopped_at_shutdown():
     """Without ray.init by the program, the backend starts a local Ray and stops it again: no Ray processes
     that dtorch started are left (run in a fresh interpreter: this one's Ray is the tests')."""
@@ -377,6 +374,7 @@ def test_operator_suites_on_the_ray_backend(ray_cluster):
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
 
 
+@pytest.mark.slow  # starts a Ray of its own in a fresh interpreter: ~50 s on 2 shared cores
 def test_ray_that_dtorch_started_stays_while_another_graph_uses_it():
     """Two ray Graphs on the Ray dtorch started: shutting one down leaves the other's actors running; Ray
     stops with the last one."""

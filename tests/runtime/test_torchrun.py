@@ -23,7 +23,8 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 CONTROLLER = """
 import torch, transformers, dtorch
 from dtorch.models.llama import LlamaForCausalLM
-from tests.models.test_llama import ATOL, RTOL, hf_model
+from tests.llama_models import hf_model
+from tests.models.test_llama import ATOL, RTOL
 hf = hf_model("gqa")
 assert dtorch.default_graph().backend == "process"
 mesh = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["pp", "tp"])

@@ -9,7 +9,7 @@ import torch
 from ..autograd.kernel_entry import write_local
 from ..ops.pointwise import addcmul, maximum
 from ..runtime.kernels import kernel
-from .optimizer import Optimizer, scalar_dtype, zeros_state
+from .optimizer import Optimizer, check_hyperparameters, hyperparameter, scalar_dtype, zeros_state
 
 
 class Adam(Optimizer):
@@ -19,11 +19,7 @@ class Adam(Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0,
                  amsgrad: bool = False, *, foreach=None, maximize: bool = False, capturable: bool = False,
                  differentiable: bool = False, fused=None, decoupled_weight_decay: bool = False):
-        for name, v in (("learning rate", lr), ("epsilon value", eps), ("weight_decay value", weight_decay)):
-            if not isinstance(v, (int, float)):
-                raise TypeError(f"Invalid {name}: {v!r}; dtorch takes a Python number")
-            if v < 0.0:
-                raise ValueError(f"Invalid {name}: {v}")
+        check_hyperparameters(lr=lr, eps=eps, weight_decay=weight_decay)
         for i, b in enumerate(betas):
             if not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
                 raise ValueError(f"Invalid beta parameter at index {i}: {b!r}")
@@ -40,7 +36,7 @@ class Adam(Optimizer):
         """One update of every parameter that has a gradient; returns ``closure()``'s loss when given."""
         loss = self._closure_loss(closure)
         for group in self.param_groups:
-            lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+            lr, (beta1, beta2), eps = hyperparameter(group["lr"]), group["betas"], group["eps"]
             weight_decay, amsgrad, maximize = group["weight_decay"], group["amsgrad"], group["maximize"]
             decoupled = group.get("decoupled_weight_decay", False)
             for p in group["params"]:

@@ -49,6 +49,31 @@ def scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
+_TORCH_NAMES = {"lr": "learning rate", "eps": "epsilon value", "weight_decay": "weight_decay value",
+                "momentum": "momentum value"}  # the words of torch.optim's errors
+
+
+def check_hyperparameters(**values) -> None:
+    """torch.optim's checks of non-negative options; ``lr`` may be a float or a 1-element tensor, as torch allows
+    (a scheduler then ``fill_``s it in place, and each step reads its current value)."""
+    for key, v in values.items():
+        name = _TORCH_NAMES[key]
+        if key == "lr" and isinstance(v, torch.Tensor):
+            if v.numel() != 1:
+                raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(v.shape)}")
+            v = v.item()
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"Invalid {name}: {v!r}; pass a Python number" + (" or a 1-element tensor"
+                                                                               if key == "lr" else ""))
+        if v < 0.0:
+            raise ValueError(f"Invalid {name}: {v}")
+
+
+def hyperparameter(v) -> float:
+    """A group option's value now: a tensor lr is read at each step, so in-place changes take effect."""
+    return v.item() if isinstance(v, torch.Tensor) else v
+
+
 class Optimizer(torch.optim.Optimizer):
     """Base class: ``param_groups`` (each a dict with ``params`` and per-group options), ``state``
     (parameter -> dict), ``zero_grad``, ``state_dict`` / ``load_state_dict``; subclasses define ``step``."""

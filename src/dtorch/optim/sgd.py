@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .optimizer import Optimizer, as_state
+from .optimizer import Optimizer, check_hyperparameters, hyperparameter, as_state
 
 
 class SGD(Optimizer):
@@ -13,11 +13,7 @@ class SGD(Optimizer):
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0, dampening: float = 0, weight_decay: float = 0,
                  nesterov: bool = False, *, maximize: bool = False, foreach=None, differentiable: bool = False,
                  fused=None):
-        for name, v in (("learning rate", lr), ("momentum value", momentum), ("weight_decay value", weight_decay)):
-            if not isinstance(v, (int, float)):
-                raise TypeError(f"Invalid {name}: {v!r}; dtorch takes a Python number")
-            if v < 0.0:
-                raise ValueError(f"Invalid {name}: {v}")
+        check_hyperparameters(lr=lr, momentum=momentum, weight_decay=weight_decay)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         if differentiable or fused:
@@ -31,7 +27,7 @@ class SGD(Optimizer):
         """One update of every parameter that has a gradient; returns ``closure()``'s loss when given."""
         loss = self._closure_loss(closure)
         for group in self.param_groups:
-            lr, momentum, dampening = group["lr"], group["momentum"], group["dampening"]
+            lr, momentum, dampening = hyperparameter(group["lr"]), group["momentum"], group["dampening"]
             weight_decay, nesterov, maximize = group["weight_decay"], group["nesterov"], group["maximize"]
             for p in group["params"]:
                 if p.grad is None:
