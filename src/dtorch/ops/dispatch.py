@@ -156,9 +156,10 @@ def _recorded(name, c: "_Compiled", ex, graph, tensors, handles, kwargs):
     (``Executable.run_tracked``), then the op's node differentiates it instead of recomputing."""
     plan = c.plan
     diff = differentiable(tensors, plan.in_specs)  # (once: the node takes it as it is)
+    some = any(diff)  # (no input needs a gradient: integer inputs, or requires_grad only in name)
     tape = None
     try:
-        tracked = ex.run_tracked(handles, kwargs, c.device_args, diff) if any(diff) else None
+        tracked = ex.run_tracked(handles, kwargs, c.device_args, diff) if some else None
         if tracked is not None:
             outs, tape = tracked
         else:
@@ -168,7 +169,7 @@ def _recorded(name, c: "_Compiled", ex, graph, tensors, handles, kwargs):
     except Exception as exc:
         raise _failed(name, tensors, exc) from exc
     res = tuple(_make(s, h, graph) for s, h in zip(plan.out_specs, outs))
-    if any(diff):
+    if some:
         record_kernel(name, plan.kernel, plan.in_specs, plan.out_specs, kwargs, c.device_args, tensors, handles, res,
                       diff, tape=(ex, tape) if tape is not None else None)
     return res if c.out_spec is None else res[0]
