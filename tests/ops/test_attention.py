@@ -442,3 +442,23 @@ def test_context_parallel_broadcast_masks_and_scale(mesh):
     for causal in (False, True):
         out = sdpa(*ins, is_causal=causal, scale=2.5, enable_gqa=True)
         check(out, sdpa(q, k, v, is_causal=causal, scale=2.5, enable_gqa=True), **TIGHT)
+
+
+def test_context_parallel_is_the_callers_choice():
+    # the mesh's dim names choose nothing: without the argument a ring_cp mesh runs the plain rule (the
+    # sequence gathered, no ring), with it the ring; bad arguments say what to change
+    from dtorch.ops.attention import ContextParallel
+
+    q, k, v = _qkv(h=4, hk=4, l=8)
+    ins = [distribute(x, RING_2, [Shard(2)]) for x in (q, k, v)]
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    for cp, kinds in ((None, {"all_gather"}), (ContextParallel(ring="ring_cp"), {"send_recv"}),
+                      (ContextParallel(ring=0), {"send_recv"})):
+        with dtorch.CommLog() as log:
+            out = dtorch.scaled_dot_product_attention(*ins, is_causal=True, context_parallel=cp)
+        assert {kind for kind, _ in log.counts()} == kinds, (cp, log.counts())
+        check(out, want, **TOL)
+    with pytest.raises(OpError, match="does not have"):
+        dtorch.scaled_dot_product_attention(*ins, context_parallel=ContextParallel(ring="ulysess_cp"))
+    with pytest.raises(OpError, match="same mesh dim"):
+        dtorch.scaled_dot_product_attention(*ins, context_parallel=ContextParallel(ulysses=0, ring=0))

@@ -50,10 +50,13 @@ class ContextParallel:
         out = []
         for d in (self.ulysses, self.ring):
             i = mesh.dim_name_index(d) if isinstance(d, str) else d
-            if isinstance(d, str) and i is None:
-                raise OpError(f"dtorch.{NAME}: context_parallel names mesh dim {d!r}, which the mesh "
-                              f"{mesh.dim_names} does not have")
+            if d is not None and (i is None or not 0 <= i < mesh.ndim):
+                raise OpError(f"dtorch.{NAME}: context_parallel names mesh dim {d!r}, which the mesh {mesh} does "
+                              "not have; name one of its dims (by name or index)")
             out.append(i if i is not None and mesh.shape[i] > 1 else None)
+        if out[0] is not None and out[0] == out[1]:
+            raise OpError(f"dtorch.{NAME}: context_parallel puts Ulysses and Ring on the same mesh dim "
+                          f"({mesh.dim_label(out[0])}); give each its own dim")
         return tuple(out)
 
 
