@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import dtorch
 from dtorch import Shard
+from dtorch.models.layout import context_parallel
 
 # (mesh dim names, mesh shape, uneven seq, even seq)
 CASES = [
@@ -40,7 +41,9 @@ def make_case(names, shape, seq, causal=True, backward=False):
     mesh = dtorch.init_device_mesh("cpu", shape, mesh_dim_names=list(names))
     pl = [Shard(2)] * len(shape)
     qd, kd, vd = (dtorch.Tensor(x, device_mesh=mesh, placements=pl) for x in (q, k, v))
-    fn = lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, enable_gqa=True)  # noqa: E731
+    cp = context_parallel(mesh)  # Ulysses / Ring on the dims of those names, as the Llama chooses it
+    fn = lambda: dtorch.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, enable_gqa=True,  # noqa: E731
+                                                     context_parallel=cp)
     if backward:
         return backward_case(fn, mesh, pl, (q, k, v), (qd, kd, vd), causal)
     out = fn()  # plans once; also checks the result

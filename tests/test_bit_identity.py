@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import dtorch
 from dtorch import Replicate
-from dtorch.ops.registry import TABLE
+from dtorch.ops.table import TABLE
 from tests.ops.test_op_table import SAMPLES, _map_tensors, _reference
 
 M1 = dtorch.init_device_mesh("cpu", (1,))

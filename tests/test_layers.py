@@ -51,10 +51,6 @@ PROCESS_BACKEND = ("dtorch.runtime.process", "dtorch.runtime.process_plan", "dto
                    "dtorch.runtime.ray_backend", "dtorch.runtime.ray_worker")
 OTHER_BACKENDS = ("dtorch.runtime.inprocess", "dtorch.runtime.reference") + PROCESS_BACKEND
 
-# files over MAX_LINES that another branch of issue 23 splits (ops/attention.py and models/: s-kernels).
-# The lead empties this at merge: a listed file that got short makes test_listed_long_files_are_split pass,
-# which its strict xfail turns into a failure.
-LONG_FILES_OF_OTHER_BRANCHES = {"ops/attention.py", "models/kv_cache.py", "models/llama.py"}
 
 
 def _module_name(path: Path) -> str:
@@ -206,7 +202,7 @@ def test_arrows_point_down_never_up(upper, lower):
     ("dtorch.tensor", "dtorch.autograd.node", True),
     ("dtorch.tensor", "dtorch.redistribute", False),
     ("dtorch.autograd.dispatched", "dtorch.tensor", False),
-    ("dtorch.autograd.engine", "dtorch.ops.registry", True),
+    ("dtorch.autograd.engine", "dtorch.ops.dispatch", True),
     ("dtorch.redistribute", "dtorch.autograd.dispatched", True),
     ("dtorch.redistribute", "dtorch.autograd.mode", True),
     ("dtorch.redistribute", "dtorch.tensor", True),
@@ -318,20 +314,9 @@ def test_the_circle_finder_finds_circles():
     assert _circles({"a": {"b"}, "b": {"c"}}) == []
 
 
-def _circles_where(models: bool) -> list[str]:
-    graph = _file_graph()
-    return [_describe(graph, c) for c in _circles(graph) if all(_under(m, "dtorch.models") for m in c) == models]
-
-
 def test_no_import_circle_between_files():
-    found = _circles_where(models=False)
-    assert not found, "import circles (lazy imports count):\n" + "\n".join(found)
-
-
-@pytest.mark.xfail(strict=True, reason="fixed by s-kernels branch (models/generation <-> kv_cache <-> llama: "
-                                       "Generation as a mixin, CP_DIMS in a leaf module); the lead drops this mark")
-def test_no_import_circle_in_models():
-    found = _circles_where(models=True)
+    graph = _file_graph()
+    found = [_describe(graph, c) for c in _circles(graph)]
     assert not found, "import circles (lazy imports count):\n" + "\n".join(found)
 
 
@@ -347,13 +332,6 @@ def _long_files() -> dict[str, int]:
 
 
 def test_no_file_over_600_lines():
-    long = {f: n for f, n in _long_files().items() if f not in LONG_FILES_OF_OTHER_BRANCHES}
+    long = _long_files()
     assert not long, f"files over {MAX_LINES} lines (split them by idea): {long}"
-
-
-@pytest.mark.xfail(strict=True, reason="split by the s-kernels and s-runtime branches; the lead empties "
-                                       "LONG_FILES_OF_OTHER_BRANCHES and drops this test at merge")
-def test_listed_long_files_are_split():
-    long = {f: n for f, n in _long_files().items() if f in LONG_FILES_OF_OTHER_BRANCHES}
-    assert not long, f"files over {MAX_LINES} lines: {long}"
 

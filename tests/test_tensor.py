@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dtorch
-from dtorch.ops.registry import PUBLIC
+from dtorch.ops.table import PUBLIC
 from dtorch import DeviceMesh, Partial, PlacementError, Replicate, Shard, TensorFuture
 from sweep import canonical
 

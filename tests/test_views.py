@@ -238,7 +238,7 @@ def _torch_saves_result(fn) -> bool | None:
 
 def test_the_ops_whose_result_torch_saves_are_torchs():
     from dtorch.autograd.dispatched import SAVES_RESULT
-    from dtorch.ops.registry import TABLE
+    from dtorch.ops.table import TABLE
 
     found = set()
     for name, op in TABLE.items():

@@ -14,7 +14,7 @@ from .placement import Partial, Placement, Replicate, Shard
 from .spec import DTensorSpec
 from .tensor import Tensor
 from . import ops as _ops
-from .ops.registry import PUBLIC as _PUBLIC
+from .ops.table import PUBLIC as _PUBLIC
 
 # the one place Tensor gets its operator methods (x.sum(), x + y, x.T): the op table
 Tensor._install_ops(_ops.TABLE, **_ops.TENSOR_HOOKS)
@@ -45,7 +45,7 @@ from .autograd.tensor_methods import install as _install_autograd  # noqa: E402
 
 _install_autograd(Tensor)
 # torch.autograd.backward(loss) / torch.autograd.grad(loss, [w]) on dtorch tensors: dtorch's own (not ops of the table)
-from .ops.registry import TORCH_FUNCTIONS as _TORCH_FUNCTIONS  # noqa: E402
+from .ops.table import TORCH_FUNCTIONS as _TORCH_FUNCTIONS  # noqa: E402
 
 _TORCH_FUNCTIONS[_torch.autograd.backward] = autograd.backward
 _TORCH_FUNCTIONS[_torch.autograd.grad] = autograd.grad

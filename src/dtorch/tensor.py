@@ -2,7 +2,7 @@
 
 The front object holds only a spec (mesh, placements, global shape, dtype), the runtime's storage
 handle and its Graph. The operator methods (``x.sum()``, ``x + y``, ``x.view(...)``, ``x.T``) are not
-written here: they come from the op table (``dtorch.ops.registry.TABLE``, one entry per op, with the
+written here: they come from the op table (``dtorch.ops.table.TABLE``, one entry per op, with the
 Tensor attributes that lead to it), bound by ``Tensor._install_ops`` below, which ``dtorch/__init__``
 calls once after importing ``dtorch.ops``. ``dir(dtorch.Tensor)`` or ``TABLE`` lists them.
 """

@@ -2,11 +2,11 @@
 same global tensors: q, k, v and a float attn_mask; uneven ring blocks, GQA, cross-attention, dropout."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 import dtorch
 from dtorch import Replicate, Shard
 from sweep import distribute
+from tests.ops.test_attention import sdpa  # (context parallel over the mesh's cp dims, as the Llama asks)
 
 F64 = dict(rtol=1e-5, atol=1e-5)
 F32 = dict(rtol=1e-4, atol=1e-4)
@@ -44,7 +44,7 @@ def _check_grads(mesh, q, k, v, mask=None, pl=None, tol=F64, seed=1, mask_grad=T
     mask_grad = mask_grad and mask is not None and mask.is_floating_point()
     ts = [x.clone().requires_grad_() for x in (q, k, v)]
     tm = mask.clone().requires_grad_() if mask_grad else mask
-    ref = F.scaled_dot_product_attention(*ts, attn_mask=tm, **kw)
+    ref = sdpa(*ts, attn_mask=tm, **kw)
     go = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed), dtype=ref.dtype)
     wants = ts + ([tm] if tm is not None and tm.requires_grad else [])
     expected = torch.autograd.grad(ref, wants, go)
@@ -55,7 +55,7 @@ def _check_grads(mesh, q, k, v, mask=None, pl=None, tol=F64, seed=1, mask_grad=T
         dm = distribute(mask, mesh, [Replicate()] * mesh.ndim)
         if mask_grad:
             dm.requires_grad_()
-    out = F.scaled_dot_product_attention(*ds, attn_mask=dm, **kw)
+    out = sdpa(*ds, attn_mask=dm, **kw)
     assert out.grad_fn is not None, "the output lost its history: gradients would be silently dropped"
     torch.testing.assert_close(out.to_torch(), ref.detach(), **tol)
     out.backward(dtorch.Tensor(go, device_mesh=mesh, placements=out.placements))
@@ -70,10 +70,10 @@ def _check_grads(mesh, q, k, v, mask=None, pl=None, tol=F64, seed=1, mask_grad=T
 def test_ring_output_records_history():
     # regression: the ring ran kernels and shifts directly, so its output had no grad_fn and backward raised
     q, k, v = (x.requires_grad_() for x in (distribute(t, RING_2, [Shard(2)]) for t in _qkv()))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out = sdpa(q, k, v, is_causal=True)
     assert out.grad_fn is not None
     with dtorch.no_grad():
-        assert F.scaled_dot_product_attention(q, k, v, is_causal=True).grad_fn is None
+        assert sdpa(q, k, v, is_causal=True).grad_fn is None
 
 
 # (mesh, seq) per layout: uneven ring splits (7 over 2, 10 over 3, 6 over 4 = blocks 2, 2, 2, 0)
@@ -141,12 +141,12 @@ def test_dropout_same_seed_as_torch():
     q, k, v = _qkv(l=7)
     ts = [x.clone().requires_grad_() for x in (q, k, v)]
     torch.manual_seed(11)
-    ref = F.scaled_dot_product_attention(*ts, dropout_p=0.3)
+    ref = sdpa(*ts, dropout_p=0.3)
     go = torch.randn(ref.shape, dtype=ref.dtype)
     ref.backward(go)
     ds = [distribute(x, RING_2, [Shard(2)]).requires_grad_() for x in (q, k, v)]
     torch.manual_seed(11)
-    out = F.scaled_dot_product_attention(*ds, dropout_p=0.3)
+    out = sdpa(*ds, dropout_p=0.3)
     torch.testing.assert_close(out.to_torch(), ref.detach(), **F64)
     out.backward(dtorch.Tensor(go, device_mesh=RING_2, placements=out.placements))
     for d, t in zip(ds, ts):
@@ -161,9 +161,9 @@ def test_only_one_input_requires_grad(mesh, which):
     ds[which].requires_grad_()
     ts = [q, k, v]
     ts[which] = ts[which].clone().requires_grad_()
-    out = F.scaled_dot_product_attention(*ds, is_causal=True)
+    out = sdpa(*ds, is_causal=True)
     (got,) = dtorch.autograd.grad(out.sum(), [ds[which]])
-    (want,) = torch.autograd.grad(F.scaled_dot_product_attention(*ts, is_causal=True).sum(), [ts[which]])
+    (want,) = torch.autograd.grad(sdpa(*ts, is_causal=True).sum(), [ts[which]])
     torch.testing.assert_close(got.to_torch(), want, **F64)
     assert all(d.grad is None for d in ds)
 
@@ -188,7 +188,7 @@ def test_ring_backward_only_shifts_blocks(mesh, l, comms):
     q, k, v = _qkv(h=4, hk=4, l=l)
     pl = _placements(mesh)
     ds = [distribute(x, mesh, pl).requires_grad_() for x in (q, k, v)]
-    out = F.scaled_dot_product_attention(*ds, is_causal=True)
+    out = sdpa(*ds, is_causal=True)
     go = dtorch.Tensor(torch.randn(out.shape, dtype=out.dtype), device_mesh=mesh, placements=out.placements)
     with dtorch.CommLog() as log:
         out.backward(go)
@@ -200,7 +200,7 @@ def test_ring_backward_only_shifts_blocks(mesh, l, comms):
 def test_retain_graph_and_second_backward():
     q, k, v = _qkv(l=7)
     ds = [distribute(x, RING_2, [Shard(2)]).requires_grad_() for x in (q, k, v)]
-    out = F.scaled_dot_product_attention(*ds, is_causal=True)
+    out = sdpa(*ds, is_causal=True)
     loss = out.sum()
     loss.backward(retain_graph=True)
     first = ds[1].grad.to_torch()
@@ -225,11 +225,11 @@ def test_plain_rule_layouts(mesh, pls, heads, causal):
     h, hk = heads
     q, k, v = _qkv(h=h, hk=hk, l=7, ev=6)
     ts = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref = F.scaled_dot_product_attention(*ts, is_causal=causal, enable_gqa=h != hk)
+    ref = sdpa(*ts, is_causal=causal, enable_gqa=h != hk)
     go = torch.randn(ref.shape, dtype=ref.dtype)
     ref.backward(go)
     ds = [distribute(x, mesh, pl).requires_grad_() for x, pl in zip((q, k, v), pls)]
-    out = F.scaled_dot_product_attention(*ds, is_causal=causal, enable_gqa=h != hk)
+    out = sdpa(*ds, is_causal=causal, enable_gqa=h != hk)
     out.backward(dtorch.Tensor(go, device_mesh=mesh, placements=out.placements))
     for d, t in zip(ds, ts):
         torch.testing.assert_close(d.grad.to_torch(), t.grad, **F64)
@@ -244,7 +244,7 @@ def test_ring_tiny_sequences_with_empty_blocks(l, s):
 def test_input_written_in_place_after_forward_raises():
     q, k, v = (distribute(x, RING_2, [Shard(2)]) for x in _qkv(l=8))  # even: the ring reads k itself
     q.requires_grad_()
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out = sdpa(q, k, v, is_causal=True)
     with dtorch.no_grad():
         k.mul_(2)  # k is saved for the backward as it was
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):

@@ -20,7 +20,7 @@ import torch
 
 import dtorch
 from dtorch import Partial, Replicate, Shard
-from dtorch.ops.registry import TABLE
+from dtorch.ops.table import TABLE
 from sweep import MESH_1D, MESH_2D, distribute
 from tests.ops.test_op_table import SAMPLES, Case, _map_tensors, _reference, _tensors
 

@@ -14,7 +14,8 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 import dtorch
 from dtorch import CommLog, Shard
-from dtorch.models.generation import GenerationError, _next_token_kernel
+from dtorch.models.generation import GenerationError
+from dtorch.ops.sampling import _next_token_kernel
 from dtorch.models.kv_cache import KVCache, KVCacheError
 from dtorch.models.llama import LlamaForCausalLM
 from dtorch.ops import registry
@@ -80,7 +81,7 @@ LAYOUTS = [
     Case("pp2 (4 layers)", (("pp", 2),)),
     Case("ring_cp2", (("ring_cp", 2),)),  # prompt of 7: left-padded to 8 for an even split (masked)
     Case("ulysess_cp2", (("ulysess_cp", 2),), (8, 8)),  # even: the causal fast path
-    Case("ring_cp4 x tp2, even prompt", (("ring_cp", 4), ("tp", 2)), (12, 12)),  # kv_cache.causal_ring_attention
+    Case("ring_cp4 x tp2, even prompt", (("ring_cp", 4), ("tp", 2)), (12, 12)),  # the ring skips hidden blocks (ops/attention/ring.py)
     Case("tp2", (("tp", 2),)),
     Case("dp2, 3 prompts of unequal lengths", (("dp", 2),), (7, 3, 5)),
     Case("dp2 x tp2 x pp2 x ring_cp2, unequal lengths", (("dp", 2), ("tp", 2), ("pp", 2), ("ring_cp", 2)), (6, 9, 2)),
@@ -106,17 +107,17 @@ def test_greedy_matches_hugging_face(case, config):
 def test_prefill_ring_skips_the_blocks_causality_hides(dims, lengths, monkeypatch):
     """An even prompt under ring_cp: the prefill's ring attention computes only the block pairs a causal
     mask leaves (ring (ring + 1) / 2 of ring^2), with the same logits as Hugging Face's."""
-    import dtorch.models.kv_cache as kv
+    from dtorch.ops.attention import context_parallel as cp, ring
 
     used, computed = [], []
-    real_ring, real_flash = kv.causal_ring_attention, kv._flash
-    monkeypatch.setattr(kv, "causal_ring_attention", lambda *a: used.append(real_ring(*a)) or used[-1])
-    monkeypatch.setattr(kv, "_flash", lambda q, *a: computed.append(q.shape[0]) or real_flash(q, *a))
+    real_ring, real_flash = cp.ring, ring._flash
+    monkeypatch.setattr(cp, "ring", lambda plan, *a: used.append(plan.skips_hidden_blocks) or real_ring(plan, *a))
+    monkeypatch.setattr(ring, "_flash", lambda q, *a: computed.append(q.shape[0]) or real_flash(q, *a))
     ids, mask, want, want_logits = hf_generate("decode_mha", lengths, new=2)
     model = dtorch_model("decode_mha", dims)
     with CommLog() as log:
         got = model.generate(ids, max_new_tokens=1, output_logits=True, return_dict_in_generate=True)
-    assert len(used) == model.config.num_hidden_layers and all(o is not None for o in used)
+    assert used == [True] * model.config.num_hidden_layers  # every layer's prefill skipped hidden blocks
     torch.testing.assert_close(got.logits[0], want_logits[0], rtol=RTOL, atol=ATOL)
     ring = dict(dims)["ring_cp"]
     assert log.counts()[("send_recv", "ring_cp")] == 2 * (ring - 1) * model.config.num_hidden_layers

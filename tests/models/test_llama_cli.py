@@ -37,7 +37,7 @@ def test_llama_alias_and_single_device(capsys):
 
 def test_a_mismatch_fails_with_exit_code_1(capsys, monkeypatch):
     real = LlamaForCausalLM.redistribute_output
-    monkeypatch.setattr(LlamaForCausalLM, "redistribute_output", lambda self, y: real(self, y) + 1e-3)
+    monkeypatch.setattr(LlamaForCausalLM, "redistribute_output", lambda self, y, ids: real(self, y, ids) + 1e-3)
     assert llama_cli.main(["--pp", "1", *SMALL]) == 1
     assert "FAIL" in capsys.readouterr().out
 

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 
 import dtorch
 from dtorch import OpError, Partial, Replicate, Shard
+from dtorch.models.layout import context_parallel
 from promises import attention
 from sweep import MESHES, check, distribute, run_sweep
 
@@ -20,6 +21,14 @@ def _qkv(n=2, h=8, hk=2, l=8, s=None, e=4, ev=3, seed=0, dtype=torch.float32):
 
 def _sdpa(mod, *args, **kw):
     return mod.scaled_dot_product_attention(*args, **kw)
+
+
+def sdpa(q, *args, **kw):
+    """torch's SDPA on torch tensors; on dtorch tensors, dtorch's with context parallelism over the mesh's cp
+    dims (chosen as the Llama chooses it: ``models.layout.context_parallel``, an explicit argument)."""
+    if not isinstance(q, dtorch.Tensor):
+        return F.scaled_dot_product_attention(q, *args, **kw)
+    return dtorch.scaled_dot_product_attention(q, *args, **kw, context_parallel=context_parallel(q.device_mesh))
 
 
 # -- plain: every placement of q, k, v --------------------------------------------------------------
@@ -152,12 +161,12 @@ def test_context_parallel_matches_torch(name, mesh, pl, comms, causal, heads):
     q, k, v = _qkv(h=h, hk=hk, l=8, e=4, ev=6)
     ins = [distribute(x, mesh, pl) for x in (q, k, v)]
     with dtorch.CommLog() as log:
-        out = F.scaled_dot_product_attention(*ins, is_causal=causal, enable_gqa=hk != h)
+        out = sdpa(*ins, is_causal=causal, enable_gqa=hk != h)
     assert log.counts() == comms
     assert out.placements == pl  # leaves the way it came: Shard(2) on the cp dims
     got = out.to_torch()
     assert not torch.isnan(got).any()
-    check(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hk != h), **TOL)
+    check(out, sdpa(q, k, v, is_causal=causal, enable_gqa=hk != h), **TOL)
     for d, x in zip(ins, (q, k, v)):
         assert d.placements == pl
         torch.testing.assert_close(d.to_torch(), x, rtol=0, atol=0)
@@ -170,17 +179,17 @@ def test_context_parallel_long_sequence_numerics(mesh):
     q = q * 4
     pl = [Shard(1) if nm == "tp" else Shard(2) for nm in mesh.dim_names]
     for causal in (False, True):
-        out = F.scaled_dot_product_attention(*(distribute(x, mesh, pl) for x in (q, k, v)), is_causal=causal,
+        out = sdpa(*(distribute(x, mesh, pl) for x in (q, k, v)), is_causal=causal,
                                              enable_gqa=True)
-        check(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True), **TOL)
+        check(out, sdpa(q, k, v, is_causal=causal, enable_gqa=True), **TOL)
 
 
 def test_ring_uneven_sequence_and_cross_attention():
     q, k, v = _qkv(h=4, hk=4, l=7, s=5)
     for causal in (False, True):
-        out = F.scaled_dot_product_attention(*(distribute(x, RING_2, [Shard(2)]) for x in (q, k, v)),
+        out = sdpa(*(distribute(x, RING_2, [Shard(2)]) for x in (q, k, v)),
                                              is_causal=causal)
-        check(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal), **TOL)
+        check(out, sdpa(q, k, v, is_causal=causal), **TOL)
 
 
 @pytest.mark.parametrize("mesh", [ULY_2, RING_4, UR_22, RU_22], ids=str)
@@ -188,25 +197,25 @@ def test_context_parallel_with_attn_mask(mesh):
     q, k, v = _qkv(h=4, hk=2, l=8)
     g = torch.Generator().manual_seed(4)
     for mask in (torch.randn(2, 4, 8, 8, generator=g), torch.rand(8, 8, generator=g) > 0.3):
-        out = F.scaled_dot_product_attention(*(distribute(x, mesh, [Shard(2)] * mesh.ndim) for x in (q, k, v)),
+        out = sdpa(*(distribute(x, mesh, [Shard(2)] * mesh.ndim) for x in (q, k, v)),
                                              attn_mask=mask, enable_gqa=True)
-        check(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), **TOL)
+        check(out, sdpa(q, k, v, attn_mask=mask, enable_gqa=True), **TOL)
 
 
 def test_context_parallel_replicated_inputs_leave_sequence_sharded():
     q, k, v = _qkv(h=4, hk=4, l=8)
-    out = dtorch.scaled_dot_product_attention(*(distribute(x, UR_22, [Replicate()] * 2) for x in (q, k, v)),
+    out = sdpa(*(distribute(x, UR_22, [Replicate()] * 2) for x in (q, k, v)),
                                               is_causal=True)
     assert out.placements == [Shard(2), Shard(2)]
-    check(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), **TOL)
+    check(out, sdpa(q, k, v, is_causal=True), **TOL)
 
 
 def test_context_parallel_bfloat16():
     q, k, v = _qkv(h=4, hk=2, l=8, dtype=torch.bfloat16)
-    out = F.scaled_dot_product_attention(*(distribute(x, UR_22, [Shard(2)] * 2) for x in (q, k, v)),
+    out = sdpa(*(distribute(x, UR_22, [Shard(2)] * 2) for x in (q, k, v)),
                                          is_causal=True, enable_gqa=True)
     assert out.dtype == torch.bfloat16
-    check(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), rtol=2e-2, atol=2e-2)
+    check(out, sdpa(q, k, v, is_causal=True, enable_gqa=True), rtol=2e-2, atol=2e-2)
 
 
 # -- errors ------------------------------------------------------------------------------------------
@@ -216,30 +225,30 @@ def test_bad_inputs_raise_typed_errors():
     rep = [Replicate()] * 2
     qd, kd, vd = (distribute(x, MESH_DT, rep) for x in (q, k, v))
     with pytest.raises(OpError, match="enable_gqa=True"):
-        dtorch.scaled_dot_product_attention(qd, kd, vd)
+        sdpa(qd, kd, vd)
     with pytest.raises(OpError, match="should not be set when is_causal=True"):  # ev != e: torch's math kernel
-        dtorch.scaled_dot_product_attention(qd, kd, vd, attn_mask=torch.ones(8, 8, dtype=torch.bool),
+        sdpa(qd, kd, vd, attn_mask=torch.ones(8, 8, dtype=torch.bool),
                                             is_causal=True, enable_gqa=True)
     with pytest.raises(OpError, match=r"\[N, H, L, E\]"):
-        dtorch.scaled_dot_product_attention(distribute(q[0], MESH_DT, rep), kd, vd, enable_gqa=True)
+        sdpa(distribute(q[0], MESH_DT, rep), kd, vd, enable_gqa=True)
     with pytest.raises(OpError, match="broadcast"):
-        dtorch.scaled_dot_product_attention(qd, kd, vd, attn_mask=torch.ones(3, 8), enable_gqa=True)
+        sdpa(qd, kd, vd, attn_mask=torch.ones(3, 8), enable_gqa=True)
     q6, k6, v6 = _qkv(h=6, hk=6, l=8)
     uly4 = dtorch.init_device_mesh("cpu", (4,), mesh_dim_names=["ulysess_cp"])
     with pytest.raises(OpError, match="6 query heads"):
-        dtorch.scaled_dot_product_attention(*(distribute(x, uly4, [Shard(2)]) for x in (q6, k6, v6)))
+        sdpa(*(distribute(x, uly4, [Shard(2)]) for x in (q6, k6, v6)))
     q4, k4, v4 = _qkv(h=4, hk=4, l=6)
     with pytest.raises(OpError, match="divisible by ulysess_cp"):
-        dtorch.scaled_dot_product_attention(*(distribute(x, uly4, [Shard(2)]) for x in (q4, k4, v4)))
+        sdpa(*(distribute(x, uly4, [Shard(2)]) for x in (q4, k4, v4)))
 
 
 def test_three_dim_inputs_like_torch():
     g = torch.Generator().manual_seed(21)
     q, k, v = (torch.randn(4, n, 8, generator=g) for n in (6, 5, 5))
     mask = torch.rand(4, 6, 5, generator=g) > 0.3
-    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ref = sdpa(q, k, v, attn_mask=mask)
     d = lambda t, p: distribute(t, MESH_DT, p)  # noqa: E731
-    out = F.scaled_dot_product_attention(d(q, [Shard(0), Replicate()]), d(k, [Shard(0), Replicate()]),
+    out = sdpa(d(q, [Shard(0), Replicate()]), d(k, [Shard(0), Replicate()]),
                                          d(v, [Shard(0), Shard(2)]), attn_mask=d(mask, [Shard(0), Replicate()]))
     check(out, ref, rtol=1e-4, atol=1e-5)
 
@@ -273,11 +282,11 @@ EMPTY_BLOCKS = [
 def test_ring_empty_blocks_match_torch(name, mesh, pl, n, l, s, causal, heads):
     h, hk = heads
     q, k, v = _qkv(n=n, h=h, hk=hk, l=l, s=s, e=4, ev=6, seed=5)
-    out = F.scaled_dot_product_attention(*(distribute(x, mesh, pl) for x in (q, k, v)), is_causal=causal,
+    out = sdpa(*(distribute(x, mesh, pl) for x in (q, k, v)), is_causal=causal,
                                          enable_gqa=hk != h)
     assert out.placements == pl
     assert not torch.isnan(out.to_torch()).any()
-    check(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hk != h), **TIGHT)
+    check(out, sdpa(q, k, v, is_causal=causal, enable_gqa=hk != h), **TIGHT)
 
 
 @pytest.mark.parametrize("mesh, l", [(RING_4, 6), (UR_24, 12), (RU_42, 6)], ids=["ring4", "uly2_ring4", "ring4_uly2"])
@@ -289,12 +298,12 @@ def test_ring_empty_blocks_with_masks_and_dropout(mesh, l):
     masks = (torch.randn(2, 1, l, l, generator=g), bool_mask)
     ins = [distribute(x, mesh, [Shard(2)] * mesh.ndim) for x in (q, k, v)]
     for mask in masks:
-        out = F.scaled_dot_product_attention(*ins, attn_mask=mask, enable_gqa=True)
-        check(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), **TIGHT)
+        out = sdpa(*ins, attn_mask=mask, enable_gqa=True)
+        check(out, sdpa(q, k, v, attn_mask=mask, enable_gqa=True), **TIGHT)
     torch.manual_seed(8)
-    expected = F.scaled_dot_product_attention(q, k, v, dropout_p=0.4, is_causal=True, enable_gqa=True)
+    expected = sdpa(q, k, v, dropout_p=0.4, is_causal=True, enable_gqa=True)
     torch.manual_seed(8)
-    check(F.scaled_dot_product_attention(*ins, dropout_p=0.4, is_causal=True, enable_gqa=True), expected, **TIGHT)
+    check(sdpa(*ins, dropout_p=0.4, is_causal=True, enable_gqa=True), expected, **TIGHT)
 
 
 def test_uneven_ring_runs_one_stacked_kernel_per_step():
@@ -304,9 +313,9 @@ def test_uneven_ring_runs_one_stacked_kernel_per_step():
     mesh = dtorch.init_device_mesh("cpu", (1, 3), mesh_dim_names=["dp", "ring_cp"])  # used by this test only
     q, k, v = _qkv(h=4, hk=2, l=10)
     with dtorch.Graph(backend="inprocess"):  # that backend's storage, whatever backend the run tests (--backend)
-        out = F.scaled_dot_product_attention(*(distribute(x, mesh, [Replicate(), Shard(2)]) for x in (q, k, v)),
+        out = sdpa(*(distribute(x, mesh, [Replicate(), Shard(2)]) for x in (q, k, v)),
                                              is_causal=True, enable_gqa=True)
-    check(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), **TIGHT)
+    check(out, sdpa(q, k, v, is_causal=True, enable_gqa=True), **TIGHT)
     rt = out._graph.runtime
     steps = [ex for key, ex in rt._exec_cache.items()
              if key[0] == "sdpa_ring_step" and key[1][0].mesh.shape == (1, 3)]
@@ -316,9 +325,9 @@ def test_uneven_ring_runs_one_stacked_kernel_per_step():
 
 def test_float64_accumulates_in_float64():
     q, k, v = _qkv(h=4, hk=2, l=10, dtype=torch.float64, seed=9)
-    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    expected = sdpa(q, k, v, is_causal=True, enable_gqa=True)
     for mesh, pl in ((MESH_DT, [Shard(0), Shard(1)]), (RING_3, [Shard(2)]), (UR_22, [Shard(2)] * 2)):
-        out = F.scaled_dot_product_attention(*(distribute(x, mesh, pl) for x in (q, k, v)), is_causal=True,
+        out = sdpa(*(distribute(x, mesh, pl) for x in (q, k, v)), is_causal=True,
                                              enable_gqa=True)
         check(out, expected, rtol=1e-12, atol=1e-12)
 
@@ -342,9 +351,9 @@ def test_attn_mask_with_is_causal_like_torch(mesh, kind, ev):
     g = torch.Generator().manual_seed(10)
     mask = torch.rand(8, 8, generator=g) > 0.3 if kind == "bool" else torch.randn(8, 8, generator=g)
     expected, err = _torch_or_error(
-        lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True, enable_gqa=True))
+        lambda: sdpa(q, k, v, attn_mask=mask, is_causal=True, enable_gqa=True))
     ins = [distribute(x, mesh, [Shard(2)] * mesh.ndim) for x in (q, k, v)]
-    call = lambda: F.scaled_dot_product_attention(*ins, attn_mask=mask, is_causal=True, enable_gqa=True)  # noqa: E731
+    call = lambda: sdpa(*ins, attn_mask=mask, is_causal=True, enable_gqa=True)  # noqa: E731
     if err is None:
         check(call(), expected, **TIGHT)
         return
@@ -383,16 +392,16 @@ def test_attn_mask_with_is_causal_follows_torchs_backend_choice(case, backends):
         with sdpa_kernel(chosen):
             return fn(q, k, v, attn_mask=mask, is_causal=True, enable_gqa=True, **kw)
 
-    expected, err = _torch_or_error(lambda: run(F.scaled_dot_product_attention, q, k, v, mask))
+    expected, err = _torch_or_error(lambda: run(sdpa, q, k, v, mask))
     rep = [Replicate()] * 2
     ins = [distribute(x.detach(), MESH_DT, [Shard(0), Replicate()] if i < 3 else rep).requires_grad_(x.requires_grad)
            for i, x in enumerate((q, k, v, mask))]
     if err is None:
-        check(run(F.scaled_dot_product_attention, *ins), expected, **TIGHT)
+        check(run(sdpa, *ins), expected, **TIGHT)
         assert case == "default" and backends in (None, "flash_math")
         return
     with pytest.raises(type(err)) as info:
-        run(F.scaled_dot_product_attention, *ins)
+        run(sdpa, *ins)
     assert isinstance(info.value, OpError)
     assert case != "default" or backends in ("math", "efficient")
 
@@ -404,14 +413,14 @@ def test_attn_mask_dtypes_like_torch(q_dtype):
     tol = dict(rtol=2e-2, atol=2e-2) if q_dtype == torch.bfloat16 else TIGHT
     for m_dtype in (torch.float32, torch.bfloat16, torch.float64, torch.float16, torch.int64, torch.bool):
         mask = base > 0 if m_dtype == torch.bool else base.to(m_dtype)
-        expected, err = _torch_or_error(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+        expected, err = _torch_or_error(lambda: sdpa(q, k, v, attn_mask=mask))
         for mesh in (RING_2, MESH_DT):
             ins = [distribute(x, mesh, [Shard(2)] * mesh.ndim) for x in (q, k, v)]
             if err is None:
-                check(F.scaled_dot_product_attention(*ins, attn_mask=mask), expected, **tol)
+                check(sdpa(*ins, attn_mask=mask), expected, **tol)
             else:
                 with pytest.raises(type(err), match="attn_mask dtype"):
-                    F.scaled_dot_product_attention(*ins, attn_mask=mask)
+                    sdpa(*ins, attn_mask=mask)
 
 
 @pytest.mark.parametrize("mesh", [ULY_2, RING_4, UR_22, RU_22, UR_24], ids=str)
@@ -427,9 +436,29 @@ def test_context_parallel_broadcast_masks_and_scale(mesh):
     ins = [distribute(x, mesh, [Shard(2)] * mesh.ndim) for x in (q, k, v)]
     for mask in masks:
         for scale in (None, 0.37):
-            out = F.scaled_dot_product_attention(*ins, attn_mask=mask, scale=scale, enable_gqa=True)
-            check(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True),
+            out = sdpa(*ins, attn_mask=mask, scale=scale, enable_gqa=True)
+            check(out, sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True),
                   **TIGHT)
     for causal in (False, True):
-        out = F.scaled_dot_product_attention(*ins, is_causal=causal, scale=2.5, enable_gqa=True)
-        check(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=2.5, enable_gqa=True), **TIGHT)
+        out = sdpa(*ins, is_causal=causal, scale=2.5, enable_gqa=True)
+        check(out, sdpa(q, k, v, is_causal=causal, scale=2.5, enable_gqa=True), **TIGHT)
+
+
+def test_context_parallel_is_the_callers_choice():
+    # the mesh's dim names choose nothing: without the argument a ring_cp mesh runs the plain rule (the
+    # sequence gathered, no ring), with it the ring; bad arguments say what to change
+    from dtorch.ops.attention import ContextParallel
+
+    q, k, v = _qkv(h=4, hk=4, l=8)
+    ins = [distribute(x, RING_2, [Shard(2)]) for x in (q, k, v)]
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    for cp, kinds in ((None, {"all_gather"}), (ContextParallel(ring="ring_cp"), {"send_recv"}),
+                      (ContextParallel(ring=0), {"send_recv"})):
+        with dtorch.CommLog() as log:
+            out = dtorch.scaled_dot_product_attention(*ins, is_causal=True, context_parallel=cp)
+        assert {kind for kind, _ in log.counts()} == kinds, (cp, log.counts())
+        check(out, want, **TOL)
+    with pytest.raises(OpError, match="does not have"):
+        dtorch.scaled_dot_product_attention(*ins, context_parallel=ContextParallel(ring="ulysess_cp"))
+    with pytest.raises(OpError, match="same mesh dim"):
+        dtorch.scaled_dot_product_attention(*ins, context_parallel=ContextParallel(ulysses=0, ring=0))

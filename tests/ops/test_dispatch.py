@@ -132,8 +132,7 @@ def test_every_process_global_cache_is_bounded():
     inprocess = dtorch.Graph(backend="inprocess")  # noqa: F841
     lrus, fcaches = _process_global_caches()
     names = {c.name for c in lrus}
-    assert {"ops.plans", "ops.resolved_torch_functions", "ops.view.local_out_shapes",
-            "inprocess.executables"} <= names
+    assert {"ops.plans", "ops.view.local_out_shapes", "inprocess.executables"} <= names
     for c in lrus:
         assert len(c) <= c.maxsize, c
     for f in fcaches:

@@ -183,9 +183,9 @@ def test_3d_mesh_all_placements_of_one_input():
 def test_plans_are_cached():
     a, b = distribute(A, MESH_1D, [Shard(0)]), distribute(B, MESH_1D, [Replicate()])
     a @ b
-    misses = dtorch.ops.registry.stats["plan_misses"]
+    misses = dtorch.ops.dispatch.stats["plan_misses"]
     a @ b
-    assert dtorch.ops.registry.stats["plan_misses"] == misses  # the second call found the plan
+    assert dtorch.ops.dispatch.stats["plan_misses"] == misses  # the second call found the plan
 
 
 def test_bad_input_raises_typed_errors():

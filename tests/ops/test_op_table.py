@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import dtorch
 from dtorch import Partial, Replicate, Shard
-from dtorch.ops.registry import TABLE, TORCH_FUNCTIONS
+from dtorch.ops.table import TABLE, TORCH_FUNCTIONS
 from sweep import MESH_1D, MESH_2D, check, distribute
 
 
@@ -529,7 +529,7 @@ def test_tensor_attributes_come_from_the_table():
 
 def test_install_refuses_an_attribute_defined_twice():
     from dtorch.ops import TENSOR_HOOKS
-    from dtorch.ops.registry import Op
+    from dtorch.ops.table import Op
 
     def fn(x):
         return x

@@ -270,9 +270,9 @@ def test_index_reductions_gather_only_per_device_candidates():
 def test_plans_are_cached():
     x = distribute(X, MESH_2D, [Shard(0), Replicate()])
     x.sum(0)
-    misses = dtorch.ops.registry.stats["plan_misses"]
+    misses = dtorch.ops.dispatch.stats["plan_misses"]
     x.sum(0)
-    assert dtorch.ops.registry.stats["plan_misses"] == misses  # the second call found the plan
+    assert dtorch.ops.dispatch.stats["plan_misses"] == misses  # the second call found the plan
 
 
 def test_bad_input_raises_typed_errors():

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import dtorch
 from dtorch import CommLog, DeviceMesh, Partial, Replicate, Shard
+from dtorch.models.layout import context_parallel
 
 from . import process_kernels
 from .conftest import process_graph, using
@@ -321,9 +322,9 @@ def test_context_parallel_attention(proc, ref, cp):
     for g in (ref, proc):
         with using(g), CommLog() as log:
             q, k, v = (dtorch.Tensor(x, device_mesh=mesh, placements=[Shard(2)]) for x in (Q, K, V))
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = dtorch.scaled_dot_product_attention(q, k, v, is_causal=True, context_parallel=context_parallel(mesh))
             outs.append((out.to_torch(), log.counts()))
-    assert outs[0][1] == outs[1][1] and outs[0][1]
+    assert outs[0][1] == outs[1][1] == {("send_recv" if cp == "ring_cp" else "all_to_all", cp): 2 if cp == "ring_cp" else 4}
     torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(outs[1][0], expected, rtol=1e-4, atol=1e-5)
 

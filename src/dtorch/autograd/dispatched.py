@@ -36,6 +36,7 @@ from ..runtime.kernels import kernel, vjp_kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
 from .engine import grad_spec
+from .kernel_entry import run_blocks, wrap
 from .fsdp import GatherNode, Regather, regather_source, register_derived
 from .node import Node, attach, requires_grad
 
@@ -73,8 +74,7 @@ class KernelNode(Node):
     __slots__ = ("op", "kernel", "in_specs", "out_specs", "kwargs", "device_args", "saved", "diff", "graph",
                  "outputs_saved", "tape", "results", "kept", "memory", "prefetched")
 
-    def __init__(self, op, kern, in_specs, out_specs, kwargs, device_args, inputs, handles, outputs, tape=None):
-        diff = tuple(requires_grad(t) and _floating(s.dtype) for t, s in zip(inputs, in_specs))
+    def __init__(self, op, kern, in_specs, out_specs, kwargs, device_args, inputs, handles, outputs, diff, tape=None):
         super().__init__([t for t, d in zip(inputs, diff) if d], len(out_specs))
         self.op = op
         self.kernel = kern
@@ -396,7 +396,7 @@ def _mask_extreme_cotangent(out, g):
     extreme is that tensor reduced over m too."""
     spec = out._spec
     mesh = spec.mesh
-    rt = out._graph.runtime
+    graph = out._graph
 
     def relabel(upto, m=None, place=None):  # partial dims before ``upto`` reduced; mesh dim m -> place
         return DTensorSpec(mesh, tuple(place if k == m else _R if isinstance(p, Partial) and k < upto else p
@@ -408,11 +408,12 @@ def _mask_extreme_cotangent(out, g):
         if not _extreme(p):
             continue
         pre, post = relayout(out, relabel(m)), relayout(out, relabel(m + 1))
-        h = rt.run_local(_holds_kernel, [pre._h, post._h], [pre._spec, post._spec], [relabel(m, m, _P)], {})
-        holders = relayout(Tensor._make(relabel(m, m, _P), h[0], out._graph), relabel(m, m, _R))  # how many
-        h = rt.run_local(_mask_kernel, [pre._h, post._h, g._h, holders._h],
-                         [pre._spec, post._spec, g._spec, holders._spec], [masked], {})
-        g = Tensor._make(masked, h[0], out._graph)
+        h = run_blocks("mask_extreme_cotangent", _holds_kernel, graph, [pre._h, post._h], [pre._spec, post._spec],
+                       [relabel(m, m, _P)])
+        holders = relayout(wrap(relabel(m, m, _P), h[0], graph), relabel(m, m, _R))  # how many
+        h = run_blocks("mask_extreme_cotangent", _mask_kernel, graph, [pre._h, post._h, g._h, holders._h],
+                       [pre._spec, post._spec, g._spec, holders._spec], [masked])
+        g = wrap(masked, h[0], graph)
     return g
 
 
@@ -421,12 +422,12 @@ def differentiable(inputs, in_specs) -> tuple:
     return tuple(t._ag is not None and requires_grad(t) and _floating(s.dtype) for t, s in zip(inputs, in_specs))
 
 
-def record_kernel(op, kern, in_specs, out_specs, kwargs, device_args, inputs, handles, outputs, tape=None) -> None:
-    """Record one kernel run (``outputs``: the dtorch tensors it made) when an input requires grad;
-    ``tape``: (executable, its ``run_tracked`` tape) when the runtime kept the local autograd graph."""
-    if not any(differentiable(inputs, in_specs)):
-        return
-    node = KernelNode(op, kern, in_specs, out_specs, kwargs, device_args, inputs, handles, outputs, tape)
+def record_kernel(op, kern, in_specs, out_specs, kwargs, device_args, inputs, handles, outputs, diff,
+                  tape=None) -> None:
+    """Record one kernel run (``outputs``: the dtorch tensors it made); ``diff``: ``differentiable(inputs,
+    in_specs)``, computed once by the caller (some True); ``tape``: (executable, its ``run_tracked`` tape) when
+    the runtime kept the local autograd graph."""
+    node = KernelNode(op, kern, in_specs, out_specs, kwargs, device_args, inputs, handles, outputs, diff, tape)
     attach(node, outputs)
 
 

@@ -33,6 +33,7 @@ from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
 from .engine import grad_spec
+from .kernel_entry import run_blocks, wrap
 from .mode import backward_count, in_backward, is_grad_enabled, no_grad
 from .node import Node, attach, requires_grad
 
@@ -188,9 +189,9 @@ class Derived:
         node = self.node
         graph = node.graph
         handles = [node._laid_out(i)._h for i in range(len(node.saved))]
-        outs = graph.runtime.executable(node.kernel, node.in_specs, node.out_specs).run(
-            handles, node.kwargs, node.device_args)
-        return Tensor._make(node.out_specs[self.k], outs[self.k], graph)
+        outs = run_blocks(node.op, node.kernel, graph, handles, node.in_specs, node.out_specs, node.kwargs,
+                          node.device_args)
+        return wrap(node.out_specs[self.k], outs[self.k], graph)
 
 
 def register_derived(node, outputs) -> None:
@@ -243,8 +244,8 @@ def cast_terms(g, dtype):
     where the ``to`` op would reduce them first."""
     spec = g._spec
     out = DTensorSpec(spec.mesh, spec.placements, spec.shape, dtype)
-    h, = g._graph.runtime.run_local(_cast_kernel, [g._h], [spec], [out], {"dtype": dtype})
-    return Tensor._make(out, h, g._graph)
+    h, = run_blocks("fsdp.cast_terms", _cast_kernel, g._graph, [g._h], [spec], [out], {"dtype": dtype})
+    return wrap(out, h, g._graph)
 
 
 def unshard(p, param_dtype=None, reduce_dtype=None, reshard_after_forward: bool = True):

@@ -1,7 +1,7 @@
 """torch tensors that require grad, met by a dtorch op (``x @ w`` with ``w`` a ``torch.nn.Parameter``, a
 ``torch.nn.Linear`` called on a dtorch tensor, ``x * w[0]``).
 
-The op sees a Replicate dtorch copy of the torch tensor (``ops.registry.to_dtensors``). With grad mode on,
+The op sees a Replicate dtorch copy of the torch tensor (``ops.rules.to_dtensors``). With grad mode on,
 that copy is a dtorch leaf that remembers its torch source. When a backward reaches it, its gradient
 (summed over every use of the same torch tensor in the graph) is handed to torch's autograd as a plain
 torch tensor: ``torch.autograd.backward(sources, grads)``, once per dtorch backward. A leaf source

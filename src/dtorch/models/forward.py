@@ -28,9 +28,9 @@ from ..autograd.mode import is_grad_enabled
 from ..errors import DTorchError
 from ..placement import Partial, Replicate
 from ..tensor import Tensor
-from .kv_cache import CachedForward, KVCache, cp_size
-from .llama import labels_like
-from .outputs import CausalLMOutputWithPast, torch_logits
+from .kv_cache import CachedForward, KVCache
+from .layout import cp_size
+from .outputs import CausalLMOutputWithPast, labels_like, torch_logits
 
 _ARGS = ("attention_mask", "position_ids", "past_key_values", "use_cache")
 

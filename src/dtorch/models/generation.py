@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..ops.registry import OpPlan, dispatch
-from ..placement import Replicate, Shard
-from ..runtime.kernels import kernel
-from ..spec import DTensorSpec
+from ..ops.attention.decode import last_position
+from ..ops.sampling import next_token
 from ..tensor import Tensor
+from ._checkpoint import generation_config_from_model_config
 from .forward import CausalLMOutputWithPast, GenerationError, check_ids
 from .forward import forward_with_arguments as cached_forward  # (its name before models/forward.py)
-from .kv_cache import BATCH_DIMS, CachedForward, KVCache, cp_size, last_position
+from .kv_cache import CachedForward, KVCache
+from .layout import cp_size, decode_placements
 
 
 @dataclass
@@ -51,55 +51,14 @@ def _hidden(model, step: CachedForward, last_only: bool) -> Tensor:
     return last_position(h) if last_only else h
 
 
-# ------------------------------------------------------------------------------------------------
-# choosing the next token on the devices
-
-
-@kernel("generation.next_token")
-def _next_token_kernel(logits, u, *, sample: bool, temperature: float, top_k, top_p):
-    """Per row: argmax, or a sample (temperature, then top-k, then top-p, as Hugging Face's warpers) at
-    the uniform number ``u`` in (0, 1] of the filtered distribution's CDF."""
-    x = logits.float()
-    if not sample:
-        return x.argmax(-1)
-    if temperature != 1.0:
-        x = x / temperature
-    neg = torch.tensor(float("-inf"), dtype=x.dtype, device=x.device)
-    if top_k:
-        kth = torch.topk(x, min(int(top_k), x.shape[-1]), dim=-1).values[..., -1:]
-        x = torch.where(x < kth, neg, x)
-    if top_p is not None and top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=False)
-        drop = sorted_x.softmax(-1).cumsum(-1) <= (1 - top_p)
-        drop[..., -1:] = False  # keep at least one token
-        x = torch.where(drop.scatter(-1, order, drop), neg, x)
-    cdf = x.softmax(-1).cumsum(-1)
-    target = u.to(cdf.dtype).unsqueeze(-1) * cdf[..., -1:]
-    return (cdf < target).sum(-1).clamp(max=x.shape[-1] - 1)
-
-
-def _next_token_rule(specs, sample: bool, temperature: float, top_k, top_p):
-    logits, u = specs
-    # every device of a row sees the whole vocabulary (an all_gather over tp of [B, vocab])
-    pl = tuple(Shard(0) if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in logits.placements)
-    upl = tuple(Shard(0) if isinstance(p, Shard) else Replicate() for p in pl)
-    out = DTensorSpec(logits.mesh, upl, logits.shape[:1], torch.int64)
-    return OpPlan((logits.with_placements(pl), u.with_placements(upl)), (out,), _next_token_kernel,
-                  {"sample": sample, "temperature": temperature, "top_k": top_k, "top_p": top_p})
-
-
-def _batch_placements(mesh) -> list:
-    return [Shard(0) if n in BATCH_DIMS else Replicate() for n in mesh.dim_names or [None] * mesh.ndim]
-
-
 def _choose(logits: Tensor, sampling: tuple, generator) -> Tensor:
     b = logits.shape[0]
     sample = sampling[0]
     # (0, 1]: a uniform number of 0 could pick a token of probability 0
     u = 1.0 - torch.rand(b, generator=generator, dtype=torch.float64) if sample else torch.ones(b, dtype=torch.float64)
     mesh = logits.device_mesh
-    ut = Tensor(u, device_mesh=mesh, placements=_batch_placements(mesh))
-    return dispatch("generation.next_token", _next_token_rule, (logits, ut), sampling)
+    ut = Tensor(u, device_mesh=mesh, placements=decode_placements(mesh, 1))
+    return next_token(logits, ut, *sampling)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -290,3 +249,26 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, gene
 
 __all__ = ["generate", "resolve_generation_config", "cached_forward", "CausalLMOutputWithPast", "GenerateOutput",
            "GenerationError", "KVCache"]
+
+
+class GenerationMixin:
+    """``generate`` and ``generation_config`` of a causal LM (as transformers' ``GenerationMixin``): the model
+    supplies ``model`` (the decoder, with ``stage_meshes`` and ``layers``), ``lm_head`` and ``config``."""
+
+    @property
+    def generation_config(self):
+        """transformers' ``GenerationConfig`` that ``generate`` starts from (its arguments override it): read
+        by ``from_pretrained`` from the checkpoint's generation_config.json, else made from the config, as
+        transformers does."""
+        if self.__dict__.get("_generation_config") is None:
+            self.__dict__["_generation_config"] = generation_config_from_model_config(self.config)
+        return self.__dict__["_generation_config"]
+
+    @generation_config.setter
+    def generation_config(self, value) -> None:
+        self.__dict__["_generation_config"] = value
+
+    def generate(self, input_ids, attention_mask=None, **kwargs):
+        """Greedy or sampled continuation of ``input_ids`` with a KV cache, like ``transformers``' ``generate``:
+        returns the ids ``[batch, prompt + new]`` as a torch tensor (see ``generation.generate``)."""
+        return generate(self, input_ids, attention_mask, **kwargs)

@@ -34,331 +34,17 @@ import dtorch
 
 from ..errors import DTorchError
 from ..mesh import DeviceMesh
-from ..ops.attention import _plain as plain_attention
-from ..ops.registry import OpPlan, dispatch, spec_like
-from ..placement import Partial, Replicate, Shard
-from ..redistribute.executor import ring_shift
-from ..runtime.kernels import kernel
+from ..nn import functional as F
+from ..ops.attention.decode import attend_cached, grow_cache, rotate, write_cache
+from ..ops.rules import spec_like
 from ..spec import DTensorSpec
 from ..tensor import Tensor
-from .llama import activation_placements
-
-CP_DIMS = ("ulysess_cp", "ulysses_cp", "ring_cp")
-BATCH_DIMS = ("dp", "fsdp")  # mesh dims that split the batch
+from .layout import (activation_placements, cache_placements, context_parallel, cp_size, decode_placements,
+                     heads_last_placements, mask_placements)
 
 
 class KVCacheError(DTorchError, ValueError):
     """The cache cannot take this forward (another batch size, full, another model)."""
-
-
-# ------------------------------------------------------------------------------------------------
-# layouts, by mesh dim name
-
-
-def cache_placements(mesh: DeviceMesh) -> tuple:
-    """[B, kv_heads, slots, d]: batch over dp, kv heads over tp, slots over the cp dims."""
-    out = []
-    for name in mesh.dim_names or [None] * mesh.ndim:
-        out.append(Shard(0) if name in BATCH_DIMS else Shard(1) if name == "tp" else Shard(2) if name in CP_DIMS
-                   else Replicate())
-    return tuple(out)
-
-
-def decode_placements(mesh: DeviceMesh, ndim: int = 2) -> list:
-    """Activations of a decode step: batch over dp, replicated everywhere else (the cp devices each hold
-    their block of the cache, not of the new tokens)."""
-    names = mesh.dim_names or [None] * mesh.ndim
-    return [Shard(0) if name in BATCH_DIMS and ndim else Replicate() for name in names]
-
-
-def cp_size(mesh: DeviceMesh) -> int:
-    n = 1
-    for name, size in zip(mesh.dim_names or (), mesh.shape):
-        n *= size if name in CP_DIMS else 1
-    return n
-
-
-# ------------------------------------------------------------------------------------------------
-# kernels (leading grid dims allowed: ``lead``)
-
-
-def _heads_first(x, heads: int):
-    """A projection's output [.., B, L, heads * d] as [.., B, heads, L, d] (a view where it can be)."""
-    return x.reshape(x.shape[:-1] + (heads, x.shape[-1] // heads)).transpose(-3, -2)
-
-
-def _rotate(x, cos, sin):
-    """Hugging Face's apply_rotary_pos_emb on [.., B, H, L, d] with cos/sin [.., B, L, d]."""
-    cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-@kernel("kv_cache.write")
-def _write_kernel(cache, new, *rope, lead=0, src=0, dst=0, count=0, projected: bool = False):
-    """``new[..., src:src + count, :]`` into ``cache[..., dst:dst + count, :]`` on each device (count 0:
-    nothing). Per-device values come as python ints (one device, or the same on every device) or as
-    tensors of the mesh's shape (stacked devices). ``projected``: ``new`` is the projection's output
-    [.., B, L, heads * d] (a decode step), rotated by ``rope`` (cos, sin) when given."""
-    if projected:
-        new = _heads_first(new, cache.shape[-3])
-        if rope:
-            new = _rotate(new, *rope)
-    if not isinstance(count, torch.Tensor):
-        if count:
-            cache[..., dst:dst + count, :] = new[..., src:src + count, :]
-        return
-    count, src, dst = (torch.as_tensor(x).cpu() for x in (count, src, dst))
-    grid_c, grid_n = cache.shape[:lead], new.shape[:lead]
-    for idx in np.ndindex(tuple(count.shape)):
-        c = int(count[idx])
-        if c:
-            s, d = int(src[idx]), int(dst[idx])
-            ci = tuple(min(i, g - 1) for i, g in zip(idx, grid_c))  # (a grid dim of 1: replicas share a block)
-            ni = tuple(min(i, g - 1) for i, g in zip(idx, grid_n))
-            cache[ci][..., d:d + c, :] = new[ni][..., s:s + c, :]
-
-
-@kernel("kv_cache.grow")
-def _grow_kernel(x, *, slots: int):
-    """Each device's block of slots with free slots appended (a larger cache, same tokens in the same slots)."""
-    out = x.new_zeros(x.shape[:-2] + (slots, x.shape[-1]))
-    out[..., : x.shape[-2], :] = x
-    return out
-
-
-@kernel("kv_cache.attend")
-def _attend_kernel(q, k, v, mask, cos, sin, *, lead=0, scale: float, parts: bool, out_dtype: torch.dtype):
-    """The new tokens' queries (the projection's output ``[B, L, nh * d]``, rotated here by cos/sin
-    ``[B, L, d]``) against this device's keys/values ``[B, hk, M, d]`` where ``mask`` ``[B, 1, L, M]``
-    allows. Returns the output ``[B, L, nh * d]`` (ready for o_proj) or, with ``parts``, the output
-    ``[1, B, nh, L, d]`` normalised over these keys and its log-sum-exp ``[1, B, nh, L]`` (this device's
-    part, merged over the cp devices by ``kv_cache.combine``). Query head ``i`` uses kv head
-    ``i // (nh / hk)`` (grouped-query attention without copying the cache)."""
-    q = _rotate(_heads_first(q, q.shape[-1] // k.shape[-1]), cos, sin)  # (this device's heads) [.., B, nh, L, d]
-    acc = torch.promote_types(q.dtype, torch.float32)
-    hk, length = k.shape[-3], q.shape[-2]
-    g = q.shape[-3] // hk
-    # the g query heads of a kv head as rows of one matrix: [.., B, hk, g * L, d] (no copy of the cache per head)
-    qf = q.to(acc).reshape(q.shape[:-3] + (hk, g * length, q.shape[-1]))
-    s = torch.matmul(qf, k.to(acc).transpose(-1, -2))  # [.., B, hk, g * L, M]
-    s = s.view(s.shape[:-2] + (g, length, s.shape[-1]))
-    s = torch.where(mask.unsqueeze(-3), s * scale, float("-inf"))  # mask [.., B, 1, 1, L, M]
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, 0.0)  # rows that see no key: weights 0, not NaN
-    p = torch.exp(s - m)
-    denom = p.sum(-1, keepdim=True)
-    p = p / torch.where(denom > 0, denom, 1.0)
-    out = torch.matmul(p.view(p.shape[:-3] + (g * length, p.shape[-1])), v.to(acc))  # [.., B, hk, g * L, d]
-    # (the grid dims are the broadcast of q's and the cache's: a cp dim is 1 in q's, the cache's size in k's)
-    out = out.reshape(out.shape[:-2] + (g, length, out.shape[-1])).flatten(-4, -3)  # [.., B, nh, L, d]
-    if not parts:
-        return out.transpose(-3, -2).flatten(-2).to(out_dtype)
-    lse = (m + torch.log(denom)).squeeze(-1).flatten(-3, -2)  # [.., B, nh, L]; -inf: no key here
-    return out.unsqueeze(-5), lse.unsqueeze(-4)
-
-
-@kernel("kv_cache.combine")
-def _combine_kernel(out, lse, *, out_dtype: torch.dtype):
-    """Merge the cp devices' partial outputs ``[C, B, nh, L, d]`` by their log-sum-exps ``[C, B, nh, L]``
-    into ``[B, L, nh * d]``."""
-    total = torch.logsumexp(lse, dim=-4, keepdim=True)
-    total = torch.where(torch.isfinite(total), total, torch.zeros((), dtype=total.dtype, device=total.device))
-    w = torch.exp(lse - total).unsqueeze(-1)  # a part with no visible key weighs 0
-    merged = (out * w).sum(-5)
-    return merged.transpose(-3, -2).flatten(-2).to(out_dtype)
-
-
-@kernel("kv_cache.last_row")
-def _last_row_kernel(x, *, lead=0, holds=1):
-    """The last row of this device's block of the sequence (dim -2), where this device holds the sequence's
-    last position (``holds``), else zeros: summed over the sequence's devices, the global last row."""
-    if x.shape[-2] == 0:
-        return x.new_zeros(x.shape[:-2] + (1, x.shape[-1]))
-    row = x[..., -1:, :]
-    if isinstance(holds, torch.Tensor):
-        holds = holds.to(torch.bool).reshape(tuple(holds.shape) + (1,) * (row.ndim - holds.ndim)).to(row.device)
-        return torch.where(holds, row, torch.zeros((), dtype=row.dtype, device=row.device))
-    return row if holds else torch.zeros_like(row)
-
-
-def _flash(q, k, v, causal: bool, scale: float):
-    """(out, lse) of attention on [N, H, L, E] blocks (kv heads repeated for grouped-query attention): torch's
-    fused CPU kernel where it runs (the kernel torch's own SDPA uses), else the same math written out."""
-    g = q.shape[-3] // k.shape[-3]
-    if g > 1:
-        k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
-    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
-        return out.to(torch.promote_types(q.dtype, torch.float32)), lse.float()
-    acc = torch.promote_types(q.dtype, torch.float32)
-    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
-    if causal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.to(acc)), lse
-
-
-def _flash_lead(q, k, v, causal: bool, scale: float, lead: int):
-    """``_flash`` with ``lead`` leading grid dims (folded into the batch)."""
-    grid = q.shape[:lead]
-    k, v = k.expand(grid + k.shape[lead:]), v.expand(grid + v.shape[lead:])
-    out, lse = _flash(q.reshape((-1,) + q.shape[lead + 1:]) if lead else q,
-                      k.reshape((-1,) + k.shape[lead + 1:]) if lead else k,
-                      v.reshape((-1,) + v.shape[lead + 1:]) if lead else v, causal, scale)
-    if lead:
-        out = out.reshape(grid + q.shape[lead:-1] + (out.shape[-1],))
-        lse = lse.reshape(grid + q.shape[lead:-1])
-    return out, lse
-
-
-def _merge_into(out, lse, o2, l2):
-    total = torch.logaddexp(lse, l2)
-    safe = torch.where(torch.isfinite(total), total, 0.0)
-    return out * torch.exp(lse - safe).unsqueeze(-1) + o2 * torch.exp(l2 - safe).unsqueeze(-1), total
-
-
-@kernel("kv_cache.causal_ring_step")
-def _causal_ring_kernel(q, k, v, *acc, lead=0, scale: float, step: int, axis: int, ring: int, rank=0,
-                        out_dtype=None):
-    """One step of causal ring attention over an even split: this device holds K/V block ``rank - step``
-    (mod ring). Step 0 is the diagonal block (causal); after that the devices past ``step`` attend a whole
-    earlier block and the others hold a later one, which causality hides (skipped, not computed). Stacked
-    devices (``lead``): the devices that attend are the slice ``step:`` of grid dim ``axis``."""
-    if step == 0:
-        out, lse = _flash_lead(q, k, v, True, scale, lead)
-    elif not lead:
-        out, lse = acc
-        if int(rank) >= step:
-            out, lse = _merge_into(out, lse, *_flash(q, k, v, False, scale))
-    else:
-        out, lse = (t.clone() for t in acc)
-        n = ring - step
-        part = [t.narrow(axis, step, n) for t in (q, k, v)]
-        o2, l2 = _flash_lead(*part, False, scale, lead)
-        mo, ml = _merge_into(out.narrow(axis, step, n), lse.narrow(axis, step, n), o2, l2)
-        out.narrow(axis, step, n).copy_(mo)
-        lse.narrow(axis, step, n).copy_(ml)
-    return (out.to(out_dtype), lse) if out_dtype is not None else (out, lse)
-
-
-def causal_ring_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor | None:
-    """Causal attention of q/k/v [B, H, S, d] split evenly over ``ring_cp`` (the only cp dim), as ring
-    attention that skips the blocks causality hides (half the work of computing every block pair) and runs
-    torch's fused kernel on each block. None when the layout is another (the caller uses the general
-    op): Ulysses too, an uneven split, another placement."""
-    mesh = q.device_mesh
-    names = mesh.dim_names or ()
-    cps = [i for i, n in enumerate(names) if n in CP_DIMS and mesh.shape[i] > 1]
-    if len(cps) != 1 or names[cps[0]] != "ring_cp" or q.shape[2] % mesh.shape[cps[0]]:
-        return None
-    axis, ring = cps[0], mesh.shape[cps[0]]
-    want = tuple(Shard(0) if n in BATCH_DIMS else Shard(1) if n == "tp" else Shard(2) if i == axis else Replicate()
-                 for i, n in enumerate(names))
-    if any(tuple(t.placements) != want for t in (q, k, v)):
-        return None
-    rt, graph = q._graph.runtime, q._graph
-    acc = torch.promote_types(q.dtype, torch.float32)
-    o_spec = DTensorSpec(mesh, want, q.shape[:-1] + (v.shape[-1],), acc)
-    l_spec = DTensorSpec(mesh, want, q.shape[:-1], acc)
-    ranks = np.zeros(mesh.shape, dtype=np.int64)
-    for c in mesh.coordinates():
-        ranks[c] = c[axis]
-    kh, vh, state = k._h, v._h, []
-    for st in range(ring):
-        last = st == ring - 1
-        outs = [spec_like(o_spec, dtype=q.dtype) if last else o_spec, l_spec]
-        kw = {"scale": scale, "step": st, "axis": axis, "ring": ring, "out_dtype": q.dtype if last else None}
-        state = rt.run_local(_causal_ring_kernel, [q._h, kh, vh] + state,
-                             [q._spec, k._spec, v._spec] + ([o_spec, l_spec] if st else []), outs, kw,
-                             {"rank": ranks})
-        if not last:  # pass K/V on: device r now holds block r - st - 1
-            kh = ring_shift(rt, kh, k._spec, axis, 1)
-            vh = ring_shift(rt, vh, v._spec, axis, 1)
-    return Tensor._make(spec_like(o_spec, dtype=q.dtype), state[0], graph)
-
-
-@kernel("kv_cache.rotary")
-def _rotary_kernel(q, k, cos, sin):
-    """Hugging Face's ``apply_rotary_pos_emb`` on q/k [B, H, S, d] with each row's cos/sin [B, S, d], the
-    same float operations in the same order, as one kernel (instead of a dozen element-wise ops)."""
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotary_rule(specs):
-    q, k, cos, sin = specs
-    qp, cp = [], []
-    for p in q.placements:  # batch, heads and sequence shards stay; the head dim must be whole
-        keep = isinstance(p, Shard) and p.dim in (0, 1, 2)
-        qp.append(p if keep else Replicate())
-        cp.append(Shard(0) if keep and p.dim == 0 else Shard(1) if keep and p.dim == 2 else Replicate())
-    in_specs = (q.with_placements(qp), k.with_placements(qp), cos.with_placements(cp), sin.with_placements(cp))
-    dtype = torch.promote_types(q.dtype, cos.dtype)
-    return OpPlan(in_specs, (spec_like(in_specs[0], dtype=dtype), spec_like(in_specs[1], dtype=dtype)),
-                  _rotary_kernel, {}, multi_output=True)
-
-
-# ------------------------------------------------------------------------------------------------
-# rules
-
-
-def _attend_rule(specs, scale: float, parts: bool, heads: int):
-    """q [B, L, nh * d] (a projection's output: heads over tp in its last dim), cos/sin [B, L, d]."""
-    q, k, v, mask, cos, sin = specs
-    mesh = q.mesh
-    names = mesh.dim_names or [None] * mesh.ndim
-    qp = [Shard(0) if n in BATCH_DIMS else Shard(2) if n == "tp" else Replicate() for n in names]
-    rp = [Shard(0) if n in BATCH_DIMS else Replicate() for n in names]
-    kp = cache_placements(mesh)
-    mp = [Shard(0) if n in BATCH_DIMS else Shard(3) if n in CP_DIMS else Replicate() for n in names]
-    in_specs = (q.with_placements(qp), k.with_placements(kp), v.with_placements(kp), mask.with_placements(mp),
-                cos.with_placements(rp), sin.with_placements(rp))
-    n, length, width = q.shape
-    dv = v.shape[-1]
-    kw = {"scale": scale, "parts": parts, "out_dtype": q.dtype}
-    if not parts:
-        return OpPlan(in_specs, (DTensorSpec(mesh, tuple(qp), (n, length, heads * dv), q.dtype),), _attend_kernel, kw)
-    pp = tuple(Shard(1) if n_ in BATCH_DIMS else Shard(2) if n_ == "tp" else Shard(0) if n_ in CP_DIMS
-               else Replicate() for n_ in names)
-    acc = torch.promote_types(q.dtype, torch.float32)
-    outs = (DTensorSpec(mesh, pp, (cp_size(mesh), n, heads, length, dv), acc),
-            DTensorSpec(mesh, pp, (cp_size(mesh), n, heads, length), acc))
-    return OpPlan(in_specs, outs, _attend_kernel, kw, multi_output=True)
-
-
-def _combine_rule(specs, out_dtype: torch.dtype):
-    out, lse = specs
-    # the parts of every cp device on each device (an all_gather of the new tokens' outputs, not the cache)
-    pl = tuple(Replicate() if isinstance(p, Shard) and p.dim == 0 else p for p in out.placements)
-    res = tuple(Replicate() if isinstance(p, Replicate) else Shard(p.dim - 1) for p in pl)
-    _, n, nh, length, dv = out.shape
-    res = tuple(Shard(2) if p == Shard(1) else p for p in res)  # [B, nh, L, d] -> [B, L, nh * d]: heads last
-    return OpPlan((out.with_placements(pl), lse.with_placements(pl)),
-                  (DTensorSpec(out.mesh, res, (n, length, nh * dv), out_dtype),), _combine_kernel,
-                  {"out_dtype": out_dtype})
-
-
-def _last_row_rule(specs):
-    (x,) = specs
-    seq = x.ndim - 2
-    holds = np.zeros(x.mesh.shape, dtype=np.int64)
-    for c in x.mesh.coordinates():
-        off, n = x.local_box(c)[seq]
-        holds[c] = int(n > 0 and off + n == x.shape[seq])
-    pl = tuple(Partial() if isinstance(p, Shard) and p.dim == seq else p for p in x.placements)
-    shape = x.shape[:seq] + (1,) + x.shape[seq + 1:]
-    if holds.min() == holds.max():
-        return OpPlan((x,), (DTensorSpec(x.mesh, pl, shape, x.dtype),), _last_row_kernel, {"holds": int(holds.flat[0])})
-    return OpPlan((x,), (DTensorSpec(x.mesh, pl, shape, x.dtype),), _last_row_kernel, {}, {"holds": holds})
-
-
-def last_position(h: Tensor) -> Tensor:
-    """``h[:, -1:]`` of ``[B, S, H]`` without gathering the sequence: the device holding the last position
-    gives it, the others zeros, summed over the sequence's mesh dims (an all_reduce of ``[B, 1, H]``)."""
-    if not any(isinstance(p, Shard) and p.dim == 1 for p in h.placements):
-        return h.narrow(1, h.shape[1] - 1, 1)
-    out = dispatch("kv_cache.last_row", _last_row_rule, (h,))
-    return out.redistribute(h.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in out.placements])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -466,8 +152,7 @@ class KVCache:
         for caches in (self.key_cache, self.value_cache):
             for i, t in enumerate(caches):
                 spec = spec_like(t._spec, shape=t.shape[:2] + (block * self.cp,) + t.shape[3:])
-                h = t._graph.runtime.run_local(_grow_kernel, [t._h], [t._spec], [spec], {"slots": block}, None)
-                caches[i] = Tensor._make(spec, h[0], t._graph)
+                caches[i] = grow_cache(t, spec, block)
         idx = torch.arange(self.cp * old)
         new = (idx // old) * block + idx % old
         order = torch.full((self.cp * block,), -1, dtype=torch.int64)
@@ -532,29 +217,16 @@ class KVCache:
     def _write(self, layer_idx: int, k: Tensor, v: Tensor, args) -> None:
         kwargs, device_args = args
         for caches, new in ((self.key_cache, k), (self.value_cache, v)):
-            target = caches[layer_idx]
-            rt = target._graph.runtime
-            h = rt.write(_write_kernel, target._h, target._spec, [new._h], [new._spec], kwargs, device_args)
-            target._written(h)
+            write_cache(caches[layer_idx], new, kwargs=kwargs, device_args=device_args)
 
     def _write_projected(self, layer_idx: int, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, args) -> None:
         kwargs, device_args = args
-        kwargs = dict(kwargs, projected=True)
         for caches, new, rope in ((self.key_cache, k, (cos, sin)), (self.value_cache, v, ())):
-            target = caches[layer_idx]
-            ins = [new, *rope]
-            h = target._graph.runtime.write(_write_kernel, target._h, target._spec, [t._h for t in ins],
-                                            [t._spec for t in ins], kwargs, device_args)
-            target._written(h)
+            write_cache(caches[layer_idx], new, rope, projected=True, kwargs=kwargs, device_args=device_args)
 
     def _attend_projected(self, layer_idx: int, q: Tensor, mask: Tensor, cos: Tensor, sin: Tensor, scale: float,
                           heads: int) -> Tensor:
-        k, v = self.key_cache[layer_idx], self.value_cache[layer_idx]
-        ins = (q, k, v, mask, cos, sin)
-        if self.cp == 1:
-            return dispatch("kv_cache.attend", _attend_rule, ins, (scale, False, heads))
-        out, lse = dispatch("kv_cache.attend", _attend_rule, ins, (scale, True, heads))
-        return dispatch("kv_cache.combine", _combine_rule, (out, lse), (q.dtype,))
+        return attend_cached(q, self.key_cache[layer_idx], self.value_cache[layer_idx], mask, cos, sin, scale, heads)
 
     def __repr__(self):
         return (f"KVCache({len(self)} layers, batch {self.batch_size}, {self.slots} slots over cp {self.cp}, "
@@ -619,7 +291,8 @@ class CachedForward:
             return decode_placements(mesh, ndim)
         return activation_placements(mesh, 0 if ndim else None, 1)
 
-    def input_ids(self, mesh: DeviceMesh) -> Tensor:
+    def input_ids(self, mesh: DeviceMesh, input_ids=None) -> Tensor:
+        """This forward's ids (padded for an even cp split: ``self.ids``) on ``mesh``."""
         return Tensor(self.ids, device_mesh=mesh, placements=self.placements(mesh))
 
     def _on(self, mesh: DeviceMesh, name: str, make):
@@ -628,7 +301,7 @@ class CachedForward:
             self._per_mesh[key] = make()
         return self._per_mesh[key]
 
-    def rope(self, rotary, mesh: DeviceMesh, dtype: torch.dtype):
+    def rope(self, rotary, mesh: DeviceMesh, dtype: torch.dtype, seq_len: int | None = None):
         """cos, sin [B, S, d] at each token's own position, on ``mesh``.
 
         Computed here on the controller (a few KB for a decode step) with the rotary module's float32
@@ -656,16 +329,11 @@ class CachedForward:
 
     def rotate(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor):
         """q, k rotated by each row's positions (cos/sin [B, S, d] from ``rope``): one op."""
-        return dispatch("kv_cache.rotary", _rotary_rule, (q, k, cos, sin))
+        return rotate(q, k, cos, sin)
 
     def _mask(self, mesh: DeviceMesh) -> Tensor:
-        def make():
-            if self.decode:  # [B, 1, L, slots]: slots over cp like the cache's
-                pl = [Shard(0) if n in BATCH_DIMS else Shard(3) if n in CP_DIMS else Replicate()
-                      for n in mesh.dim_names or [None] * mesh.ndim]
-            else:  # [B, 1, S, S] for the prompt's own attention
-                pl = [Shard(0) if n in BATCH_DIMS else Replicate() for n in mesh.dim_names or [None] * mesh.ndim]
-            return Tensor(self.mask_full, device_mesh=mesh, placements=pl)
+        def make():  # decode: [B, 1, L, slots], slots over cp like the cache's; else [B, 1, S, S], the prompt's own
+            return Tensor(self.mask_full, device_mesh=mesh, placements=mask_placements(mesh, self.decode))
 
         return self._on(mesh, "mask", make)
 
@@ -675,8 +343,7 @@ class CachedForward:
         in-place kernel each), q rotated and attended (one op, plus the cp merge), the output [B, L, nh * d]
         ready for o_proj. The same arithmetic as ``attention`` without its dozen view and element-wise ops."""
         mesh = q.device_mesh
-        want = [Shard(0) if n in BATCH_DIMS else Shard(2) if n == "tp" else Replicate()
-                for n in mesh.dim_names or [None] * mesh.ndim]
+        want = heads_last_placements(mesh)
         q, k, v = (t if t.placements == want else t.redistribute(mesh, want) for t in (q, k, v))
         self.cache._write_projected(attn.layer_idx, k, v, cos, sin, self.write_args)
         return self.cache._attend_projected(attn.layer_idx, q, self._mask(q.device_mesh), cos, sin, attn.scaling,
@@ -686,8 +353,6 @@ class CachedForward:
         """The attention of layer ``attn`` over the tokens of this forward (a prefill, a forward without a
         cache, or a decode step that records gradients): q/k/v [B, heads, S, d], rotated, with the padding
         mask; the keys and values go into the cache."""
-        from ..nn import functional as F
-
         if self.fused:
             raise AssertionError("a decode step's attention is decode_attention (the model calls it)")
         gqa = attn.kv_heads_held != attn.num_heads
@@ -699,24 +364,23 @@ class CachedForward:
                 cached_v = self.cache.value_cache[attn.layer_idx].clone()
             keys, values = dtorch.cat([cached_k, k], dim=2), dtorch.cat([cached_v, v], dim=2)
             # not context parallel: the new tokens are whole on every cp device (the attention op's plain rule)
-            o = plain_attention(q, keys, values, self._recording_mask(q.device_mesh), None, False, attn.scaling, gqa)
-        elif self.all_valid:
-            o = causal_ring_attention(q, k, v, attn.scaling) if self.cache is not None and not self.recording else None
-            if o is None:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=self._recording_mask(q.device_mesh),
+                                               scale=attn.scaling, enable_gqa=gqa)
+        elif self.all_valid:  # (with no gradient, a ring skips the blocks causality hides: ops/attention/ring.py)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=gqa,
+                                               context_parallel=context_parallel(q.device_mesh))
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask(q.device_mesh), scale=attn.scaling,
-                                               enable_gqa=gqa)
+                                               enable_gqa=gqa, context_parallel=context_parallel(q.device_mesh))
         if self.cache is not None:
             self.cache._write(attn.layer_idx, k, v, self.write_args)
         return o
 
     def _recording_mask(self, mesh: DeviceMesh) -> Tensor:
         def make():  # [B, 1, L, slots + L], batch over dp
-            pl = [Shard(0) if n in BATCH_DIMS else Replicate() for n in mesh.dim_names or [None] * mesh.ndim]
-            return Tensor(self.mask_full, device_mesh=mesh, placements=pl)
+            return Tensor(self.mask_full, device_mesh=mesh, placements=mask_placements(mesh, False))
 
         return self._on(mesh, "recording mask", make)
 
 
-__all__ = ["BATCH_DIMS", "KVCache", "KVCacheError", "CachedForward", "cache_placements", "decode_placements", "last_position"]
+__all__ = ["KVCache", "KVCacheError", "CachedForward"]

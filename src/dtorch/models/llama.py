@@ -6,7 +6,7 @@ The user picks a mesh; the model lays itself out by mesh dim name:
     fsdp        the batch too, and every parameter sharded on it, gathered by each module for its forward
                 (fully sharded data parallel: autograd/fsdp.py); with dp it is HSDP
     ulysess_cp  the sequence: activations Shard(1) (nested with ring_cp, mesh-dim order outer to inner);
-    ring_cp     attention switches to Ulysses / Ring on these dims (ops/attention.py)
+    ring_cp     attention runs Ulysses / Ring on these dims (ops/attention/, chosen in models/layout.py)
     tp          heads and MLP features (Megatron): q/k/v, gate/up column parallel, o/down row parallel
     pp          layers: mesh.unbind("pp") gives one stage mesh per stage; each stage's modules live on
                 its mesh and activations cross stages with a cross-mesh redistribute (send_recv on "pp")
@@ -33,20 +33,16 @@ from ..tensor import Tensor
 from ..nn import functional as F
 from ..nn._layout import on_mesh
 from ..nn.module import RepeatedRows
+from .forward import forward_with_arguments, split_forward_arguments
+from .generation import GenerationMixin
 from .hf_init import init_weights_like_hf, skip_tied_lm_head_draws
-from .outputs import CausalLMOutputWithPast, torch_logits
-
-SUPPORTED_MESH_DIMS = ("dp", "tp", "pp", "ulysess_cp", "ulysses_cp", "ring_cp", "fsdp")
-CP_DIMS = ("ulysess_cp", "ulysses_cp", "ring_cp")
+from .kv_cache import KVCache  # noqa: F401  (dtorch.models.llama.KVCache: the API's name)
+from .layout import SUPPORTED_MESH_DIMS, activation_placements, context_parallel, cp_size, dim_size
+from .outputs import CausalLMOutputWithPast, labels_like, torch_logits
 
 
 class LlamaLayoutError(DTorchError, ValueError):
     """The config and the mesh do not fit together (head counts, layer counts, mesh dim names)."""
-
-
-def dim_size(mesh: DeviceMesh, name: str) -> int:
-    idx = mesh.dim_name_index(name)
-    return 1 if idx is None else mesh.shape[idx]
 
 
 def check_layout(config, mesh: DeviceMesh) -> None:
@@ -82,19 +78,6 @@ def _num_kv_heads(config) -> int:
 
 def _head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def activation_placements(mesh: DeviceMesh, batch_dim: int | None = 0, seq_dim: int = 1) -> list:
-    """Batch over dp (``batch_dim=None``: no batch dim), sequence over the cp dims, Replicate elsewhere."""
-    out = []
-    for name in mesh.dim_names or [None] * mesh.ndim:
-        if name in ("dp", "fsdp") and batch_dim is not None:
-            out.append(Shard(batch_dim))
-        elif name in CP_DIMS:
-            out.append(Shard(seq_dim))
-        else:
-            out.append(Replicate())
-    return out
 
 
 def _rope_config(config) -> dict:
@@ -213,6 +196,42 @@ def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor):
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+class CausalForward:
+    """The attention strategy of a forward over whole sequences (no padding, no cache): rope at positions
+    0..S-1, causal attention, context parallel over the mesh's cp dims. The default of every forward;
+    ``kv_cache.CachedForward`` is the other kind (padding, each row's positions, a KV cache). A forward
+    chooses its kind once and hands it down; layers ask it, never check which it is."""
+
+    fused = False  # (a decode step's fused cache kernels: CachedForward)
+    cache = None
+
+    def input_ids(self, mesh: DeviceMesh, input_ids):
+        """Token ids ``[B, S]`` (torch or dtorch, any mesh) onto ``mesh``: batch over dp, sequence over cp."""
+        if not isinstance(input_ids, (torch.Tensor, Tensor)) or input_ids.ndim != 2 or input_ids.dtype.is_floating_point:
+            got = f"{type(input_ids).__name__} {getattr(input_ids, 'dtype', '')} of shape {list(getattr(input_ids, 'shape', []))}"
+            raise TypeError(f"input_ids must be an integer tensor [batch, seq] (torch or dtorch), got {got}")
+        if isinstance(input_ids, torch.Tensor):
+            return Tensor(input_ids, device_mesh=mesh, placements=activation_placements(mesh))
+        return input_ids.redistribute(mesh, activation_placements(mesh))
+
+    def rope(self, rotary, mesh: DeviceMesh, dtype: torch.dtype, seq_len: int):
+        positions = dtorch.arange(seq_len, device_mesh=mesh, placements=activation_placements(mesh, None, 0))
+        return rotary(positions, dtype, seq_len=seq_len)
+
+    def rotate(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor):
+        return apply_rotary_pos_emb(q, k, cos, sin)
+
+    def attention(self, attn, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # GQA: query head i uses held kv head i // (num_heads / kv_heads_held), a copy of kv head
+        # i // (num_heads / num_kv_heads), Hugging Face's
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling,
+                                              enable_gqa=attn.kv_heads_held != attn.num_heads,
+                                              context_parallel=context_parallel(q.device_mesh))
+
+
+CAUSAL = CausalForward()
+
+
 def _replicate_kv_heads(proj: nn.Linear, form: RepeatedRows) -> None:
     """Hold each kv head of ``proj`` ``form.repeats`` times in a row, so that with tp Shard(0) every tp device
     holds the one kv head its query heads use; the state dict keeps one copy of each (Hugging Face's)."""
@@ -253,23 +272,16 @@ class LlamaAttention(nn.Module):
             _replicate_kv_heads(self.v_proj, form)
         self.o_proj = nn.RowParallelLinearWithReplicateOutput(self.num_heads * self.head_dim, h, bias=bias)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, step=None) -> Tensor:
-        if step is not None and step.fused:  # a decode step: fused cache write and attention (kv_cache.py)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, step=CAUSAL) -> Tensor:
+        if step.fused:  # a decode step: fused cache write and attention (kv_cache.py)
             return self.o_proj(step.decode_attention(self, self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin))
         b, s, _ = x.shape
         # [B, S, H] -> [B, S, n*d] (S(2) on tp) -> [B, S, n, d] -> [B, n, S, d]: heads over tp, S over cp
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.kv_heads_held, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.kv_heads_held, self.head_dim).transpose(1, 2)
-        # (each row's own positions: one fused op, kv_cache.CachedForward.rotate)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin) if step is None else step.rotate(q, k, cos, sin)
-        # GQA: query head i uses held kv head i // (num_heads / kv_heads_held), a copy of kv head
-        # i // (num_heads / num_kv_heads), Hugging Face's
-        if step is not None:  # padding mask and/or KV cache (kv_cache.CachedForward)
-            o = step.attention(self, q, k, v)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
-                                               enable_gqa=self.kv_heads_held != self.num_heads)
+        q, k = step.rotate(q, k, cos, sin)
+        o = step.attention(self, q, k, v)  # causal, or with the padding mask and/or KV cache (kv_cache.py)
         o = o.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)  # [B, n, S, d] -> [B, S, n*d]
         return self.o_proj(o)  # partial sums over tp all-reduced: R on tp
 
@@ -300,7 +312,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, step=None) -> Tensor:
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, step=CAUSAL) -> Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, step)
         return h + self.mlp(self.post_attention_layernorm(h))  # R + P -> P on tp
 
@@ -346,39 +358,26 @@ class LlamaModel(nn.Module):
         """Is ``layer`` checkpointed: every layer (full), or the N-th, 2N-th, ... (selective, torchtitan's)."""
         return self.gradient_checkpointing and (layer.self_attn.layer_idx + 1) % self.checkpoint_every == 0
 
-    def redistribute_input(self, input_ids, step=None):
-        """Token ids ``[B, S]`` (torch or dtorch, any mesh) onto the first stage: batch over dp, sequence over cp."""
-        if step is not None:  # a forward with padding or a KV cache lays its ids out itself (kv_cache.py)
-            return (step.input_ids(self.stage_meshes[0]),), {"step": step}
-        if not isinstance(input_ids, (torch.Tensor, Tensor)) or input_ids.ndim != 2 or input_ids.dtype.is_floating_point:
-            got = f"{type(input_ids).__name__} {getattr(input_ids, 'dtype', '')} of shape {list(getattr(input_ids, 'shape', []))}"
-            raise TypeError(f"input_ids must be an integer tensor [batch, seq] (torch or dtorch), got {got}")
-        first = self.stage_meshes[0]
-        if isinstance(input_ids, torch.Tensor):
-            return (Tensor(input_ids, device_mesh=first, placements=activation_placements(first)),), {}
-        return (input_ids.redistribute(first, activation_placements(first)),), {}
+    def redistribute_input(self, input_ids, step=CAUSAL):
+        """Token ids ``[B, S]`` onto the first stage, as the forward's kind lays them out (``step``: a
+        ``CausalForward`` or a ``kv_cache.CachedForward``, chosen once by the caller and handed down)."""
+        return (step.input_ids(self.stage_meshes[0], input_ids),), {"step": step}
 
-    def rope(self, mesh: DeviceMesh, seq_len: int, dtype: torch.dtype, step=None):
-        if step is not None:  # each row's own positions
-            return step.rope(self.rotary_emb, mesh, dtype)
-        positions = dtorch.arange(seq_len, device_mesh=mesh, placements=activation_placements(mesh, None, 0))
-        return self.rotary_emb(positions, dtype, seq_len=seq_len)
-
-    def forward(self, input_ids: Tensor, step=None) -> Tensor:
+    def forward(self, input_ids: Tensor, step=CAUSAL) -> Tensor:
         h = self.embed_tokens(input_ids)  # [B, S] -> [B, S, H]
         stage = 0
-        cos, sin = self.rope(self.stage_meshes[0], input_ids.shape[1], h.dtype, step)
+        cos, sin = step.rope(self.rotary_emb, self.stage_meshes[0], h.dtype, input_ids.shape[1])
         for layer, layer_stage in zip(self.layers, self.layer_stages):
             if layer_stage != stage:  # pipeline hand-off: same placements on the next stage's devices
                 stage = layer_stage
                 mesh = self.stage_meshes[stage]
                 h = h.redistribute(mesh, h.placements)
-                cos, sin = self.rope(mesh, input_ids.shape[1], h.dtype, step)
-            if (step is None or step.cache is None) and self._recomputes(layer) and self.training \
+                cos, sin = step.rope(self.rotary_emb, mesh, h.dtype, input_ids.shape[1])
+            if step.cache is None and self._recomputes(layer) and self.training \
                     and torch.is_grad_enabled():  # (a cache is written once, not again)
                 h = checkpoint(layer, h, cos, sin, step)  # activations recomputed in the backward
             else:
-                h = layer(h, cos, sin) if step is None else layer(h, cos, sin, step)
+                h = layer(h, cos, sin, step)
         return self.norm(h)
 
 
@@ -426,7 +425,7 @@ class TiedLMHead(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, tied to the embedding"
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(GenerationMixin, nn.Module):
     """Hugging Face's ``LlamaForCausalLM`` (inference) on any mesh with dims among dp, tp, pp, ulysess_cp, ring_cp.
 
     ``model(input_ids)`` with ids ``[B, S]`` as a torch tensor returns torch logits ``[B, S, vocab]``; as a
@@ -448,7 +447,6 @@ class LlamaForCausalLM(nn.Module):
                 # vocab over tp: logits leave S(-1) on tp and are gathered only when handed back
                 self.lm_head = nn.ColumnParallelLinear(config.hidden_size, config.vocab_size, bias=False)
             init_weights_like_hf(self.lm_head, config)
-        self._caller = None
         if mp_policy is not None or not reshard_after_forward or "fsdp" in (mesh.dim_names or ()):
             # FSDP units (autograd/fsdp.py): each module gathers its own weights, the next one's ahead;
             # mp_policy (dtorch.MixedPrecisionPolicy): bf16 compute over float32 master weights
@@ -484,10 +482,9 @@ class LlamaForCausalLM(nn.Module):
     def is_gradient_checkpointing(self) -> bool:
         return self.model.gradient_checkpointing
 
-    def __call__(self, input_ids, *args, labels=None, **kwargs):
-        # Hugging Face's attention_mask / position_ids / past_key_values / use_cache: models/forward.py
-        from .forward import forward_with_arguments, split_forward_arguments
-
+    def _call(self, input_ids, *args, labels=None, **kwargs):
+        # (Module.__call__ runs the forward hooks around this.) Hugging Face's attention_mask / position_ids /
+        # past_key_values / use_cache: models/forward.py
         given, args, kwargs = split_forward_arguments(args, kwargs)
         if given:
             return forward_with_arguments(self, input_ids, *args, **given, labels=labels, **kwargs)
@@ -496,42 +493,19 @@ class LlamaForCausalLM(nn.Module):
                 raise TypeError(f"LlamaForCausalLM(input_ids, labels=...) got unexpected arguments "
                                 f"{sorted(kwargs) + ['positional'] * bool(args)}")
             return self._with_loss(input_ids, labels)
-        return super().__call__(input_ids, *args, **kwargs)
-
-    @property
-    def generation_config(self):
-        """transformers' ``GenerationConfig`` that ``generate`` starts from (its arguments override it): read
-        by ``from_pretrained`` from the checkpoint's generation_config.json, else made from the config, as
-        transformers does."""
-        if self.__dict__.get("_generation_config") is None:
-            from ._checkpoint import generation_config_from_model_config
-
-            self.__dict__["_generation_config"] = generation_config_from_model_config(self.config)
-        return self.__dict__["_generation_config"]
-
-    @generation_config.setter
-    def generation_config(self, value) -> None:
-        self.__dict__["_generation_config"] = value
-
-    def generate(self, input_ids, attention_mask=None, **kwargs):
-        """Greedy or sampled continuation of ``input_ids`` with a KV cache, like ``transformers``' ``generate``:
-        returns the ids ``[batch, prompt + new]`` as a torch tensor (see ``generation.generate``)."""
-        from .generation import generate
-
-        return generate(self, input_ids, attention_mask, **kwargs)
+        (ids,), _ = self.redistribute_input(input_ids, *args, **kwargs)
+        # the caller's ids travel with the call, not on the model: a call inside a call (a hook, another
+        # thread) keeps its own
+        return self.redistribute_output(self.run_forward((ids,), {}), input_ids)
 
     def redistribute_input(self, input_ids, *args, **kwargs):
         if args or kwargs:
             raise TypeError("LlamaForCausalLM(input_ids) takes only token ids (no masks, caches or labels)")
-        # remembered for redistribute_output: logits go back the way the ids came
-        self._caller = (input_ids.device_mesh, input_ids.placements) if isinstance(input_ids, Tensor) else None
-        self._real_len = None
         pad = self._even_sequence_padding(input_ids)
         if pad:
             # Attention is causal, so positions appended at the end change nothing before them; with the
             # sequence split evenly over the cp dims every op keeps to the stacked fast path (an uneven
             # split runs each op once per device). The extra logits are cut off in redistribute_output.
-            self._real_len = input_ids.shape[1]
             input_ids = torch.cat([input_ids, input_ids.new_zeros(input_ids.shape[0], pad)], dim=1)
         return (input_ids,), {}
 
@@ -545,11 +519,7 @@ class LlamaForCausalLM(nn.Module):
                 or "dynamic" in self.model.rotary_emb.rope_type \
                 or self.model.rotary_emb.rope_type == "longrope":
             return 0
-        mesh = self.model.stage_meshes[0]
-        cp = 1
-        for name, size in zip(mesh.dim_names or (), mesh.shape):
-            cp *= size if name in CP_DIMS else 1
-        return -input_ids.shape[1] % cp
+        return -input_ids.shape[1] % cp_size(self.model.stage_meshes[0])
 
     def forward(self, input_ids) -> Tensor:
         return self.lm_head(self.model(input_ids))  # ids laid out by LlamaModel; [B, S, H] -> [B, S, vocab]
@@ -557,7 +527,6 @@ class LlamaForCausalLM(nn.Module):
     def _with_loss(self, input_ids, labels) -> "CausalLMOutput":
         labels = labels_like(labels, input_ids)
         (ids,), _ = self.redistribute_input(input_ids)
-        self._caller = self._real_len = None
         logits = self.forward(ids)  # [B, S, vocab]: batch over dp/fsdp, sequence over cp, vocab over tp
         return self.causal_lm_loss(logits, labels)
 
@@ -578,14 +547,15 @@ class LlamaForCausalLM(nn.Module):
             logits = logits[:, front:front + labels.shape[1]]
         return CausalLMOutput(loss=loss, logits=logits)
 
-    def redistribute_output(self, logits: Tensor):
-        caller, self._caller = self._caller, None
-        real, self._real_len = self._real_len, None
-        if caller is None:
+    def redistribute_output(self, logits: Tensor, input_ids=None):
+        """The logits as the caller of ``model(input_ids)`` gets them: torch logits of the ids' length for torch
+        ids (``input_ids``, as the caller passed them), dtorch logits laid out like dtorch ids."""
+        if not isinstance(input_ids, Tensor):
             out = torch_logits(logits)  # (with a history that continues in dtorch's backward, under grad mode)
-            return out if real is None else out[:, :real].contiguous()
-        mesh, placements = caller
-        return logits.redistribute(mesh, [Replicate() if isinstance(p, Partial) else p for p in placements])
+            real = input_ids.shape[1] if input_ids is not None else logits.shape[1]
+            return out if real == out.shape[1] else out[:, :real].contiguous()
+        return logits.redistribute(input_ids.device_mesh, [Replicate() if isinstance(p, Partial) else p
+                                                           for p in input_ids.placements])
 
     # -- checkpoints -----------------------------------------------------------------------------
     @classmethod
@@ -617,16 +587,6 @@ class LlamaForCausalLM(nn.Module):
 CausalLMOutput = CausalLMOutputWithPast
 
 
-def labels_like(labels, input_ids) -> torch.Tensor:
-    """``labels`` (torch, dtorch or a list) as a torch tensor of ``input_ids``' shape."""
-    if isinstance(labels, Tensor):
-        labels = labels.to_torch()
-    labels = torch.as_tensor(labels)
-    if tuple(labels.shape) != tuple(input_ids.shape):
-        raise ValueError(f"labels must have the shape of input_ids {list(input_ids.shape)}, got {list(labels.shape)}")
-    return labels
-
-
 def _config_dtype(config) -> torch.dtype | None:
     """The config's ``dtype`` (``torch_dtype`` before transformers 5), a torch dtype or its name; None if absent."""
     d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
@@ -635,15 +595,6 @@ def _config_dtype(config) -> torch.dtype | None:
     return d if isinstance(d, torch.dtype) and d.is_floating_point else None
 
 
-def __getattr__(name: str):
-    # dtorch.models.llama.KVCache (the API's name) is kv_cache.KVCache, imported on first use: kv_cache
-    # imports this module
-    if name == "KVCache":
-        from .kv_cache import KVCache
-
-        return KVCache
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = ["LlamaForCausalLM", "LlamaModel", "LlamaDecoderLayer", "LlamaAttention", "LlamaMLP",
-           "LlamaRotaryEmbedding", "TiedLMHead", "LlamaLayoutError", "check_layout", "activation_placements", "SUPPORTED_MESH_DIMS"]
+           "LlamaRotaryEmbedding", "TiedLMHead", "LlamaLayoutError", "check_layout", "activation_placements", "SUPPORTED_MESH_DIMS",
+           "CausalForward", "KVCache"]

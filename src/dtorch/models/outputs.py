@@ -62,3 +62,13 @@ def torch_logits(logits: Tensor) -> torch.Tensor:
 
 
 __all__ = ["CausalLMOutputWithPast", "torch_logits"]
+
+
+def labels_like(labels, input_ids) -> torch.Tensor:
+    """``labels`` (torch, dtorch or a list) as a torch tensor of ``input_ids``' shape."""
+    if isinstance(labels, Tensor):
+        labels = labels.to_torch()
+    labels = torch.as_tensor(labels)
+    if tuple(labels.shape) != tuple(input_ids.shape):
+        raise ValueError(f"labels must have the shape of input_ids {list(input_ids.shape)}, got {list(labels.shape)}")
+    return labels

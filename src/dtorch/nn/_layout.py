@@ -55,7 +55,7 @@ def on_mesh(x, mesh: DeviceMesh):
     requires grad: ``to_dtensors``); a dtorch tensor on another mesh is moved there keeping its placements
     by mesh dim name. Anything else passes through."""
     if isinstance(x, torch.Tensor):
-        from ..ops.registry import to_dtensors
+        from ..ops.rules import to_dtensors
 
         return to_dtensors("module input", [x], mesh_from=mesh)[0]
     if isinstance(x, Tensor) and x.device_mesh != mesh:

@@ -161,12 +161,13 @@ class Module:
 
     def _call(self, *args, **kwargs):
         args, kwargs = self.redistribute_input(*args, **kwargs)
+        return self.redistribute_output(self.run_forward(args, kwargs))
+
+    def run_forward(self, args: tuple, kwargs: dict):
+        """``forward`` on laid-out inputs; under fully sharded data parallel the unit's parameters are gathered
+        on the "fsdp" dim just before it and let go after it (autograd/fsdp.py: the backward gathers them again)."""
         unit = module_unit(self)
-        if unit is None:
-            return self.redistribute_output(self.forward(*args, **kwargs))
-        # fully sharded data parallel: the unit's parameters are gathered on the "fsdp" dim just before its
-        # forward and let go after it (autograd/fsdp.py: the backward gathers them again)
-        return self.redistribute_output(unit.run(self, args, kwargs))
+        return self.forward(*args, **kwargs) if unit is None else unit.run(self, args, kwargs)
 
     # -- forward hooks (torch's; the globally registered torch.nn.modules.module hooks do not run) -------
     def register_forward_pre_hook(self, hook, *, prepend: bool = False, with_kwargs: bool = False):

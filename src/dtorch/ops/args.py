@@ -8,7 +8,7 @@ import torch
 
 from ..errors import OpError
 from ..tensor import Tensor
-from .registry import to_dtensors
+from .rules import to_dtensors
 from .views import View
 
 

@@ -17,7 +17,9 @@ from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
 from .dim_map import _prod
-from .registry import OpPlan, dispatch, meta_call, register, spec_like, to_dtensors
+from .dispatch import OpPlan, dispatch
+from .rules import meta_call, spec_like, to_dtensors
+from .table import register
 
 
 @kernel("view.cat")

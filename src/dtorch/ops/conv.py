@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..autograd.kernel_entry import wrap
 from ..autograd.mode import is_grad_enabled as _grad_enabled
 from ..autograd.node import Node, attach, requires_grad
 from ..autograd.redistribute import redistribute_spec
@@ -46,7 +47,10 @@ from ..redistribute.executor import ring_shift
 from ..runtime.kernels import kernel, per_device
 from ..spec import DTensorSpec, chunk_size, shard_range
 from ..tensor import Tensor
-from .registry import OpPlan, _broadcast_shape, dispatch, meta_call, register, spec_like, to_dtensors
+from ..runtime.kernels import broadcast_shape as _broadcast_shape
+from .dispatch import OpPlan, dispatch
+from .rules import meta_call, spec_like, to_dtensors
+from .table import register
 
 _R = Replicate()
 _PSUM = Partial("sum")
@@ -255,13 +259,13 @@ class RingShiftNode(Node):
             return [None]
         g = relayout(g.to(self.spec.dtype) if g.dtype != self.spec.dtype else g, self.spec)
         h = ring_shift(self.graph.runtime, g._h, self.spec, self.mesh_dim, -self.shift)
-        return [Tensor._make(self.spec, h, self.graph)]
+        return [wrap(self.spec, h, self.graph)]
 
 
 def shift_blocks(x: Tensor, mesh_dim: int, shift: int) -> Tensor:
     """Device j gets the block of device j - shift along ``mesh_dim`` (cyclic; ``x`` must be even)."""
     h = ring_shift(x._graph.runtime, x._h, x._spec, mesh_dim, shift)
-    out = Tensor._make(x._spec, h, x._graph)
+    out = wrap(x._spec, h, x._graph)
     if _grad_enabled() and requires_grad(x) and x.dtype.is_floating_point:
         attach(RingShiftNode(x, mesh_dim, shift), [out])
     return out
@@ -530,7 +534,7 @@ def _conv(name: str, nd: int, transposed: bool, input, weight, bias, stride, pad
     except OpError as exc:
         raise OpError(f"dtorch.{name}: {exc}") from exc
     except (RuntimeError, ValueError, TypeError, IndexError) as exc:
-        from .registry import describe
+        from .dispatch import describe
         raise OpError(f"dtorch.{name} cannot run on inputs {describe([t._spec for t in tensors])}: {exc}") from exc
     if cp.halo is None:
         return dispatch(name, _conv_rule, tensors, static)

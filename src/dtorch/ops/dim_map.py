@@ -20,7 +20,8 @@ from functools import lru_cache
 
 from ..placement import Replicate, Shard
 from ..spec import DTensorSpec, chunk_size, shard_range
-from .registry import OpPlan, spec_like
+from .dispatch import OpPlan
+from .rules import spec_like
 
 
 def _prod(xs) -> int:

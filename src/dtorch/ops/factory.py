@@ -13,7 +13,7 @@ from ..mesh import DeviceMesh
 from ..placement import normalize_placements
 from ..spec import DTensorSpec
 from ..tensor import Tensor
-from .registry import register
+from .table import register
 
 
 def mesh_for_device(device) -> DeviceMesh:

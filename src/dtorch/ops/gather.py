@@ -17,7 +17,9 @@ from . import view as vw
 from .args import _dim, _tensor
 from .index import _broadcast, _grid_expand, _local
 from .inplace import dispatch_inplace
-from .registry import OpPlan, dispatch, register, replicated, spec_like, to_dtensors
+from .dispatch import OpPlan, dispatch
+from .rules import replicated, spec_like, to_dtensors
+from .table import register
 
 
 #

@@ -31,7 +31,9 @@ from ..tensor import Tensor
 from . import pointwise as pw
 from . import view as vw
 from .args import IndexOutOfRangeError, UnsupportedIndexError, _tensor
-from .registry import OpPlan, dispatch, register, replicated, spec_like, to_dtensors
+from .dispatch import OpPlan, dispatch
+from .rules import replicated, spec_like, to_dtensors
+from .table import register
 
 
 # ------------------------------------------------------------------------------------------------

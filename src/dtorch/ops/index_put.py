@@ -30,7 +30,9 @@ from . import view as vw
 from .args import IndexOutOfRangeError, _dim, _tensor
 from .index import _local, _mask_like, _torch_index, each_device, parse_index
 from .inplace import copy_, dispatch_inplace
-from .registry import OpPlan, register, replicated, spec_like, to_dtensors
+from .dispatch import OpPlan
+from .rules import replicated, spec_like, to_dtensors
+from .table import register
 from .views import View
 
 

@@ -31,7 +31,10 @@ from ..runtime.kernels import get_kernel, kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
 from . import pointwise as pw
-from .registry import OpPlan, _broadcast_shape, _plan, describe, dispatch, register, to_dtensors
+from ..runtime.kernels import broadcast_shape as _broadcast_shape
+from .dispatch import OpPlan, _plan, describe, dispatch
+from .rules import to_dtensors
+from .table import register
 from .views import WRITER, View
 
 

@@ -28,11 +28,13 @@ import torch.nn.functional as F
 
 from ..errors import OpError
 from ..placement import Partial, Replicate, Shard
-from ..runtime.kernels import kernel, per_device
+from ..runtime.kernels import broadcast_shape as _broadcast_shape, kernel, per_device
 from ..spec import DTensorSpec, block_offsets
 from ..tensor import Tensor
 from .args import IndexOutOfRangeError
-from .registry import OpPlan, _broadcast_shape, dispatch, register, spec_like, to_dtensors
+from .dispatch import OpPlan, dispatch
+from .rules import spec_like, to_dtensors
+from .table import register
 
 _REDUCTIONS = ("none", "mean", "sum")
 

@@ -10,12 +10,14 @@ import torch
 
 from ..errors import OpError
 from ..placement import Replicate, Shard
-from ..runtime.kernels import kernel
+from ..runtime.kernels import broadcast_shape as _broadcast_shape, kernel
 from ..spec import DTensorSpec
 from . import pointwise as pw
 from . import reduce as rd
 from .args import _dim, _tensor
-from .registry import OpPlan, _broadcast_shape, dispatch, register, spec_like
+from .dispatch import OpPlan, dispatch
+from .rules import spec_like
+from .table import register
 
 
 @kernel("misc.one_hot")

@@ -29,7 +29,9 @@ from ..runtime.kernels import kernel, per_device
 from ..spec import DTensorSpec, block_offsets
 from ..tensor import Tensor
 from .args import IndexOutOfRangeError
-from .registry import OpPlan, dispatch, meta_call, register, replicated, spec_like, static_value, to_dtensors
+from .dispatch import OpPlan, dispatch
+from .rules import meta_call, replicated, spec_like, static_value, to_dtensors
+from .table import register
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 

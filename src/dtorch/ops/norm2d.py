@@ -24,7 +24,9 @@ from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
-from .registry import OpPlan, dispatch, meta_call, register, spec_like, to_dtensors
+from .dispatch import OpPlan, dispatch
+from .rules import meta_call, spec_like, to_dtensors
+from .table import register
 
 _R = Replicate()
 

@@ -28,7 +28,10 @@ from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
-from .registry import _RESOLVED, OpPlan, _broadcast_shape, dispatch, meta_call, register, resolve_torch, to_dtensors, write_out
+from ..runtime.kernels import broadcast_shape as _broadcast_shape
+from .dispatch import OpPlan, dispatch
+from .rules import meta_call, to_dtensors
+from .table import register, write_out
 from .views import View
 
 # op name -> how it treats partial inputs: "add" (linear in every operand), "scale" (linear in its
@@ -52,8 +55,29 @@ def _value(ref, xs, scalars):
     return scalars[ref[1]] if ref[0] == "s" else ref[1]
 
 
+# The torch function each element-wise kernel calls, by the name its kwargs carry ('torch.add', 'F.gelu',
+# 'Tensor.to': a name travels to worker processes and keys plans). Resolved when the op registers
+# (``kernel_function``), so a kernel only looks its function up here, on every backend's process alike.
+TORCH_FNS: dict = {}
+_METHODS: dict = {}
+_ROOTS = {"torch": torch, "F": torch.nn.functional, "Tensor": torch.Tensor, "special": torch.special}
+
+
+def kernel_function(path: str) -> str:
+    """Resolve the torch callable ``path`` names into ``TORCH_FNS`` (at import, as ops register); returns it."""
+    if path not in TORCH_FNS:
+        root, _, rest = path.partition(".")
+        obj = _ROOTS[root]
+        for part in rest.split("."):
+            obj = getattr(obj, part)
+        TORCH_FNS[path] = obj
+        method = path.partition("torch.")[2]  # x.mul(c) as the method call (C level) where torch.Tensor has it
+        _METHODS[path] = method if method and getattr(torch.Tensor, method, None) is not None else None
+    return path
+
+
 def _call(fn: str, template, kwargs, xs, scalars):
-    f = resolve_torch(fn)
+    f = TORCH_FNS[fn]
     if template is None:
         return f(*xs)
     if template == "ts":
@@ -63,20 +87,17 @@ def _call(fn: str, template, kwargs, xs, scalars):
     return f(*[_value(r, xs, scalars) for r in template], **{k: _value(r, xs, scalars) for k, r in kwargs})
 
 
-_resolved_fast_get = _RESOLVED.fast_get
-
-
 def _bind_pointwise(kw: dict, lead: int, out_shapes):
     """``Kernel.bind``: tensors only, in order: the torch function itself; one tensor and one scalar (a
     loop repeating ``x * 0.5``): the torch function with the scalar bound."""
-    template, f = kw["template"], resolve_torch(kw["fn"])
+    template, f = kw["template"], TORCH_FNS[kw["fn"]]
     if template is None:
         return f
     if template == "st":
         return functools.partial(f, kw["scalars"][0])
     if template == "ts":
-        method = kw["fn"].partition("torch.")[2]
-        if method and getattr(torch.Tensor, method, None) is not None:  # x.mul(c): a C-level call
+        method = _METHODS[kw["fn"]]
+        if method is not None:  # x.mul(c): a C-level call
             return operator.methodcaller(method, kw["scalars"][0])
         c = kw["scalars"][0]
         return lambda x: f(x, c)
@@ -86,7 +107,7 @@ def _bind_pointwise(kw: dict, lead: int, out_shapes):
 @kernel("pointwise", align=True, bind=_bind_pointwise)
 def _pointwise_kernel(*xs, fn: str, template, kwargs: tuple = (), scalars: tuple = ()):
     if template == "ts":  # x * c: the common scalar call, without building argument lists
-        return (_resolved_fast_get(fn) or resolve_torch(fn))(xs[0], scalars[0])
+        return TORCH_FNS[fn](xs[0], scalars[0])
     return _call(fn, template, kwargs, xs, scalars)
 
 
@@ -165,6 +186,9 @@ def analyse(name: str, fn: str, args, kwargs) -> tuple:
 
 
 def _pointwise_rule(specs, name, fn, template, kwargs, scalar_types) -> OpPlan:
+    if fn not in TORCH_FNS:
+        raise OpError(f"dtorch.{name}: the element-wise kernel calls {fn!r}, which no op registered: resolve it "
+                      "with pointwise.kernel_function where the op is defined")
     mesh = specs[0].mesh
     # Output shape (the broadcast one) and dtype from torch itself, without its slow first meta call. A
     # scalar's value is not known here (plans are shared by all values): torch's result dtype depends on
@@ -280,6 +304,7 @@ def _unary_dunder(name: str, fn: str):
 
 
 def _elementwise_op(name: str, fn: str, *, torch_fns=(), functional=False, methods=()):
+    kernel_function(fn)
     unary_static = (name, fn, None, (), ())  # x.exp(): the key pointwise() would make, made once
 
     def op(input, *args, inplace: bool = False, out=None, **kwargs):
@@ -452,3 +477,7 @@ def to_dtype(input: Tensor, dtype: torch.dtype) -> Tensor:
     if input.dtype == dtype:
         return input
     return pointwise("to", "Tensor.to", input, dtype)
+
+
+for _path in ("torch.where", "torch.masked_fill", "torch.addcmul", "Tensor.to"):  # the ops defined one by one above
+    kernel_function(_path)

@@ -32,7 +32,9 @@ from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
 from .conv import apply_windows, halo_input_spec, plan_halos, run_halos
-from .registry import OpPlan, dispatch, meta_call, register, spec_like, to_dtensors
+from .dispatch import OpPlan, dispatch
+from .rules import meta_call, spec_like, to_dtensors
+from .table import register
 
 _R = Replicate()
 _MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}

@@ -26,7 +26,7 @@ from ..autograd.mode import is_grad_enabled, no_grad
 from ..errors import OpError
 from ..tensor import Tensor
 from .inplace import InplaceError, copy_
-from .registry import register
+from .table import register
 
 
 class RandomOpError(OpError, RuntimeError):

@@ -32,7 +32,9 @@ from ..runtime.kernels import kernel
 from ..spec import DTensorSpec, block_offsets
 from ..tensor import Tensor
 from .pointwise import pointwise
-from .registry import OpPlan, dispatch, meta_call, register, spec_like
+from .dispatch import OpPlan, dispatch
+from .rules import meta_call, spec_like
+from .table import register
 from .view import flatten, reshape
 
 # -- local implementations: (x, dims, keepdim, **kw) on trailing dims; dims are negative -----------

@@ -21,7 +21,9 @@ from ..tensor import Tensor
 from .args import IndexOutOfRangeError, UnsupportedIndexError, _dim, _kw, _sizes, _tensor
 from .dim_map import (Broadcast, InputDim, Interleave, NewDim, Repeat, Singleton, Slice, _prod, follow, map_plan,
                       view_map)
-from .registry import OpPlan, dispatch, meta_call, register, spec_like
+from .dispatch import OpPlan, dispatch
+from .rules import meta_call, spec_like
+from .table import register
 from .views import STEP_META, View, is_placements, reinterpret, reshape_is_view, view_op
 
 

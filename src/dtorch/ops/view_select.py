@@ -15,7 +15,9 @@ from ..placement import Replicate, Shard
 from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from .args import IndexOutOfRangeError, _dim, _tensor
-from .registry import OpPlan, register, spec_like
+from .dispatch import OpPlan
+from .rules import spec_like
+from .table import register
 from .view import _index
 from .views import STEP_META, view_op
 

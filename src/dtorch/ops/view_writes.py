@@ -36,8 +36,9 @@ from . import index_put as ix
 from . import inplace as ip
 from . import pointwise as pw
 from . import view as vw
+from .dispatch import OpPlan, _plan, dispatch, make_plan
 from .index import each_device
-from .registry import OpPlan, _plan, dispatch, make_plan, replicated, spec_like
+from .rules import replicated, spec_like
 from .views import DATA, WRITER, View, ViewError, _get_ag, _set_ag, _set_h, detached, geometry
 
 _OVERLAP = ("unsupported operation: more than one element of the written-to tensor refers to a single memory "

@@ -37,7 +37,9 @@ from ..placement import Placement, Shard, normalize_placements
 from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
-from .registry import OpPlan, _last1_get, dispatch, plan_of, register, to_dtensors
+from .dispatch import OpPlan, _last1_get, dispatch, plan_of
+from .rules import to_dtensors
+from .table import register
 
 _new_object = object.__new__
 _H, _AG = Tensor.__dict__["_h"], Tensor.__dict__["_ag"]  # the slots a View's properties stand in front of

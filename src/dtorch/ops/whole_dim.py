@@ -15,7 +15,8 @@ from ..placement import Partial, Replicate, Shard
 from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from .reduce import _dims, _input, _keeps, _named, _splits, _unpartial, _with_index
-from .registry import OpPlan, dispatch, meta_call, spec_like
+from .dispatch import OpPlan, dispatch
+from .rules import meta_call, spec_like
 from .view import flatten, reshape
 
 # -- scans and softmax: the dim must be whole ---------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..autograd.kernel_entry import write_local
 from ..ops.pointwise import addcmul, maximum
 from ..runtime.kernels import kernel
 from .optimizer import Optimizer, check_hyperparameters, hyperparameter, scalar_dtype, zeros_state
@@ -121,8 +122,7 @@ def _same_layout(*ts) -> bool:
 
 
 def _write(kern, target, inputs, **kw) -> None:
-    rt = target._graph.runtime
-    target._written(rt.write(kern, target._h, target._spec, [t._h for t in inputs], [t._spec for t in inputs], kw))
+    write_local(f"optim.{kern.name}", kern, target, inputs, kw)
 
 
 def _fused_update(p, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, decoupled_decay) -> None:
