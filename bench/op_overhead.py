@@ -17,7 +17,7 @@ import torch
 
 import dtorch
 from dtorch import Replicate, Shard
-from dtorch.ops import registry
+from dtorch.ops import dispatch as op_dispatch
 
 
 def _calls_for(fn, min_time: float) -> int:
@@ -111,14 +111,14 @@ def main(argv=None):
                 print(f"{name:34} {n_dev:7d} {per_call_us(torch_fn, min_time):9.2f} {'n/a':>10}")
                 continue
             fn()  # first call plans; the timed calls must not
-            miss0 = registry.stats["plan_misses"]
+            miss0 = op_dispatch.stats["plan_misses"]
             base, ours = paired_us(torch_fn, fn, min_time)
             pt = None if args.no_pytorch_dtensor else pytorch_dtensor_us(n_dev, make_case, min_time)
             pt_s = f"{pt:14.1f} {pt / ours:9.1f}" if pt else f"{'n/a':>14} {'':>9}"
             print(f"{name:34} {n_dev:7d} {base:9.2f} {ours:10.2f} {ours / base:8.2f} {pt_s}")
-            new_misses = registry.stats["plan_misses"] - miss0
+            new_misses = op_dispatch.stats["plan_misses"] - miss0
             assert new_misses == 0, f"steady state re-planned {new_misses} times"
-    print(f"\nplans made: {registry.stats['plan_misses']}; cached plans: {len(registry._PLANS)}")
+    print(f"\nplans made: {op_dispatch.stats['plan_misses']}; cached plans: {len(op_dispatch._PLANS)}")
 
 
 def _add_case(dist, a, b):

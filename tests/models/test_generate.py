@@ -18,7 +18,7 @@ from dtorch.models.generation import GenerationError
 from dtorch.ops.sampling import _next_token_kernel
 from dtorch.models.kv_cache import KVCache, KVCacheError
 from dtorch.models.llama import LlamaForCausalLM
-from dtorch.ops import registry
+from dtorch.ops import dispatch as op_dispatch
 from tests.llama_models import hf_model, make_config
 
 RTOL = ATOL = 1e-4
@@ -250,7 +250,7 @@ def test_decode_step_reuses_its_plans():
 
     class Recorder:
         def put(self, value):
-            misses.append(registry.stats["plan_misses"])
+            misses.append(op_dispatch.stats["plan_misses"])
 
         def end(self):
             pass

@@ -11,7 +11,7 @@ import torch
 import dtorch
 from dtorch import OpError, Replicate, Shard
 from dtorch._lru import LRU, all_caches
-from dtorch.ops import registry
+from dtorch.ops import dispatch as op_dispatch
 
 MESH = dtorch.init_device_mesh("cpu", (3,), mesh_dim_names=["a"])
 
@@ -71,13 +71,13 @@ def test_scalar_values_are_kernel_arguments_not_plan_keys():
     ]
     for dt_fn, torch_fn in spellings:
         dt_fn(x, 0.5)  # plans once
-        misses, plans = registry.stats["plan_misses"], len(registry._PLANS)
+        misses, plans = op_dispatch.stats["plan_misses"], len(op_dispatch._PLANS)
         for k in range(1000):
             c = k / 7
             out = dt_fn(x, c)
             if k % 97 == 0:  # the value reaches the kernel
                 torch.testing.assert_close(out.to_torch(), torch_fn(full, c))
-        assert registry.stats["plan_misses"] == misses and len(registry._PLANS) == plans
+        assert op_dispatch.stats["plan_misses"] == misses and len(op_dispatch._PLANS) == plans
     # the scalar's type is part of the plan: int and float operands give torch's dtypes
     ints = dtorch.Tensor(_ints((7, 4)), device_mesh=MESH, placements=[Shard(0)])
     for c in (3, 2.5, True):
@@ -156,7 +156,7 @@ def test_decode_loop_keeps_caches_bounded_and_memory_flat(monkeypatch):
         row = dtorch.Tensor(row_full, device_mesh=mesh, placements=[Shard(1)])
     kv = row
     runtime = kv.graph.runtime
-    small = [registry._PLANS, runtime._exec_cache]
+    small = [op_dispatch._PLANS, runtime._exec_cache]
     for cache in small:
         cache.clear()
         monkeypatch.setattr(cache, "maxsize", 64)
@@ -169,7 +169,7 @@ def test_decode_loop_keeps_caches_bounded_and_memory_flat(monkeypatch):
         return tracemalloc.get_traced_memory()[0]
 
     marks = {}
-    misses = registry.stats["plan_misses"]
+    misses = op_dispatch.stats["plan_misses"]
     try:
         for step in range(2000):
             if step == 900:  # (traced from here on: what the second half keeps is what counts)
@@ -184,6 +184,6 @@ def test_decode_loop_keeps_caches_bounded_and_memory_flat(monkeypatch):
     ref_kv = row_full.expand(2001, 8)
     torch.testing.assert_close(out.to_torch(), (ref_kv * 0.5).sum(0))
     assert tuple(kv.shape) == (2001, 8)
-    assert registry.stats["plan_misses"] - misses >= 2000 * 3  # every step planned: the bounds were exercised
+    assert op_dispatch.stats["plan_misses"] - misses >= 2000 * 3  # every step planned: the bounds were exercised
     # the second thousand steps left nothing behind (a few KB of slack for interpreter noise)
     assert marks[1999] - marks[999] < 64 * 1024, marks

@@ -1,4 +1,4 @@
-"""Output specs without torch's Python meta kernels (registry.meta_call with a known output shape).
+"""Output specs without torch's Python meta kernels (rules.meta_call with a known output shape).
 
 The first call of most of torch's meta kernels imports torch._dynamo and sympy (seconds); element-wise
 ops, reductions, scans and matmul-like ops get their output shapes from their own shape rule and their

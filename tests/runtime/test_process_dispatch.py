@@ -9,7 +9,7 @@ import torch
 
 import dtorch
 from dtorch import DeviceMesh, Shard
-from dtorch.ops import registry
+from dtorch.ops import dispatch as op_dispatch
 
 from .conftest import using
 
@@ -21,9 +21,9 @@ def test_scalar_values_reach_the_workers_without_new_plans(proc):
     with using(proc):
         x = dtorch.Tensor(full, device_mesh=MESH, placements=[Shard(0)])
         x * 0.5
-        misses, executables = registry.stats["plan_misses"], len(proc.runtime._executables)
+        misses, executables = op_dispatch.stats["plan_misses"], len(proc.runtime._executables)
         outs = [(c, x * c, 1.0 - x * c) for c in (k / 3 for k in range(50))]
-        assert registry.stats["plan_misses"] == misses + 1  # ``1.0 - y``: one more plan, whatever c was
+        assert op_dispatch.stats["plan_misses"] == misses + 1  # ``1.0 - y``: one more plan, whatever c was
         assert len(proc.runtime._executables) == executables  # same kernel and specs: the same executable
         for c, y, z in outs:
             torch.testing.assert_close(y.to_torch(), full * c)
