@@ -27,7 +27,7 @@ from .._lru import LRU
 from ..errors import DTorchError, OpError
 from ..graph import check_one_graph
 from ..placement import Replicate
-from ..autograd.dispatched import differentiable, record_kernel
+from ..autograd.dispatched import differentiable, record_kernel, refetch_positions
 from ..autograd.mode import is_grad_enabled as _grad_enabled
 from ..autograd.torch_leaves import torch_leaf
 from ..redistribute import relayout
@@ -211,7 +211,11 @@ def _recorded(name, c: "_Compiled", ex, graph, tensors, handles, kwargs):
     tape = None
     try:
         diff = differentiable(tensors, plan.in_specs)
-        tracked = ex.run_tracked(handles, kwargs, c.device_args, diff) if any(diff) else None
+        tracked = None
+        if any(diff):
+            refetch = refetch_positions(plan.kernel, tensors, handles)
+            tracked = (ex.run_tracked(handles, kwargs, c.device_args, diff, refetch) if refetch
+                       else ex.run_tracked(handles, kwargs, c.device_args, diff))
         if tracked is not None:
             outs, tape = tracked
         else:

@@ -34,7 +34,7 @@ from .grids import grid_gather as _grid_gather, grid_slice as _grid_slice, to_pa
 from .devices import DeviceConfig, read_device_config, torch_devices
 from .interface import Executable, Runtime
 from .kernels import Kernel, as_terms, broadcast_pair, broadcast_shape, varying
-from .tapes import RELEASE_NUMEL, as_views as _as_views, drop_values as _drop_values, saved_tensors as _saved_tensors
+from .tapes import RELEASE_NUMEL, Refetch, as_views as _as_views, drop_values as _drop_values, saved_tensors as _saved_tensors
 
 
 class Shards:
@@ -462,21 +462,26 @@ class _Executable(Executable):
 
 
     # -- autograd: the local computation's torch graph kept from the forward (no recomputation) --------
-    def run_tracked(self, handles, kwargs, device_args, diff):
+    def run_tracked(self, handles, kwargs, device_args, diff, refetch=()):
         """Run with torch's autograd recording the grid computation of the ``diff`` inputs; (output handles,
         tape) or None when this executable runs device by device.
 
         The tape holds the graph, not the values: a big input reaches the kernel as a view of its leaf, and
         the leaf and the big outputs drop their values after the run, so what stays alive is what torch's
-        graph saved (as torch keeps it). The tape's ``released`` names the inputs nothing of it holds now."""
+        graph saved (as torch keeps it). The tape's ``released`` names the inputs nothing of it holds now.
+        ``refetch``: input positions the caller makes again for the backward (``vjp_tracked``'s ``refetched``):
+        the graph saves where they lie instead of them (``tapes.Refetch``)."""
         if not self.grid:
             return None
         leaves = []
+        refetched_leaves = []
 
         def leaf(i, x):
             if diff[i]:
                 x = x.detach().requires_grad_()
                 leaves.append(x)
+                if i in refetch:
+                    refetched_leaves.append(x)
             return x
 
         with torch.enable_grad():
@@ -484,7 +489,14 @@ class _Executable(Executable):
             views = _as_views(xs)
             kwargs = {k: varying(v) if isinstance(v, torch.Tensor) and v.ndim == self.nd else v
                       for k, v in kwargs.items()}
-            out = self.kernel.fn(*xs, **kwargs)
+            hooks = None
+            if refetch:
+                hooks = Refetch(xs, refetch)
+                with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+                    out = self.kernel.fn(*xs, **kwargs)
+                hooks.done_packing()
+            else:
+                out = self.kernel.fn(*xs, **kwargs)
         outs = out if isinstance(out, tuple) else (out,)
         res = [Shards(grid=self._fit(y.detach(), g, local, self.kernel.name)[0]) for y, (g, local) in zip(outs, self.out_fix)]
         grid = broadcast_shape([x.shape[: self.nd] for x in leaves + xs] + [
@@ -495,13 +507,14 @@ class _Executable(Executable):
                         tuple(y.untyped_storage().data_ptr() for y in outs))
         del xs, out
         for t in leaves:
-            if t.numel() >= RELEASE_NUMEL:
+            if t.numel() >= RELEASE_NUMEL or any(t is r for r in refetched_leaves):
                 _drop_values(t)
+        del refetched_leaves
         for y in outs:
             if y.grad_fn is not None and y.numel() >= RELEASE_NUMEL:
                 _drop_values(y)
         released = tuple(i for i, ref in views if ref() is None)
-        return res, _Tape(leaves, outs, grid, released, measured)
+        return res, _Tape(leaves, outs, grid, released, measured, hooks)
 
     def tape_released(self, tape) -> tuple:
         return tape.released
@@ -530,20 +543,34 @@ class _Executable(Executable):
         cells = int(np.prod(tape.grid)) if tape.grid else 1
         return sum(extra.values()) // max(cells, 1)
 
-    def vjp_tracked(self, tape, cotangents, ct_specs, has_ct, grad_specs) -> list:
-        """The gradients of the tracked inputs (laid out as ``grad_specs``) for the outputs' cotangents."""
+    def vjp_tracked(self, tape, cotangents, ct_specs, has_ct, grad_specs, refetched=None) -> list:
+        """The gradients of the tracked inputs (laid out as ``grad_specs``) for the outputs' cotangents;
+        ``refetched``: {input position: handle} of the inputs ``run_tracked`` was told are made again."""
         leaves, outs, grid = tape.leaves, tape.outs, tape.grid
         rt = self.runtime()
         cts = [h.grid if h.grid is not None else rt.as_grid(h, s) for h, s in zip(cotangents, ct_specs)]
         grid = broadcast_shape([grid] + [c.shape[: self.nd] for c in cts])
-        with torch.enable_grad():  # (the expand of an output to its cotangent's grid is part of the graph)
-            pairs = [broadcast_pair(y, c) for y, c in zip([y for y, h in zip(outs, has_ct) if h], cts)
-                     if y.requires_grad]
-            # retain_graph: the tape may be differentiated again (backward(retain_graph=True) twice); its
-            # saved tensors are freed with the tape itself, when the op's node releases it
-            grads = (torch.autograd.grad([y for y, _ in pairs], leaves, [c for _, c in pairs], allow_unused=True,
-                                         retain_graph=True)
-                     if pairs else [None] * len(leaves))
+        hooks = tape.hooks
+        if hooks is not None:
+            values = {}
+            for i, h in refetched.items():
+                x = h.grid if h.grid is not None else rt.as_grid(h, self.in_specs[i])
+                if self.in_reshape is not None and self.in_reshape[i] is not None:
+                    x = x.reshape(self.in_reshape[i])
+                values[i] = x
+            hooks.values = values
+        try:
+            with torch.enable_grad():  # (the expand of an output to its cotangent's grid is part of the graph)
+                pairs = [broadcast_pair(y, c) for y, c in zip([y for y, h in zip(outs, has_ct) if h], cts)
+                         if y.requires_grad]
+                # retain_graph: the tape may be differentiated again (backward(retain_graph=True) twice); its
+                # saved tensors are freed with the tape itself, when the op's node releases it
+                grads = (torch.autograd.grad([y for y, _ in pairs], leaves, [c for _, c in pairs],
+                                             allow_unused=True, retain_graph=True)
+                         if pairs else [None] * len(leaves))
+        finally:
+            if hooks is not None:
+                hooks.values = None  # (the inputs made again go with this call)
         res = []
         for x, g, spec in zip(leaves, grads, grad_specs):
             # summed over devices where the layout keeps terms apart: Partial terms; where it is Replicate
@@ -560,10 +587,11 @@ class _Tape:
     grid it spans, the input positions nothing of it holds (``released``), and, while the memory is measured,
     (the storages of its inputs, those of its outputs)."""
 
-    __slots__ = ("leaves", "outs", "grid", "released", "measured")
+    __slots__ = ("leaves", "outs", "grid", "released", "measured", "hooks")
 
-    def __init__(self, leaves, outs, grid, released, measured):
+    def __init__(self, leaves, outs, grid, released, measured, hooks=None):
         self.leaves, self.outs, self.grid, self.released, self.measured = leaves, outs, grid, released, measured
+        self.hooks = hooks  # tapes.Refetch: the inputs made again for the backward
 
 
 _new_shards = object.__new__

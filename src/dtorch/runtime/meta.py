@@ -33,7 +33,7 @@ from .blocks import reduce_dim
 from .cow import private_copy, writable
 from .grids import global_to_grid, grid_gather, grid_slice, to_partial_grid
 from .kernels import Kernel, broadcast_shape, varying
-from .tapes import RELEASE_NUMEL, as_views, drop_values, saved_tensors
+from .tapes import RELEASE_NUMEL, Refetch, as_views, drop_values, saved_tensors
 
 
 class _Storage:
@@ -312,26 +312,35 @@ class _MetaExecutable(Executable):
         except Exception:  # noqa: BLE001  (a kernel meta tensors cannot run: its shapes depend on values)
             return [_handle(s) for s in self.out_specs]
 
-    def run_tracked(self, handles, kwargs, device_args, diff):
+    def run_tracked(self, handles, kwargs, device_args, diff, refetch=()):
         """The in-process backend's ``run_tracked`` on meta grids: the same graph, so the same inputs released,
-        the same outputs and bytes saved (``runtime/tapes.py``)."""
+        the same outputs and bytes saved (``runtime/tapes.py``), the ``refetch`` inputs saved as places."""
         if not self.grid:
             return None
         if self.rt.on_kernel is not None:
             self._report("forward", kwargs, device_args)
         leaves = []
+        refetched_leaves = []
 
         def leaf(i, x):
             if diff[i]:
                 x = x.detach().requires_grad_()
                 leaves.append(x)
+                if i in refetch:
+                    refetched_leaves.append(x)
             return x
 
         try:
             with torch.enable_grad(), _AttentionAsOnCpu():
                 xs, kw = self._inputs(handles, kwargs, device_args, leaf, vary=True)
                 views = as_views(xs)
-                out = self.kernel.fn(*xs, **kw)
+                if refetch:
+                    hooks = Refetch(xs, refetch)
+                    with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+                        out = self.kernel.fn(*xs, **kw)
+                    hooks.done_packing()
+                else:
+                    out = self.kernel.fn(*xs, **kw)
         except Exception:  # noqa: BLE001  (as in run: the backward then recomputes, keeping the inputs)
             return None
         outs = out if isinstance(out, tuple) else (out,)
@@ -344,15 +353,16 @@ class _MetaExecutable(Executable):
             measured = ({_storage(t) for t in xs}, tuple(_storage(y) for y in outs))
         del xs, out
         for t in leaves:
-            if t.numel() >= RELEASE_NUMEL:
+            if t.numel() >= RELEASE_NUMEL or any(t is r for r in refetched_leaves):
                 drop_values(t)
+        del refetched_leaves
         for y in outs:
             if y.grad_fn is not None and y.numel() >= RELEASE_NUMEL:
                 drop_values(y)
         released = tuple(i for i, ref in views if ref() is None)
         return res, _MetaTape(leaves, outs, grid, released, measured)
 
-    def vjp_tracked(self, tape, cotangents, ct_specs, has_ct, grad_specs) -> list:
+    def vjp_tracked(self, tape, cotangents, ct_specs, has_ct, grad_specs, refetched=None) -> list:
         if self.rt.on_kernel is not None:
             self._report("backward", {}, None, tuple(has_ct))
         return [_handle(s) for s in grad_specs]
