@@ -27,6 +27,7 @@ import torch
 from .._lru import LRU
 from ..errors import RuntimeBackendError
 from ..spec import DTensorSpec, move_transfers
+from .box import box_plan
 from .blocks import assemble, cut_global, cut_shard, dim_groups, reduce_dim, reduce_list
 from .cow import private_copy, writable
 from .grids import global_to_grid, grid_to_global
@@ -48,6 +49,17 @@ class Shards:
         if self.grid is not None:
             return f"Shards(grid={tuple(self.grid.shape)})"
         return f"Shards(blocks={[tuple(b.shape) for b in self.blocks]})"
+
+
+class BoxShards(Shards):
+    """A blocks-form handle made by a run on a box of busy devices (runtime/box.py): the blocks, and the box grid
+    they are views of (``boxed``, for the box ``key``), which the next run on that box takes as it is."""
+
+    __slots__ = ("key", "boxed")
+
+    def __init__(self, blocks: list, key: tuple, boxed: torch.Tensor):
+        super().__init__(blocks=blocks)
+        self.key, self.boxed = key, boxed
 
 
 # ------------------------------------------------------------------------------------------------
@@ -349,7 +361,10 @@ class _Executable(Executable):
         self.nd = mesh.ndim
         self.grid_dev = rt.grid_device(mesh)
         self.grid = self.grid_dev is not None and all(s.is_even() for s in in_specs + out_specs)
-        self.sums_over_devices = self.grid
+        # uneven with idle devices (empty blocks): one run on the busy devices' box (runtime/box.py)
+        self.box = box_plan(mesh, in_specs, out_specs, kernel.name) if not self.grid and self.grid_dev is not None \
+            else None
+        self.sums_over_devices = self.grid or self.box is not None
         self.wants_lead = "lead" in inspect.signature(kernel.fn).parameters
         self.coords = mesh.coordinates()
         self.in_reshape = None
@@ -361,6 +376,8 @@ class _Executable(Executable):
             ]
             if all(r is None for r in self.in_reshape):
                 self.in_reshape = None
+        # (box runs) outputs whose spec is even are stored as a grid, the others as blocks
+        self.use_grid_out = [rt.use_grid(s) for s in out_specs]
         # each output's expected (grid shape, local shape)
         self.out_fix = [(s.grid_shape(), s.even_local_shape()) for s in out_specs] if self.grid else None
 
@@ -447,19 +464,68 @@ class _Executable(Executable):
             if self.exact and self.in_reshape is None and len(outs) == len(self.out_specs):
                 self.direct = True
             return res
+        if self.box is not None:
+            return self._run_box(handles, kwargs, device_args)
         # one call per device
-        per_dev = []
         blocks_in = [rt.local_blocks(h, s) for h, s in zip(handles, self.in_specs)]
-        for n, coord in enumerate(self.coords):
-            kw = kwargs
-            if device_args:
-                kw = dict(kw, **{k: np.asarray(v)[coord].item() for k, v in device_args.items()})
-            if self.wants_lead:
-                kw = dict(kw, lead=0)
-            out = kernel.fn(*[b[n] for b in blocks_in], **kw)
-            per_dev.append(out if isinstance(out, tuple) else (out,))
+        per_dev = [self._run_on_device(n, blocks_in, kwargs, device_args) for n in range(len(self.coords))]
         return [rt._make(s, blocks=[d[j] for d in per_dev]) for j, s in enumerate(self.out_specs)]
 
+
+    def _run_on_device(self, n, blocks_in, kwargs, device_args):
+        kw = kwargs
+        if device_args:
+            kw = dict(kw, **{k: np.asarray(v)[self.coords[n]].item() for k, v in device_args.items()})
+        if self.wants_lead:
+            kw = dict(kw, lead=0)
+        out = self.kernel.fn(*[b[n] for b in blocks_in], **kw)
+        return out if isinstance(out, tuple) else (out,)
+
+    def _run_box(self, handles, kwargs, device_args):
+        """One run on the busy devices' box; idle devices get their outputs by the box plan's rules."""
+        rt = self.runtime()
+        box = self.box
+        xs = []
+        for h, spec, g in zip(handles, self.in_specs, box.in_grids):
+            if type(h) is BoxShards and h.key == box.key(g):
+                xs.append(h.boxed)
+            elif h.grid is not None:
+                xs.append(box.narrow(h.grid, g))
+            else:
+                xs.append(box.stack(h.blocks, spec, g))
+        if self.kernel.align:
+            r = max(len(s.shape) for s in self.in_specs)
+            xs = [x if len(s.shape) == r else x.reshape(tuple(g) + (1,) * (r - len(s.shape)) + tuple(x.shape[self.nd:]))
+                  for x, s, g in zip(xs, self.in_specs, box.in_grids)]
+        kw = kwargs
+        if device_args:
+            kw = dict(kw, **box.device_args(device_args, self.grid_dev))
+        if self.wants_lead:
+            kw = dict(kw, lead=self.nd)
+        out = self.kernel.fn(*xs, **kw)
+        del xs
+        outs = [self._fit(y, g, local, self.kernel.name)[0]
+                for y, g, local in zip(out if isinstance(out, tuple) else (out,), box.out_grids, box.local_out)]
+        n_fwd = len(kwargs["vjp"][0]) if box.vjp else None
+        blocks = [[None] * len(self.coords) for _ in outs]
+        ran, blocks_in = {}, None
+        for n in range(len(self.coords)):
+            rules = None if box.busy[n] else box.rules_for(n, n_fwd)
+            for j, (y, g) in enumerate(zip(outs, box.out_grids)):
+                rule = "project" if rules is None else rules[j]
+                if rule == "project":
+                    blocks[j][n] = y[box.index(n, g)]
+                elif rule == "empty" or rule == "zeros":
+                    shape = self.out_specs[j].local_shape(self.coords[n])
+                    blocks[j][n] = (y.new_empty if rule == "empty" else y.new_zeros)(shape)
+                else:
+                    if blocks_in is None:
+                        blocks_in = [rt.local_blocks(h, s) for h, s in zip(handles, self.in_specs)]
+                    if n not in ran:
+                        ran[n] = self._run_on_device(n, blocks_in, kwargs, device_args)
+                    blocks[j][n] = ran[n][j]
+        return [BoxShards(b, box.key(g), y) if not self.use_grid_out[j] else rt._make(self.out_specs[j], blocks=b)
+                for j, (b, g, y) in enumerate(zip(blocks, box.out_grids, outs))]
 
     # -- autograd: the local computation's torch graph kept from the forward (no recomputation) --------
     def run_tracked(self, handles, kwargs, device_args, diff, refetch=()):
