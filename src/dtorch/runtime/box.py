@@ -36,7 +36,7 @@ class BoxPlan:
     spec's grid shape on it, and each idle device's rule per output (module docstring)."""
 
     __slots__ = ("lo", "shape", "key_of", "in_grids", "out_grids", "local_out", "busy", "idle", "rules",
-                 "coords", "vjp", "in_specs", "out_specs", "mesh", "_zero_rules")
+                 "coords", "vjp", "in_specs", "out_specs", "mesh", "_zero_rules", "trackable")
 
     def __init__(self, mesh, in_specs, out_specs, kernel_name: str, lo, shape, busy):
         self.mesh, self.in_specs, self.out_specs = mesh, in_specs, out_specs
@@ -61,6 +61,9 @@ class BoxPlan:
                     rules.append("run")
             self.rules[n] = rules
         self._zero_rules = {}
+        # every output is empty on every idle device: a kept local graph of the box is the whole computation
+        # (the cotangents there are empty too, so the idle devices' gradient terms are zeros)
+        self.trackable = all(r == "empty" for rules in self.rules.values() for r in rules)
 
     def grid_shape(self, spec: DTensorSpec) -> tuple:
         return tuple(self.shape[m] if g > 1 else 1 for m, g in enumerate(spec.grid_shape()))
@@ -86,6 +89,13 @@ class BoxPlan:
             cts_empty = all(_numel(s.local_shape(c)) == 0 for s in self.in_specs[n_forward_inputs:])
             out = self._zero_rules[key] = [("zeros" if cts_empty else "run") if r == "run" else r for r in rules]
         return out
+
+    def idle_grad_rule(self, n: int, spec: DTensorSpec) -> str:
+        """What idle device ``n`` holds of a gradient laid out ``spec`` from a kept box graph: the busy
+        devices' value where it is replicated off the box, else nothing (empty) or a zero term."""
+        if all(g == 1 for g, m, n_m in zip(spec.grid_shape(), self.shape, self.mesh.shape) if m < n_m):
+            return "project"
+        return "empty" if _numel(spec.local_shape(self.coords[n])) == 0 else "zeros"
 
     def stack(self, blocks: list, spec: DTensorSpec, grid_shape) -> torch.Tensor:
         """The box grid of a blocks-form input (replicas taken once)."""

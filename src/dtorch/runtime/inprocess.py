@@ -481,31 +481,47 @@ class _Executable(Executable):
         out = self.kernel.fn(*[b[n] for b in blocks_in], **kw)
         return out if isinstance(out, tuple) else (out,)
 
+    def _box_grid(self, h, spec, g=None):
+        """Handle ``h`` (of ``spec``) as a grid of the box (its grid shape ``g``)."""
+        box = self.box
+        g = box.grid_shape(spec) if g is None else g
+        if type(h) is BoxShards and h.key == box.key(g):
+            return h.boxed
+        if h.grid is not None:
+            return box.narrow(h.grid, g)
+        return box.stack(h.blocks, spec, g)
+
+    def _box_align(self, i, x):
+        """Input ``i``'s box grid as an aligned kernel takes it (local rank padded)."""
+        if not self.kernel.align:
+            return x
+        r = max(len(s.shape) for s in self.in_specs)
+        n = len(self.in_specs[i].shape)
+        return x if n == r else x.reshape(tuple(x.shape[: self.nd]) + (1,) * (r - n) + tuple(x.shape[self.nd:]))
+
+    def _box_inputs(self, handles, kwargs, device_args, leaf=None):
+        box = self.box
+        xs = [self._box_grid(h, s, g) for h, s, g in zip(handles, self.in_specs, box.in_grids)]
+        if leaf is not None:
+            xs = [leaf(i, x) for i, x in enumerate(xs)]
+        xs = [self._box_align(i, x) for i, x in enumerate(xs)]
+        if device_args:
+            kwargs = dict(kwargs, **box.device_args(device_args, self.grid_dev))
+        if self.wants_lead:
+            kwargs = dict(kwargs, lead=self.nd)
+        return xs, kwargs
+
     def _run_box(self, handles, kwargs, device_args):
         """One run on the busy devices' box; idle devices get their outputs by the box plan's rules."""
-        rt = self.runtime()
-        box = self.box
-        xs = []
-        for h, spec, g in zip(handles, self.in_specs, box.in_grids):
-            if type(h) is BoxShards and h.key == box.key(g):
-                xs.append(h.boxed)
-            elif h.grid is not None:
-                xs.append(box.narrow(h.grid, g))
-            else:
-                xs.append(box.stack(h.blocks, spec, g))
-        if self.kernel.align:
-            r = max(len(s.shape) for s in self.in_specs)
-            xs = [x if len(s.shape) == r else x.reshape(tuple(g) + (1,) * (r - len(s.shape)) + tuple(x.shape[self.nd:]))
-                  for x, s, g in zip(xs, self.in_specs, box.in_grids)]
-        kw = kwargs
-        if device_args:
-            kw = dict(kw, **box.device_args(device_args, self.grid_dev))
-        if self.wants_lead:
-            kw = dict(kw, lead=self.nd)
+        xs, kw = self._box_inputs(handles, kwargs, device_args)
         out = self.kernel.fn(*xs, **kw)
         del xs
-        outs = [self._fit(y, g, local, self.kernel.name)[0]
-                for y, g, local in zip(out if isinstance(out, tuple) else (out,), box.out_grids, box.local_out)]
+        return self._box_outputs(out if isinstance(out, tuple) else (out,), handles, kwargs, device_args)
+
+    def _box_outputs(self, outs, handles, kwargs, device_args):
+        rt = self.runtime()
+        box = self.box
+        outs = [self._fit(y, g, local, self.kernel.name)[0] for y, g, local in zip(outs, box.out_grids, box.local_out)]
         n_fwd = len(kwargs["vjp"][0]) if box.vjp else None
         blocks = [[None] * len(self.coords) for _ in outs]
         ran, blocks_in = {}, None
@@ -537,7 +553,8 @@ class _Executable(Executable):
         graph saved (as torch keeps it). The tape's ``released`` names the inputs nothing of it holds now.
         ``refetch``: input positions the caller makes again for the backward (``vjp_tracked``'s ``refetched``):
         the graph saves where they lie instead of them (``tapes.Refetch``)."""
-        if not self.grid:
+        box = self.box
+        if not self.grid and (box is None or not box.trackable):
             return None
         leaves = []
         refetched_leaves = []
@@ -551,7 +568,10 @@ class _Executable(Executable):
             return x
 
         with torch.enable_grad():
-            xs, kwargs = self._grid_inputs(handles, kwargs, device_args, leaf)
+            if box is None:
+                xs, kwargs = self._grid_inputs(handles, kwargs, device_args, leaf)
+            else:
+                xs, kwargs = self._box_inputs(handles, kwargs, device_args, leaf)
             views = _as_views(xs)
             kwargs = {k: varying(v) if isinstance(v, torch.Tensor) and v.ndim == self.nd else v
                       for k, v in kwargs.items()}
@@ -564,7 +584,11 @@ class _Executable(Executable):
             else:
                 out = self.kernel.fn(*xs, **kwargs)
         outs = out if isinstance(out, tuple) else (out,)
-        res = [Shards(grid=self._fit(y.detach(), g, local, self.kernel.name)[0]) for y, (g, local) in zip(outs, self.out_fix)]
+        if box is None:
+            res = [Shards(grid=self._fit(y.detach(), g, local, self.kernel.name)[0])
+                   for y, (g, local) in zip(outs, self.out_fix)]
+        else:
+            res = self._box_outputs([y.detach() for y in outs], handles, None, None)
         grid = broadcast_shape([x.shape[: self.nd] for x in leaves + xs] + [
             v.shape for v in kwargs.values() if isinstance(v, torch.Tensor) and v.ndim == self.nd])
         measured = None
@@ -614,12 +638,19 @@ class _Executable(Executable):
         ``refetched``: {input position: handle} of the inputs ``run_tracked`` was told are made again."""
         leaves, outs, grid = tape.leaves, tape.outs, tape.grid
         rt = self.runtime()
-        cts = [h.grid if h.grid is not None else rt.as_grid(h, s) for h, s in zip(cotangents, ct_specs)]
+        box = self.box
+        if box is None:
+            cts = [h.grid if h.grid is not None else rt.as_grid(h, s) for h, s in zip(cotangents, ct_specs)]
+        else:
+            cts = [self._box_grid(h, s) for h, s in zip(cotangents, ct_specs)]
         grid = broadcast_shape([grid] + [c.shape[: self.nd] for c in cts])
         hooks = tape.hooks
         if hooks is not None:
             values = {}
             for i, h in refetched.items():
+                if box is not None:
+                    values[i] = self._box_align(i, self._box_grid(h, self.in_specs[i]))
+                    continue
                 x = h.grid if h.grid is not None else rt.as_grid(h, self.in_specs[i])
                 if self.in_reshape is not None and self.in_reshape[i] is not None:
                     x = x.reshape(self.in_reshape[i])
@@ -641,11 +672,30 @@ class _Executable(Executable):
         for x, g, spec in zip(leaves, grads, grad_specs):
             # summed over devices where the layout keeps terms apart: Partial terms; where it is Replicate
             # (the caller folded the reduction of a parameter's gradient into the GEMM), the sum is the value
-            target = spec.grid_shape()
+            target = spec.grid_shape() if box is None else box.grid_shape(spec)
             g = as_terms(torch.zeros_like(x) if g is None else g, tuple(n if t > 1 else 1 for n, t in zip(grid, target)),
                          self.nd)
-            res.append(Shards(grid=self._fit(g, target, spec.even_local_shape(), "vjp")[0]))
+            if box is None:
+                res.append(Shards(grid=self._fit(g, target, spec.even_local_shape(), "vjp")[0]))
+            else:
+                res.append(self._box_gradient(g, spec, target))
         return res
+
+    def _box_gradient(self, g, spec, target):
+        """A gradient of a kept box graph laid out over the whole mesh (idle devices: ``idle_grad_rule``)."""
+        box = self.box
+        busy_local = spec.local_shape(box.coords[box.busy.index(True)])
+        g = self._fit(g, target, busy_local, "vjp")[0]
+        blocks = []
+        for n, coord in enumerate(box.coords):
+            rule = "project" if box.busy[n] else box.idle_grad_rule(n, spec)
+            if rule == "project":
+                blocks.append(g[box.index(n, target)])
+            else:
+                blocks.append((g.new_empty if rule == "empty" else g.new_zeros)(spec.local_shape(coord)))
+        if self.runtime().use_grid(spec):
+            return self.runtime()._make(spec, blocks=blocks)
+        return BoxShards(blocks, box.key(target), g)
 
 
 class _Tape:
