@@ -36,12 +36,14 @@ class BoxPlan:
     spec's grid shape on it, and each idle device's rule per output (module docstring)."""
 
     __slots__ = ("lo", "shape", "key_of", "in_grids", "out_grids", "local_out", "busy", "idle", "rules",
-                 "coords", "vjp", "in_specs", "out_specs", "mesh", "_zero_rules", "trackable")
+                 "coords", "vjp", "in_specs", "out_specs", "mesh", "_zero_rules", "trackable", "_grids",
+                 "_layouts")
 
     def __init__(self, mesh, in_specs, out_specs, kernel_name: str, lo, shape, busy):
         self.mesh, self.in_specs, self.out_specs = mesh, in_specs, out_specs
         self.lo, self.shape = lo, shape
         self.coords = mesh.coordinates()
+        self._grids, self._layouts = {}, {}  # caches: spec -> box grid shape; layouts of outputs and gradients
         self.busy = busy  # per device (mesh order): in the box
         self.idle = [n for n, b in enumerate(busy) if not b]
         self.in_grids = [self.grid_shape(s) for s in in_specs]
@@ -66,7 +68,10 @@ class BoxPlan:
         self.trackable = all(r == "empty" for rules in self.rules.values() for r in rules)
 
     def grid_shape(self, spec: DTensorSpec) -> tuple:
-        return tuple(self.shape[m] if g > 1 else 1 for m, g in enumerate(spec.grid_shape()))
+        g = self._grids.get(spec)
+        if g is None:
+            g = self._grids[spec] = tuple(self.shape[m] if g > 1 else 1 for m, g in enumerate(spec.grid_shape()))
+        return g
 
     def key(self, grid_shape) -> tuple:
         return (self.lo, self.shape, grid_shape)
@@ -89,6 +94,40 @@ class BoxPlan:
             cts_empty = all(_numel(s.local_shape(c)) == 0 for s in self.in_specs[n_forward_inputs:])
             out = self._zero_rules[key] = [("zeros" if cts_empty else "run") if r == "run" else r for r in rules]
         return out
+
+    def layout(self, spec: DTensorSpec, rules) -> tuple:
+        """Per device, how its block of an output laid out ``spec`` comes from the box grid: ("view", index in
+        the box grid), ("empty" | "zeros", local shape) or ("run", None); ``rules(n)``: idle device n's rule."""
+        g = self.grid_shape(spec)
+        out = []
+        for n in range(len(self.coords)):
+            rule = "project" if self.busy[n] else rules(n)
+            if rule == "project":
+                out.append(("view", self.index(n, g)))
+            elif rule == "run":
+                out.append(("run", None))
+            else:
+                out.append((rule, spec.local_shape(self.coords[n])))
+        return tuple(out)
+
+    def out_layout(self, j: int, n_forward_inputs: int | None) -> tuple:
+        key = ("out", j, n_forward_inputs)
+        lay = self._layouts.get(key)
+        if lay is None:
+            lay = self._layouts[key] = self.layout(self.out_specs[j],
+                                                   lambda n: self.rules_for(n, n_forward_inputs)[j])
+        return lay
+
+    def grad_layout(self, spec: DTensorSpec) -> tuple:
+        key = ("grad", spec)
+        lay = self._layouts.get(key)
+        if lay is None:
+            lay = self._layouts[key] = self.layout(spec, lambda n: self.idle_grad_rule(n, spec))
+        return lay
+
+    def whole(self, spec: DTensorSpec) -> bool:
+        """The box grid of ``spec`` is its whole-mesh grid (it is replicated on every dim the box leaves)."""
+        return self.grid_shape(spec) == spec.grid_shape()
 
     def idle_grad_rule(self, n: int, spec: DTensorSpec) -> str:
         """What idle device ``n`` holds of a gradient laid out ``spec`` from a kept box graph: the busy

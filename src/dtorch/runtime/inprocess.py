@@ -521,27 +521,33 @@ class _Executable(Executable):
     def _box_outputs(self, outs, handles, kwargs, device_args):
         rt = self.runtime()
         box = self.box
-        outs = [self._fit(y, g, local, self.kernel.name)[0] for y, g, local in zip(outs, box.out_grids, box.local_out)]
         n_fwd = len(kwargs["vjp"][0]) if box.vjp else None
-        blocks = [[None] * len(self.coords) for _ in outs]
+        res = []
         ran, blocks_in = {}, None
-        for n in range(len(self.coords)):
-            rules = None if box.busy[n] else box.rules_for(n, n_fwd)
-            for j, (y, g) in enumerate(zip(outs, box.out_grids)):
-                rule = "project" if rules is None else rules[j]
-                if rule == "project":
-                    blocks[j][n] = y[box.index(n, g)]
-                elif rule == "empty" or rule == "zeros":
-                    shape = self.out_specs[j].local_shape(self.coords[n])
-                    blocks[j][n] = (y.new_empty if rule == "empty" else y.new_zeros)(shape)
-                else:
+        for j, (y, g, local) in enumerate(zip(outs, box.out_grids, box.local_out)):
+            y = self._fit(y, g, local, self.kernel.name)[0]
+            spec = self.out_specs[j]
+            if self.use_grid_out[j] and box.whole(spec):
+                res.append(Shards(grid=y))
+                continue
+            blocks = []
+            made: dict = {}  # (replicas, and idle devices' empty blocks, share one tensor)
+            for n, (kind, arg) in enumerate(box.out_layout(j, n_fwd)):
+                if kind == "run":
                     if blocks_in is None:
                         blocks_in = [rt.local_blocks(h, s) for h, s in zip(handles, self.in_specs)]
                     if n not in ran:
                         ran[n] = self._run_on_device(n, blocks_in, kwargs, device_args)
-                    blocks[j][n] = ran[n][j]
-        return [BoxShards(b, box.key(g), y) if not self.use_grid_out[j] else rt._make(self.out_specs[j], blocks=b)
-                for j, (b, g, y) in enumerate(zip(blocks, box.out_grids, outs))]
+                    blocks.append(ran[n][j])
+                    continue
+                b = made.get((kind, arg))
+                if b is None:
+                    b = y[arg] if kind == "view" else (y.new_empty if kind == "empty" else y.new_zeros)(arg)
+                    if kind != "zeros":  # (zero terms are no replicas: each device's may be written on its own)
+                        made[(kind, arg)] = b
+                blocks.append(b)
+            res.append(rt._make(spec, blocks=blocks) if self.use_grid_out[j] else BoxShards(blocks, box.key(g), y))
+        return res
 
     # -- autograd: the local computation's torch graph kept from the forward (no recomputation) --------
     def run_tracked(self, handles, kwargs, device_args, diff, refetch=()):
@@ -684,18 +690,21 @@ class _Executable(Executable):
     def _box_gradient(self, g, spec, target):
         """A gradient of a kept box graph laid out over the whole mesh (idle devices: ``idle_grad_rule``)."""
         box = self.box
-        busy_local = spec.local_shape(box.coords[box.busy.index(True)])
-        g = self._fit(g, target, busy_local, "vjp")[0]
+        g = self._fit(g, target, spec.local_shape(box.coords[box.busy.index(True)]), "vjp")[0]
+        rt = self.runtime()
+        grid = rt.use_grid(spec)
+        if grid and box.whole(spec):
+            return Shards(grid=g)
+        made: dict = {}
         blocks = []
-        for n, coord in enumerate(box.coords):
-            rule = "project" if box.busy[n] else box.idle_grad_rule(n, spec)
-            if rule == "project":
-                blocks.append(g[box.index(n, target)])
-            else:
-                blocks.append((g.new_empty if rule == "empty" else g.new_zeros)(spec.local_shape(coord)))
-        if self.runtime().use_grid(spec):
-            return self.runtime()._make(spec, blocks=blocks)
-        return BoxShards(blocks, box.key(target), g)
+        for kind, arg in box.grad_layout(spec):
+            b = made.get((kind, arg))
+            if b is None:
+                b = g[arg] if kind == "view" else (g.new_empty if kind == "empty" else g.new_zeros)(arg)
+                if kind != "zeros":
+                    made[(kind, arg)] = b
+            blocks.append(b)
+        return rt._make(spec, blocks=blocks) if grid else BoxShards(blocks, box.key(target), g)
 
 
 class _Tape:
