@@ -105,8 +105,10 @@ class KernelNode(Node):
         # (Executable.run_tracked), so the backward differentiates it instead of recomputing the forward. An
         # input laid out again in the backward (an fsdp-gathered weight) was saved by that graph as a place
         # to put it then (``refetch_positions``), so the graph keeps no gathered copy.
-        self.tape = tape
-        if tape is not None:
+        # (a parameter laid out anew keeps the old way: the backward recomputes from it laid out again)
+        self.tape = tape if tape is not None and not any(
+            layout is not None and not isinstance(t, Regather) for t, _, layout in saved) else None
+        if self.tape is not None:
             # torch's graph of the local computation keeps what its derivative needs, as torch would: an input
             # that graph does not hold is not kept either, only a weak reference to tell an in-place write
             # while it lives (its version). While the memory is measured, the node keeps the handles of the
@@ -449,11 +451,11 @@ def _saved_kind(kern, t, h) -> str:
 
 
 def refetch_positions(kern, inputs, handles) -> tuple:
-    """The inputs a node of ``kern`` lays out again in its backward rather than keep (fsdp-gathered weights,
-    parameters laid out anew): a runtime keeping the local graph (``run_tracked``) saves places for them."""
-    if not _REGATHER_ANY() and all(h is t._h for t, h in zip(inputs, handles)):
+    """The inputs a node of ``kern`` gathers again in its backward rather than keep (fsdp-gathered weights): a
+    runtime keeping the local graph (``run_tracked``) saves places for them."""
+    if not _REGATHER_ANY():
         return ()
-    return tuple(n for n, (t, h) in enumerate(zip(inputs, handles)) if _saved_kind(kern, t, h) in ("regather", "leaf"))
+    return tuple(n for n, t in enumerate(inputs) if regather_source(t) is not None)
 
 
 def differentiable(inputs, in_specs) -> tuple:

@@ -74,7 +74,7 @@ def _saved_names(cls, fn) -> tuple:
 
 class Refetch:
     """Saved tensors of a kept local graph that are (views of) inputs the caller makes again for the backward
-    (fsdp-gathered weights, parameters laid out anew): the graph keeps where each view lies, not the values.
+    (fsdp-gathered weights): the graph keeps where each view lies, not the values.
 
     ``pack`` and ``unpack`` are the graph's ``torch.autograd.graph.saved_tensors_hooks`` while the kernel
     runs. ``inputs``: the kernel's input tensors by position; ``positions``: those made again. In the backward
