@@ -107,7 +107,8 @@ class KernelNode(Node):
         # to put it then (``refetch_positions``), so the graph keeps no gathered copy.
         # (a parameter laid out anew keeps the old way: the backward recomputes from it laid out again)
         self.tape = tape if tape is not None and not any(
-            layout is not None and not isinstance(t, Regather) for t, _, layout in saved) else None
+            layout is not None and not (KEEP_GRAPHS_OF_GATHERED and isinstance(t, Regather))
+            for t, _, layout in saved) else None
         if self.tape is not None:
             # torch's graph of the local computation keeps what its derivative needs, as torch would: an input
             # that graph does not hold is not kept either, only a weak reference to tell an in-place write
@@ -435,6 +436,14 @@ def _mask_extreme_cotangent(out, g):
     return g
 
 
+# Keep the local graph of an op on an fsdp-gathered weight, with a place for the weight gathered again
+# (``refetch_positions``, ``runtime/tapes.Refetch``) instead of recomputing its local forward in the backward.
+# Off: on the issue-22 Llama it takes the fsdp8 step from 1.33-1.51x to 1.20x Hugging Face's time, but the
+# simulated step's process RSS from 1.11x to 1.32x Hugging Face's (bench/fsdp_memory.py --rss; the logical
+# accounting goes down), past issue 22's 1.3x: on again once that RSS is understood (docs/benchmarks.md).
+KEEP_GRAPHS_OF_GATHERED = False
+
+
 def _saved_kind(kern, t, h) -> str:
     """How a node saves input ``t`` (``h``: the handle the kernel took): ``"regather"`` (an fsdp-gathered
     copy: its shard, gathered again), ``"leaf"`` (a parameter laid out anew: laid out again), ``"tensor"`` (the
@@ -453,7 +462,7 @@ def _saved_kind(kern, t, h) -> str:
 def refetch_positions(kern, inputs, handles) -> tuple:
     """The inputs a node of ``kern`` gathers again in its backward rather than keep (fsdp-gathered weights): a
     runtime keeping the local graph (``run_tracked``) saves places for them."""
-    if not _REGATHER_ANY():
+    if not KEEP_GRAPHS_OF_GATHERED or not _REGATHER_ANY():
         return ()
     return tuple(n for n, t in enumerate(inputs) if regather_source(t) is not None)
 
