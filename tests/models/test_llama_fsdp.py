@@ -180,3 +180,37 @@ def test_no_gathered_weight_outlives_a_step_or_an_inference_forward():
         out.loss.backward()
         assert gathered() == 0
         graph.track_memory(False)
+
+
+@pytest.mark.parametrize("policy", [None, BF16], ids=["float32", "bf16"])
+def test_kept_local_graphs_of_gathered_weights_give_the_same_gradients_and_gathers(policy, monkeypatch):
+    """``KEEP_GRAPHS_OF_GATHERED`` (off by default): the local graph of an op on a gathered weight is kept with a
+    place for the weight, gathered again in the backward. Loss, gradients and the backward's CommLog stay those
+    of the recomputing backward."""
+    from dtorch.autograd import dispatched
+
+    def run():
+        model, hf = _model(mp_policy=policy)
+        ids, labels = _batch(FSDP2, hf.config.vocab_size)
+        loss = model(ids, labels=labels).loss
+        with CommLog() as bwd:
+            loss.backward()
+        return model, loss.item(), bwd.counts()
+
+    ref_model, ref_loss, ref_counts = run()
+    monkeypatch.setattr(dispatched, "KEEP_GRAPHS_OF_GATHERED", True)
+    kept = []
+    real = dispatched.KernelNode.__init__
+
+    def spy(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        if self.tape is not None and self.regathers:
+            kept.append(self.op)
+
+    monkeypatch.setattr(dispatched.KernelNode, "__init__", spy)
+    model, loss, counts = run()
+    assert kept, "no op on a gathered weight kept its local graph"
+    assert loss == ref_loss and counts == ref_counts
+    tol = dict(rtol=TOL, atol=TOL) if policy is None else dict(rtol=2e-2, atol=2e-2)
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad.to_torch(), q.grad.to_torch(), **tol, msg=name)

@@ -38,6 +38,7 @@ from ..tensor import Tensor
 from .engine import grad_spec
 from .kernel_entry import run_blocks, wrap
 from .fsdp import GatherNode, Regather, regather_source, register_derived
+from .fsdp import regathering as _REGATHER_ANY
 from .node import Node, attach, requires_grad
 
 _R = Replicate()
@@ -88,36 +89,39 @@ class KernelNode(Node):
         saved = []
         regathered = 0
         for t, s, h in zip(inputs, in_specs, handles):
-            source = regather_source(t)
-            if source is not None:
+            kind = _saved_kind(kern, t, h)
+            if kind == "regather":
                 # an fsdp-gathered parameter (autograd/fsdp.py): keep its shard, gather it again in the backward
                 gather = t._ag.grad_fn if t._ag is not None and isinstance(t._ag.grad_fn, GatherNode) else None
-                again = Regather(source, t._spec, gather)
+                again = Regather(regather_source(t), t._spec, gather)
                 saved.append((again, again._version, s))
                 regathered += 1
-            elif kern.name in SHAPE_ONLY_KERNELS:
-                saved.append((type(t)._make(s, h, t._graph), 0, None))
-            elif h is t._h:
-                saved.append((t, t._version, None))
-            elif t._ag is not None and t._ag.grad_fn is None:
+            elif kind == "leaf":
                 # a leaf (a parameter) laid out anew: lay it out again in the backward rather than keep the copy
                 saved.append((t, t._version, s))
+            elif kind == "tensor":
+                saved.append((t, t._version, None))
             else:
                 saved.append((type(t)._make(s, h, t._graph), 0, None))
         self.saved = saved
         if regathered == len(inputs):  # a function of gathered weights alone (w.t()): made again, not kept
             register_derived(self, outputs)
         # (executable, tape): the runtime kept each device's local autograd graph from the forward
-        # (Executable.run_tracked), so the backward differentiates it instead of recomputing the forward.
-        # Not when an input is laid out again in the backward (fsdp): the graph would keep the gathered copy.
-        self.tape = tape if tape is not None and all(layout is None for _, _, layout in saved) else None
+        # (Executable.run_tracked), so the backward differentiates it instead of recomputing the forward. An
+        # input laid out again in the backward (an fsdp-gathered weight) was saved by that graph as a place
+        # to put it then (``refetch_positions``), so the graph keeps no gathered copy.
+        # (a parameter laid out anew keeps the old way: the backward recomputes from it laid out again)
+        self.tape = tape if tape is not None and not any(
+            layout is not None and not (KEEP_GRAPHS_OF_GATHERED and isinstance(t, Regather))
+            for t, _, layout in saved) else None
         if self.tape is not None:
             # torch's graph of the local computation keeps what its derivative needs, as torch would: an input
             # that graph does not hold is not kept either, only a weak reference to tell an in-place write
             # while it lives (its version). While the memory is measured, the node keeps the handles of the
-            # outputs that graph saved, so they stay counted while it holds them.
+            # outputs that graph saved, so they stay counted while it holds them. (An input made again keeps
+            # what makes it.)
             ex, local = self.tape
-            released = ex.tape_released(local)
+            released = [n for n in ex.tape_released(local) if saved[n][2] is None]
             for n in released:
                 t, version, layout = saved[n]
                 saved[n] = (weakref.ref(t), version, layout)
@@ -232,6 +236,7 @@ class KernelNode(Node):
         handles, specs = [], []
         prefetched, self.prefetched = self.prefetched or {}, None
         tracked = self.tape is not None
+        refetched = {}
         for n, ((t, version, layout), s) in enumerate(zip(self.saved, self.in_specs)):
             if type(t) is weakref.ref:
                 t = t()  # (an input the local graph did not keep: gone since, it cannot have been written)
@@ -243,6 +248,8 @@ class KernelNode(Node):
                     "the backward.")
             if layout is not None:
                 t = prefetched[n] if n in prefetched else self._laid_out(n)
+                if tracked:
+                    refetched[n] = t._h
             if self.diff[n] and not _extreme_input_ok(s, self.out_specs):
                 raise OpError(f"dtorch.{self.op}: no gradient through a Partial(max|min) input ({s}); "
                               "redistribute it to Replicate before the op")
@@ -273,7 +280,11 @@ class KernelNode(Node):
             if self.tape is not None:
                 ex, tape = self.tape
                 grad_specs = self._folded(grad_specs)
-                outs = ex.vjp_tracked(tape, handles, ct_specs, tuple(has_ct), grad_specs)
+                if refetched:  # the gathered weights' gradients come summed over the devices (one GEMM)
+                    grad_specs = self._summed_gathered(grad_specs)[0]
+                    outs = ex.vjp_tracked(tape, handles, ct_specs, tuple(has_ct), grad_specs, refetched)
+                else:
+                    outs = ex.vjp_tracked(tape, handles, ct_specs, tuple(has_ct), grad_specs)
             else:
                 vjp = (self.diff, tuple(has_ct))
                 ex = rt.executable(vjp_kernel(self.kernel), tuple(specs) + tuple(ct_specs), grad_specs)
@@ -415,6 +426,37 @@ def _mask_extreme_cotangent(out, g):
                        [pre._spec, post._spec, g._spec, holders._spec], [masked])
         g = wrap(masked, h[0], graph)
     return g
+
+
+# Keep the local graph of an op on an fsdp-gathered weight, with a place for the weight gathered again
+# (``refetch_positions``, ``runtime/tapes.Refetch``) instead of recomputing its local forward in the backward.
+# Off: on the issue-22 Llama it takes the fsdp8 step from 1.33-1.51x to 1.20x Hugging Face's time, but the
+# simulated step's process RSS from 1.11x to 1.32x Hugging Face's (bench/fsdp_memory.py --rss; the logical
+# accounting goes down), past issue 22's 1.3x: on again once that RSS is understood (docs/benchmarks.md).
+KEEP_GRAPHS_OF_GATHERED = False
+
+
+def _saved_kind(kern, t, h) -> str:
+    """How a node saves input ``t`` (``h``: the handle the kernel took): ``"regather"`` (an fsdp-gathered
+    copy: its shard, gathered again), ``"leaf"`` (a parameter laid out anew: laid out again), ``"tensor"`` (the
+    input itself), ``"handle"`` (the laid-out handle)."""
+    if regather_source(t) is not None:
+        return "regather"
+    if kern.name in SHAPE_ONLY_KERNELS:
+        return "handle"
+    if h is t._h:
+        return "tensor"
+    if t._ag is not None and t._ag.grad_fn is None:
+        return "leaf"
+    return "handle"
+
+
+def refetch_positions(kern, inputs, handles) -> tuple:
+    """The inputs a node of ``kern`` gathers again in its backward rather than keep (fsdp-gathered weights): a
+    runtime keeping the local graph (``run_tracked``) saves places for them."""
+    if not KEEP_GRAPHS_OF_GATHERED or not _REGATHER_ANY():
+        return ()
+    return tuple(n for n, t in enumerate(inputs) if regather_source(t) is not None)
 
 
 def differentiable(inputs, in_specs) -> tuple:

@@ -9,6 +9,7 @@ all-reduced here, once per backward: data-parallel gradient reduction without DD
 """
 from __future__ import annotations
 
+import sys
 import threading
 
 import torch
@@ -220,9 +221,23 @@ def _store(leaves, only_torch: bool = False) -> dict:
             continue
         if meta.hooks:
             g = as_grad_of(_run_hooks(meta, g), leaf._spec)
-        meta.grad = g if meta.grad is None else meta.grad + g
+        meta.grad = _accumulate(meta, g)
         meta.grad._graph.label_memory(meta.grad._h, "grads")
     return torch_sources
+
+
+def _accumulate(meta, g):
+    """``.grad`` plus ``g``: added in place when nothing else holds the ``.grad`` tensor and neither takes part in
+    a graph (as torch's AccumulateGrad does), so micro-batches accumulate into one tensor; else a new one."""
+    prev = meta.grad
+    if prev is None:
+        return g
+    # (references: meta.grad, ``prev`` and getrefcount's argument; a view of it would hold one more)
+    if sys.getrefcount(prev) <= 3 and prev._spec == g._spec and not requires_grad(prev) and not requires_grad(g):
+        with set_grad_enabled(False):
+            prev.add_(g)
+        return prev
+    return prev + g
 
 
 def _prefetch(node, buffers) -> None:

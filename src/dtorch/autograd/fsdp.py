@@ -131,6 +131,11 @@ def regather_source(t):
     return source
 
 
+def regathering() -> bool:
+    """Some gathered copy is alive (to be gathered again by its consumers' backward)."""
+    return bool(_REGATHER)
+
+
 def _register(copy, source) -> None:
     key = id(copy)
     _REGATHER[key] = source

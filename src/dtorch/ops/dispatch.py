@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .._lru import LRU
-from ..autograd.dispatched import differentiable, record_kernel
+from ..autograd.dispatched import differentiable, record_kernel, refetch_positions
 from ..autograd.kernel_entry import describe, run_blocks
 from ..autograd.mode import is_grad_enabled as _grad_enabled
 from ..errors import DTorchError, OpError
@@ -159,7 +159,11 @@ def _recorded(name, c: "_Compiled", ex, graph, tensors, handles, kwargs):
     some = any(diff)  # (no input needs a gradient: integer inputs, or requires_grad only in name)
     tape = None
     try:
-        tracked = ex.run_tracked(handles, kwargs, c.device_args, diff) if some else None
+        tracked = None
+        if some:
+            refetch = refetch_positions(plan.kernel, tensors, handles)
+            tracked = (ex.run_tracked(handles, kwargs, c.device_args, diff, refetch) if refetch
+                       else ex.run_tracked(handles, kwargs, c.device_args, diff))
         if tracked is not None:
             outs, tape = tracked
         else:

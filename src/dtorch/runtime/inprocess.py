@@ -27,28 +27,17 @@ import torch
 from .._lru import LRU
 from ..errors import RuntimeBackendError
 from ..spec import DTensorSpec
+from .box import box_plan
 from .blocks import assemble, cut_global, cut_shard, dim_groups, reduce_dim, reduce_list
 from .cow import private_copy, writable
 from .grids import global_to_grid, grid_to_global
 from .grids import grid_gather as _grid_gather, grid_slice as _grid_slice, to_partial_grid as _to_partial_grid
 from .devices import DeviceConfig, read_device_config, torch_devices
+from .inprocess_tracked import TrackedRuns
 from .interface import Executable, Runtime
-from .kernels import Kernel, as_terms, broadcast_pair, broadcast_shape, varying
+from .kernels import Kernel
 from .inprocess_move_into import move_into
-from .tapes import RELEASE_NUMEL, as_views as _as_views, drop_values as _drop_values, saved_tensors as _saved_tensors
-
-
-class Shards:
-    __slots__ = ("grid", "blocks", "__weakref__")  # weakly referenced: Runtime.observe (memory accounting)
-
-    def __init__(self, grid: torch.Tensor | None = None, blocks: list | None = None):
-        self.grid = grid
-        self.blocks = blocks
-
-    def __repr__(self):
-        if self.grid is not None:
-            return f"Shards(grid={tuple(self.grid.shape)})"
-        return f"Shards(blocks={[tuple(b.shape) for b in self.blocks]})"
+from .shards import BoxShards, Shards
 
 
 # ------------------------------------------------------------------------------------------------
@@ -285,7 +274,7 @@ def _grid_device(devs: tuple) -> torch.device | None:
     return first if all(d == first for d in devs) else None
 
 
-class _Executable(Executable):
+class _Executable(TrackedRuns, Executable):
     """One kernel on one combination of input/output specs (cached by the runtime, shared by every plan
     with that kernel and those specs).
 
@@ -316,7 +305,10 @@ class _Executable(Executable):
         self.nd = mesh.ndim
         self.grid_dev = rt.grid_device(mesh)
         self.grid = self.grid_dev is not None and all(s.is_even() for s in in_specs + out_specs)
-        self.sums_over_devices = self.grid
+        # uneven with idle devices (empty blocks): one run on the busy devices' box (runtime/box.py)
+        self.box = box_plan(mesh, in_specs, out_specs, kernel.name) if not self.grid and self.grid_dev is not None \
+            else None
+        self.sums_over_devices = self.grid or self.box is not None
         self.wants_lead = "lead" in inspect.signature(kernel.fn).parameters
         self.coords = mesh.coordinates()
         self.in_reshape = None
@@ -328,6 +320,8 @@ class _Executable(Executable):
             ]
             if all(r is None for r in self.in_reshape):
                 self.in_reshape = None
+        # (box runs) outputs whose spec is even are stored as a grid, the others as blocks
+        self.use_grid_out = [rt.use_grid(s) for s in out_specs]
         # each output's expected (grid shape, local shape)
         self.out_fix = [(s.grid_shape(), s.even_local_shape()) for s in out_specs] if self.grid else None
 
@@ -414,123 +408,90 @@ class _Executable(Executable):
             if self.exact and self.in_reshape is None and len(outs) == len(self.out_specs):
                 self.direct = True
             return res
+        if self.box is not None:
+            return self._run_box(handles, kwargs, device_args)
         # one call per device
-        per_dev = []
         blocks_in = [rt.local_blocks(h, s) for h, s in zip(handles, self.in_specs)]
-        for n, coord in enumerate(self.coords):
-            kw = kwargs
-            if device_args:
-                kw = dict(kw, **{k: np.asarray(v)[coord].item() for k, v in device_args.items()})
-            if self.wants_lead:
-                kw = dict(kw, lead=0)
-            out = kernel.fn(*[b[n] for b in blocks_in], **kw)
-            per_dev.append(out if isinstance(out, tuple) else (out,))
+        per_dev = [self._run_on_device(n, blocks_in, kwargs, device_args) for n in range(len(self.coords))]
         return [rt._make(s, blocks=[d[j] for d in per_dev]) for j, s in enumerate(self.out_specs)]
 
 
-    # -- autograd: the local computation's torch graph kept from the forward (no recomputation) --------
-    def run_tracked(self, handles, kwargs, device_args, diff):
-        """Run with torch's autograd recording the grid computation of the ``diff`` inputs; (output handles,
-        tape) or None when this executable runs device by device.
+    def _run_on_device(self, n, blocks_in, kwargs, device_args):
+        kw = kwargs
+        if device_args:
+            kw = dict(kw, **{k: np.asarray(v)[self.coords[n]].item() for k, v in device_args.items()})
+        if self.wants_lead:
+            kw = dict(kw, lead=0)
+        out = self.kernel.fn(*[b[n] for b in blocks_in], **kw)
+        return out if isinstance(out, tuple) else (out,)
 
-        The tape holds the graph, not the values: a big input reaches the kernel as a view of its leaf, and
-        the leaf and the big outputs drop their values after the run, so what stays alive is what torch's
-        graph saved (as torch keeps it). The tape's ``released`` names the inputs nothing of it holds now."""
-        if not self.grid:
-            return None
-        leaves = []
+    def _box_grid(self, h, spec, g=None):
+        """Handle ``h`` (of ``spec``) as a grid of the box (its grid shape ``g``)."""
+        box = self.box
+        g = box.grid_shape(spec) if g is None else g
+        if type(h) is BoxShards and h.key == box.key(g):
+            return h.boxed
+        if h.grid is not None:
+            return box.narrow(h.grid, g)
+        return box.stack(h.blocks, spec, g)
 
-        def leaf(i, x):
-            if diff[i]:
-                x = x.detach().requires_grad_()
-                leaves.append(x)
+    def _box_align(self, i, x):
+        """Input ``i``'s box grid as an aligned kernel takes it (local rank padded)."""
+        if not self.kernel.align:
             return x
+        r = max(len(s.shape) for s in self.in_specs)
+        n = len(self.in_specs[i].shape)
+        return x if n == r else x.reshape(tuple(x.shape[: self.nd]) + (1,) * (r - n) + tuple(x.shape[self.nd:]))
 
-        with torch.enable_grad():
-            xs, kwargs = self._grid_inputs(handles, kwargs, device_args, leaf)
-            views = _as_views(xs)
-            kwargs = {k: varying(v) if isinstance(v, torch.Tensor) and v.ndim == self.nd else v
-                      for k, v in kwargs.items()}
-            out = self.kernel.fn(*xs, **kwargs)
-        outs = out if isinstance(out, tuple) else (out,)
-        res = [Shards(grid=self._fit(y.detach(), g, local, self.kernel.name)[0]) for y, (g, local) in zip(outs, self.out_fix)]
-        grid = broadcast_shape([x.shape[: self.nd] for x in leaves + xs] + [
-            v.shape for v in kwargs.values() if isinstance(v, torch.Tensor) and v.ndim == self.nd])
-        measured = None
-        if self.runtime().measure_tapes:  # (memory accounting: the storages of the inputs and of each output)
-            measured = ({t.untyped_storage().data_ptr() for t in xs},
-                        tuple(y.untyped_storage().data_ptr() for y in outs))
-        del xs, out
-        for t in leaves:
-            if t.numel() >= RELEASE_NUMEL:
-                _drop_values(t)
-        for y in outs:
-            if y.grad_fn is not None and y.numel() >= RELEASE_NUMEL:
-                _drop_values(y)
-        released = tuple(i for i, ref in views if ref() is None)
-        return res, _Tape(leaves, outs, grid, released, measured)
+    def _box_inputs(self, handles, kwargs, device_args, leaf=None):
+        box = self.box
+        xs = [self._box_grid(h, s, g) for h, s, g in zip(handles, self.in_specs, box.in_grids)]
+        if leaf is not None:
+            xs = [leaf(i, x) for i, x in enumerate(xs)]
+        xs = [self._box_align(i, x) for i, x in enumerate(xs)]
+        if device_args:
+            kwargs = dict(kwargs, **box.device_args(device_args, self.grid_dev))
+        if self.wants_lead:
+            kwargs = dict(kwargs, lead=self.nd)
+        return xs, kwargs
 
-    def tape_released(self, tape) -> tuple:
-        return tape.released
+    def _run_box(self, handles, kwargs, device_args):
+        """One run on the busy devices' box; idle devices get their outputs by the box plan's rules."""
+        xs, kw = self._box_inputs(handles, kwargs, device_args)
+        out = self.kernel.fn(*xs, **kw)
+        del xs
+        return self._box_outputs(out if isinstance(out, tuple) else (out,), handles, kwargs, device_args)
 
-    def tape_saved_outputs(self, tape) -> tuple:
-        """The outputs whose values torch's graph saved (exp's, softmax's): walks the graph (memory
-        accounting only)."""
-        if tape.measured is None:
-            return ()
-        saved = {t.untyped_storage().data_ptr() for t in _saved_tensors(tape.outs)}
-        return tuple(k for k, ptr in enumerate(tape.measured[1]) if ptr in saved)
-
-    def tape_bytes(self, tape) -> int:
-        """What torch's graph of the grid computation saves besides the inputs and outputs (softmax
-        probabilities, normalised activations, ...), per device: the saved storages' bytes over the number of
-        devices the grid computation spans (a replicated computation is held whole by each device)."""
-        if tape.measured is None:
-            return 0
-        known = tape.measured[0] | set(tape.measured[1])
-        extra = {}
-        for t in _saved_tensors(tape.outs):
-            s = t.untyped_storage()
-            ptr = s.data_ptr()
-            if ptr not in known:
-                extra[ptr] = s.nbytes()
-        cells = int(np.prod(tape.grid)) if tape.grid else 1
-        return sum(extra.values()) // max(cells, 1)
-
-    def vjp_tracked(self, tape, cotangents, ct_specs, has_ct, grad_specs) -> list:
-        """The gradients of the tracked inputs (laid out as ``grad_specs``) for the outputs' cotangents."""
-        leaves, outs, grid = tape.leaves, tape.outs, tape.grid
+    def _box_outputs(self, outs, handles, kwargs, device_args):
         rt = self.runtime()
-        cts = [h.grid if h.grid is not None else rt.as_grid(h, s) for h, s in zip(cotangents, ct_specs)]
-        grid = broadcast_shape([grid] + [c.shape[: self.nd] for c in cts])
-        with torch.enable_grad():  # (the expand of an output to its cotangent's grid is part of the graph)
-            pairs = [broadcast_pair(y, c) for y, c in zip([y for y, h in zip(outs, has_ct) if h], cts)
-                     if y.requires_grad]
-            # retain_graph: the tape may be differentiated again (backward(retain_graph=True) twice); its
-            # saved tensors are freed with the tape itself, when the op's node releases it
-            grads = (torch.autograd.grad([y for y, _ in pairs], leaves, [c for _, c in pairs], allow_unused=True,
-                                         retain_graph=True)
-                     if pairs else [None] * len(leaves))
+        box = self.box
+        n_fwd = len(kwargs["vjp"][0]) if box.vjp else None
         res = []
-        for x, g, spec in zip(leaves, grads, grad_specs):
-            # summed over devices where the layout keeps terms apart: Partial terms; where it is Replicate
-            # (the caller folded the reduction of a parameter's gradient into the GEMM), the sum is the value
-            target = spec.grid_shape()
-            g = as_terms(torch.zeros_like(x) if g is None else g, tuple(n if t > 1 else 1 for n, t in zip(grid, target)),
-                         self.nd)
-            res.append(Shards(grid=self._fit(g, target, spec.even_local_shape(), "vjp")[0]))
+        ran, blocks_in = {}, None
+        for j, (y, g, local) in enumerate(zip(outs, box.out_grids, box.local_out)):
+            y = self._fit(y, g, local, self.kernel.name)[0]
+            spec = self.out_specs[j]
+            if self.use_grid_out[j] and box.whole(spec):
+                res.append(Shards(grid=y))
+                continue
+            blocks = []
+            made: dict = {}  # (replicas, and idle devices' empty blocks, share one tensor)
+            for n, (kind, arg) in enumerate(box.out_layout(j, n_fwd)):
+                if kind == "run":
+                    if blocks_in is None:
+                        blocks_in = [rt.local_blocks(h, s) for h, s in zip(handles, self.in_specs)]
+                    if n not in ran:
+                        ran[n] = self._run_on_device(n, blocks_in, kwargs, device_args)
+                    blocks.append(ran[n][j])
+                    continue
+                b = made.get((kind, arg))
+                if b is None:
+                    b = y[arg] if kind == "view" else (y.new_empty if kind == "empty" else y.new_zeros)(arg)
+                    if kind != "zeros":  # (zero terms are no replicas: each device's may be written on its own)
+                        made[(kind, arg)] = b
+                blocks.append(b)
+            res.append(rt._make(spec, blocks=blocks) if self.use_grid_out[j] else BoxShards(blocks, box.key(g), y))
         return res
-
-
-class _Tape:
-    """What ``run_tracked`` keeps: the leaves (the differentiated inputs) and outputs of the local graph, the
-    grid it spans, the input positions nothing of it holds (``released``), and, while the memory is measured,
-    (the storages of its inputs, those of its outputs)."""
-
-    __slots__ = ("leaves", "outs", "grid", "released", "measured")
-
-    def __init__(self, leaves, outs, grid, released, measured):
-        self.leaves, self.outs, self.grid, self.released, self.measured = leaves, outs, grid, released, measured
 
 
 _new_shards = object.__new__

@@ -73,10 +73,12 @@ class Executable(ABC):
     # Optional (autograd): a backend that can keep each device's local autograd graph from the forward
     # returns ``(output handles, tape)`` here and differentiates the tape in ``vjp_tracked``; None means
     # the backward recomputes the local forward (``kernels.vjp_kernel``), which every backend can run.
-    def run_tracked(self, handles: Sequence, kwargs: dict, device_args: dict | None, diff: tuple):
+    # ``refetch``: input positions the caller lays out again for the backward (an fsdp-gathered weight): the
+    # tape must not keep them; ``vjp_tracked`` then gets them as ``refetched`` ({position: handle}).
+    def run_tracked(self, handles: Sequence, kwargs: dict, device_args: dict | None, diff: tuple, refetch=()):
         return None
 
-    def vjp_tracked(self, tape, cotangents: Sequence, ct_specs, has_ct: tuple, grad_specs) -> list:
+    def vjp_tracked(self, tape, cotangents: Sequence, ct_specs, has_ct: tuple, grad_specs, refetched=None) -> list:
         """The gradient handles (laid out as ``grad_specs``) of the ``diff`` inputs of a ``run_tracked`` call."""
         raise NotImplementedError
 

@@ -30,10 +30,11 @@ from ..spec import DTensorSpec
 from .devices import DeviceConfig
 from .interface import Executable, Runtime
 from .blocks import reduce_dim
+from .box import box_plan
 from .cow import private_copy, writable
 from .grids import global_to_grid, grid_gather, grid_slice, to_partial_grid
 from .kernels import Kernel, broadcast_shape, varying
-from .tapes import RELEASE_NUMEL, as_views, drop_values, saved_tensors
+from .tapes import RELEASE_NUMEL, Refetch, as_views, drop_values, saved_tensors
 
 
 class _Storage:
@@ -254,7 +255,9 @@ class _MetaExecutable(Executable):
         self.mesh = mesh = out_specs[0].mesh if out_specs else in_specs[0].mesh
         self.nd = mesh.ndim
         self.grid = all(s.is_even() for s in in_specs + out_specs)
-        self.sums_over_devices = self.grid
+        # uneven with idle devices: the in-process backend runs the busy devices' box (runtime/box.py)
+        self.box = None if self.grid else box_plan(mesh, in_specs, out_specs, kernel.name)
+        self.sums_over_devices = self.grid or self.box is not None
         self.wants_lead = "lead" in inspect.signature(kernel.fn).parameters
         self.in_reshape = None
         if self.grid and kernel.align:
@@ -283,6 +286,24 @@ class _MetaExecutable(Executable):
             kw["lead"] = self.nd
         return xs, {k: v.to("meta") if isinstance(v, torch.Tensor) and v.ndim and v.device.type != "meta" else v
                     for k, v in kw.items()}
+
+    def _box_inputs(self, kwargs, device_args, leaf):
+        """The in-process backend's box grids (``_Executable._box_inputs``) as meta tensors."""
+        box = self.box
+        busy = box.coords[box.busy.index(True)]
+        xs = [leaf(i, torch.empty(box.grid_shape(s) + s.local_shape(busy), dtype=s.dtype, device="meta"))
+              for i, s in enumerate(self.in_specs)]
+        if self.kernel.align:
+            r = max(len(s.shape) for s in self.in_specs)
+            xs = [x if len(s.shape) == r else x.reshape(tuple(x.shape[: self.nd]) + (1,) * (r - len(s.shape))
+                                                        + tuple(x.shape[self.nd:]))
+                  for x, s in zip(xs, self.in_specs)]
+        kw = dict(kwargs)
+        if device_args:
+            kw.update({k: varying(v).to("meta") for k, v in box.device_args(device_args, "cpu").items()})
+        if self.wants_lead:
+            kw["lead"] = self.nd
+        return xs, kw
 
     def _fit(self, y: torch.Tensor, g, local) -> torch.Tensor:
         """A grid result laid out as an output of grid shape ``g`` (the in-process backend's ``_fit``)."""
@@ -313,30 +334,43 @@ class _MetaExecutable(Executable):
         except Exception:  # noqa: BLE001  (a kernel meta tensors cannot run: its shapes depend on values)
             return [_handle(s) for s in self.out_specs]
 
-    def run_tracked(self, handles, kwargs, device_args, diff):
+    def run_tracked(self, handles, kwargs, device_args, diff, refetch=()):
         """The in-process backend's ``run_tracked`` on meta grids: the same graph, so the same inputs released,
-        the same outputs and bytes saved (``runtime/tapes.py``)."""
-        if not self.grid:
+        the same outputs and bytes saved (``runtime/tapes.py``), the ``refetch`` inputs saved as places."""
+        box = self.box
+        if not self.grid and (box is None or not box.trackable):
             return None
         if self.rt.on_kernel is not None:
             self._report("forward", kwargs, device_args)
         leaves = []
+        refetched_leaves = []
 
         def leaf(i, x):
             if diff[i]:
                 x = x.detach().requires_grad_()
                 leaves.append(x)
+                if i in refetch:
+                    refetched_leaves.append(x)
             return x
 
         try:
             with torch.enable_grad(), _AttentionAsOnCpu():
-                xs, kw = self._inputs(handles, kwargs, device_args, leaf, vary=True)
+                if box is None:
+                    xs, kw = self._inputs(handles, kwargs, device_args, leaf, vary=True)
+                else:
+                    xs, kw = self._box_inputs(kwargs, device_args, leaf)
                 views = as_views(xs)
-                out = self.kernel.fn(*xs, **kw)
+                if refetch:
+                    hooks = Refetch(xs, refetch)
+                    with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+                        out = self.kernel.fn(*xs, **kw)
+                    hooks.done_packing()
+                else:
+                    out = self.kernel.fn(*xs, **kw)
         except Exception:  # noqa: BLE001  (as in run: the backward then recomputes, keeping the inputs)
             return None
         outs = out if isinstance(out, tuple) else (out,)
-        res = self._outputs(outs)
+        res = self._outputs(outs) if box is None else [_handle(s) for s in self.out_specs]
         nd = self.nd
         grid = broadcast_shape([x.shape[:nd] for x in leaves + xs]
                                + [v.shape for v in kw.values() if isinstance(v, torch.Tensor) and v.ndim == nd])
@@ -345,8 +379,9 @@ class _MetaExecutable(Executable):
             measured = ({_storage(t) for t in xs}, tuple(_storage(y) for y in outs))
         del xs, out
         for t in leaves:
-            if t.numel() >= RELEASE_NUMEL:
+            if t.numel() >= RELEASE_NUMEL or any(t is r for r in refetched_leaves):
                 drop_values(t)
+        del refetched_leaves
         for y in outs:
             if y.grad_fn is not None and y.numel() >= RELEASE_NUMEL:
                 drop_values(y)
@@ -354,7 +389,7 @@ class _MetaExecutable(Executable):
         call = (kwargs, device_args) if self.rt.on_kernel is not None else None
         return res, _MetaTape(leaves, outs, grid, released, measured, call)
 
-    def vjp_tracked(self, tape, cotangents, ct_specs, has_ct, grad_specs) -> list:
+    def vjp_tracked(self, tape, cotangents, ct_specs, has_ct, grad_specs, refetched=None) -> list:
         if self.rt.on_kernel is not None:
             kwargs, device_args = tape.call or ({}, None)
             self._report("backward", kwargs, device_args, tuple(has_ct))

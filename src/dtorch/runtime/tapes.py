@@ -70,3 +70,46 @@ def _saved_names(cls, fn) -> tuple:
     if names is None:
         names = _SAVED_NAMES[cls] = tuple(n for n in dir(fn) if n.startswith("_saved_"))
     return names
+
+
+class Refetch:
+    """Saved tensors of a kept local graph that are (views of) inputs the caller makes again for the backward
+    (fsdp-gathered weights): the graph keeps where each view lies, not the values.
+
+    ``pack`` and ``unpack`` are the graph's ``torch.autograd.graph.saved_tensors_hooks`` while the kernel
+    runs. ``inputs``: the kernel's input tensors by position; ``positions``: those made again. In the backward
+    the caller sets ``values`` (position -> the input made again, laid out as the kernel took it) around the
+    differentiation; outside it (a memory walk of the graph) a refetched tensor reads as an empty tensor."""
+
+    __slots__ = ("storages", "bases", "values")
+
+    def __init__(self, inputs: list, positions: tuple):
+        # storage identity (``_cdata``: meta tensors have no data pointer) -> position, while the kernel runs
+        self.storages = {inputs[i].untyped_storage()._cdata: i for i in positions}
+        # position -> (size, stride, storage offset) of the input as the kernel took it
+        self.bases = {i: (inputs[i].shape, inputs[i].stride(), inputs[i].storage_offset()) for i in positions}
+        self.values = None
+
+    def pack(self, t: torch.Tensor):
+        i = self.storages.get(t.untyped_storage()._cdata) if self.storages else None
+        if i is None:
+            return t
+        return (i, t.shape, t.stride(), t.storage_offset(), t.dtype, t.device)
+
+    def unpack(self, packed):
+        if type(packed) is not tuple:
+            return packed
+        i, size, stride, offset, dtype, device = packed
+        values = self.values
+        if values is None:
+            return torch.empty(0, dtype=dtype, device=device)
+        base_size, base_stride, base_offset = self.bases[i]
+        x = values[i]
+        if tuple(x.shape) != tuple(base_size) or x.stride() != base_stride:  # lay it out as the forward's input
+            x = torch.empty_strided(base_size, base_stride, dtype=x.dtype, device=x.device).copy_(x)
+            return x.as_strided(size, stride, offset - base_offset)
+        return x.as_strided(size, stride, x.storage_offset() + offset - base_offset)
+
+    def done_packing(self) -> None:
+        """The forward ran: storage identities may be reused from now on."""
+        self.storages = None

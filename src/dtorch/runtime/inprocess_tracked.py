@@ -1,0 +1,182 @@
+"""The in-process backend's kept local graphs: an executable's run with torch's autograd recording the grid (or
+box) computation, and its vector-Jacobian product from that graph in the backward (no recomputation).
+Mixed into ``inprocess._Executable``, whose attributes (``kernel``, ``nd``, ``box``, ``grid``, ``in_specs``,
+``in_reshape``, ``out_fix``, ``runtime``) and input/output helpers it uses."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .kernels import as_terms, broadcast_pair, broadcast_shape, varying
+from .shards import BoxShards, Shards
+from .tapes import RELEASE_NUMEL, Refetch, as_views as _as_views, drop_values as _drop_values, saved_tensors as _saved_tensors
+
+
+class TrackedRuns:
+    def run_tracked(self, handles, kwargs, device_args, diff, refetch=()):
+        """Run with torch's autograd recording the grid computation of the ``diff`` inputs; (output handles,
+        tape) or None when this executable runs device by device.
+
+        The tape holds the graph, not the values: a big input reaches the kernel as a view of its leaf, and
+        the leaf and the big outputs drop their values after the run, so what stays alive is what torch's
+        graph saved (as torch keeps it). The tape's ``released`` names the inputs nothing of it holds now.
+        ``refetch``: input positions the caller makes again for the backward (``vjp_tracked``'s ``refetched``):
+        the graph saves where they lie instead of them (``tapes.Refetch``)."""
+        box = self.box
+        if not self.grid and (box is None or not box.trackable):
+            return None
+        leaves = []
+        refetched_leaves = []
+
+        def leaf(i, x):
+            if diff[i]:
+                x = x.detach().requires_grad_()
+                leaves.append(x)
+                if i in refetch:
+                    refetched_leaves.append(x)
+            return x
+
+        with torch.enable_grad():
+            if box is None:
+                xs, kwargs = self._grid_inputs(handles, kwargs, device_args, leaf)
+            else:
+                xs, kwargs = self._box_inputs(handles, kwargs, device_args, leaf)
+            views = _as_views(xs)
+            kwargs = {k: varying(v) if isinstance(v, torch.Tensor) and v.ndim == self.nd else v
+                      for k, v in kwargs.items()}
+            hooks = None
+            if refetch:
+                hooks = Refetch(xs, refetch)
+                with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+                    out = self.kernel.fn(*xs, **kwargs)
+                hooks.done_packing()
+            else:
+                out = self.kernel.fn(*xs, **kwargs)
+        outs = out if isinstance(out, tuple) else (out,)
+        if box is None:
+            res = [Shards(grid=self._fit(y.detach(), g, local, self.kernel.name)[0])
+                   for y, (g, local) in zip(outs, self.out_fix)]
+        else:
+            res = self._box_outputs([y.detach() for y in outs], handles, None, None)
+        grid = broadcast_shape([x.shape[: self.nd] for x in leaves + xs] + [
+            v.shape for v in kwargs.values() if isinstance(v, torch.Tensor) and v.ndim == self.nd])
+        measured = None
+        if self.runtime().measure_tapes:  # (memory accounting: the storages of the inputs and of each output)
+            measured = ({t.untyped_storage().data_ptr() for t in xs},
+                        tuple(y.untyped_storage().data_ptr() for y in outs))
+        del xs, out
+        for t in leaves:
+            if t.numel() >= RELEASE_NUMEL or any(t is r for r in refetched_leaves):
+                _drop_values(t)
+        del refetched_leaves
+        for y in outs:
+            if y.grad_fn is not None and y.numel() >= RELEASE_NUMEL:
+                _drop_values(y)
+        released = tuple(i for i, ref in views if ref() is None)
+        return res, _Tape(leaves, outs, grid, released, measured, hooks)
+
+    def tape_released(self, tape) -> tuple:
+        return tape.released
+
+    def tape_saved_outputs(self, tape) -> tuple:
+        """The outputs whose values torch's graph saved (exp's, softmax's): walks the graph (memory
+        accounting only)."""
+        if tape.measured is None:
+            return ()
+        saved = {t.untyped_storage().data_ptr() for t in _saved_tensors(tape.outs)}
+        return tuple(k for k, ptr in enumerate(tape.measured[1]) if ptr in saved)
+
+    def tape_bytes(self, tape) -> int:
+        """What torch's graph of the grid computation saves besides the inputs and outputs (softmax
+        probabilities, normalised activations, ...), per device: the saved storages' bytes over the number of
+        devices the grid computation spans (a replicated computation is held whole by each device)."""
+        if tape.measured is None:
+            return 0
+        known = tape.measured[0] | set(tape.measured[1])
+        extra = {}
+        for t in _saved_tensors(tape.outs):
+            s = t.untyped_storage()
+            ptr = s.data_ptr()
+            if ptr not in known:
+                extra[ptr] = s.nbytes()
+        cells = int(np.prod(tape.grid)) if tape.grid else 1
+        return sum(extra.values()) // max(cells, 1)
+
+    def vjp_tracked(self, tape, cotangents, ct_specs, has_ct, grad_specs, refetched=None) -> list:
+        """The gradients of the tracked inputs (laid out as ``grad_specs``) for the outputs' cotangents;
+        ``refetched``: {input position: handle} of the inputs ``run_tracked`` was told are made again."""
+        leaves, outs, grid = tape.leaves, tape.outs, tape.grid
+        rt = self.runtime()
+        box = self.box
+        if box is None:
+            cts = [h.grid if h.grid is not None else rt.as_grid(h, s) for h, s in zip(cotangents, ct_specs)]
+        else:
+            cts = [self._box_grid(h, s) for h, s in zip(cotangents, ct_specs)]
+        grid = broadcast_shape([grid] + [c.shape[: self.nd] for c in cts])
+        hooks = tape.hooks
+        if hooks is not None:
+            values = {}
+            for i, h in refetched.items():
+                if box is not None:
+                    values[i] = self._box_align(i, self._box_grid(h, self.in_specs[i]))
+                    continue
+                x = h.grid if h.grid is not None else rt.as_grid(h, self.in_specs[i])
+                if self.in_reshape is not None and self.in_reshape[i] is not None:
+                    x = x.reshape(self.in_reshape[i])
+                values[i] = x
+            hooks.values = values
+        try:
+            with torch.enable_grad():  # (the expand of an output to its cotangent's grid is part of the graph)
+                pairs = [broadcast_pair(y, c) for y, c in zip([y for y, h in zip(outs, has_ct) if h], cts)
+                         if y.requires_grad]
+                # retain_graph: the tape may be differentiated again (backward(retain_graph=True) twice); its
+                # saved tensors are freed with the tape itself, when the op's node releases it
+                grads = (torch.autograd.grad([y for y, _ in pairs], leaves, [c for _, c in pairs],
+                                             allow_unused=True, retain_graph=True)
+                         if pairs else [None] * len(leaves))
+        finally:
+            if hooks is not None:
+                hooks.values = None  # (the inputs made again go with this call)
+        res = []
+        for x, g, spec in zip(leaves, grads, grad_specs):
+            # summed over devices where the layout keeps terms apart: Partial terms; where it is Replicate
+            # (the caller folded the reduction of a parameter's gradient into the GEMM), the sum is the value
+            target = spec.grid_shape() if box is None else box.grid_shape(spec)
+            g = as_terms(torch.zeros_like(x) if g is None else g, tuple(n if t > 1 else 1 for n, t in zip(grid, target)),
+                         self.nd)
+            if box is None:
+                res.append(Shards(grid=self._fit(g, target, spec.even_local_shape(), "vjp")[0]))
+            else:
+                res.append(self._box_gradient(g, spec, target))
+        return res
+
+    def _box_gradient(self, g, spec, target):
+        """A gradient of a kept box graph laid out over the whole mesh (idle devices: ``idle_grad_rule``)."""
+        box = self.box
+        g = self._fit(g, target, spec.local_shape(box.coords[box.busy.index(True)]), "vjp")[0]
+        rt = self.runtime()
+        grid = rt.use_grid(spec)
+        if grid and box.whole(spec):
+            return Shards(grid=g)
+        made: dict = {}
+        blocks = []
+        for kind, arg in box.grad_layout(spec):
+            b = made.get((kind, arg))
+            if b is None:
+                b = g[arg] if kind == "view" else (g.new_empty if kind == "empty" else g.new_zeros)(arg)
+                if kind != "zeros":
+                    made[(kind, arg)] = b
+            blocks.append(b)
+        return rt._make(spec, blocks=blocks) if grid else BoxShards(blocks, box.key(target), g)
+
+
+class _Tape:
+    """What ``run_tracked`` keeps: the leaves (the differentiated inputs) and outputs of the local graph, the
+    grid it spans, the input positions nothing of it holds (``released``), and, while the memory is measured,
+    (the storages of its inputs, those of its outputs)."""
+
+    __slots__ = ("leaves", "outs", "grid", "released", "measured", "hooks")
+
+    def __init__(self, leaves, outs, grid, released, measured, hooks=None):
+        self.leaves, self.outs, self.grid, self.released, self.measured = leaves, outs, grid, released, measured
+        self.hooks = hooks  # tapes.Refetch: the inputs made again for the backward
