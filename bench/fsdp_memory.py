@@ -119,7 +119,7 @@ def rss_child(which: str, args) -> dict:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
 
-    from dtorch.runtime.worker import trim_allocator
+    from dtorch.runtime.worker_loop import trim_allocator
 
     torch.manual_seed(0)
     cfg = make_config(args, args.layers)

@@ -184,9 +184,9 @@ def test_no_gathered_weight_outlives_a_step_or_an_inference_forward():
 
 @pytest.mark.parametrize("policy", [None, BF16], ids=["float32", "bf16"])
 def test_kept_local_graphs_of_gathered_weights_give_the_same_gradients_and_gathers(policy, monkeypatch):
-    """``KEEP_GRAPHS_OF_GATHERED`` (off by default): the local graph of an op on a gathered weight is kept with a
+    """``KEEP_GRAPHS_OF_GATHERED`` (on by default): the local graph of an op on a gathered weight is kept with a
     place for the weight, gathered again in the backward. Loss, gradients and the backward's CommLog stay those
-    of the recomputing backward."""
+    of the recomputing backward (the switch off)."""
     from dtorch.autograd import dispatched
 
     def run():
@@ -197,6 +197,7 @@ def test_kept_local_graphs_of_gathered_weights_give_the_same_gradients_and_gathe
             loss.backward()
         return model, loss.item(), bwd.counts()
 
+    monkeypatch.setattr(dispatched, "KEEP_GRAPHS_OF_GATHERED", False)
     ref_model, ref_loss, ref_counts = run()
     monkeypatch.setattr(dispatched, "KEEP_GRAPHS_OF_GATHERED", True)
     kept = []

@@ -112,7 +112,7 @@ class KernelNode(Node):
         # to put it then (``refetch_positions``), so the graph keeps no gathered copy.
         # (a parameter laid out anew keeps the old way: the backward recomputes from it laid out again)
         self.tape = tape if tape is not None and not any(
-            layout is not None and not (KEEP_GRAPHS_OF_GATHERED and isinstance(t, Regather))
+            layout is not None and not (isinstance(t, Regather) and keeps_graph_of_gathered(kern))
             for t, _, layout in saved) else None
         if self.tape is not None:
             # torch's graph of the local computation keeps what its derivative needs, as torch would: an input
@@ -429,11 +429,21 @@ def _mask_extreme_cotangent(out, g):
 
 
 # Keep the local graph of an op on an fsdp-gathered weight, with a place for the weight gathered again
-# (``refetch_positions``, ``runtime/tapes.Refetch``) instead of recomputing its local forward in the backward.
-# Off: on the issue-22 Llama it takes the fsdp8 step from 1.33-1.51x to 1.20x Hugging Face's time, but the
-# simulated step's process RSS from 1.11x to 1.32x Hugging Face's (bench/fsdp_memory.py --rss; the logical
-# accounting goes down), past issue 22's 1.3x: on again once that RSS is understood (docs/benchmarks.md).
-KEEP_GRAPHS_OF_GATHERED = False
+# (``refetch_positions``, ``runtime/tapes.Refetch``) instead of recomputing its local forward in the backward: on
+# the issue-22 Llama it takes the fsdp8 step from 1.33-1.51x to 1.20x Hugging Face's time at the same process RSS
+# (docs/benchmarks.md: the kept graphs once held 49 MiB more, the GEMM results their outputs are views of, which
+# ``tapes.drop_output_values`` now lets go, and the rms_norms' normalised activations, see below).
+KEEP_GRAPHS_OF_GATHERED = True
+# The kernels whose local graph is kept on gathered weights: the GEMMs, whose graph saves only their inputs (the
+# activation the node would keep anyway, and a place for the weight), and whose recomputation is the costly part
+# of the backward. Others (rms_norm: its graph saves the normalised activation, one more activation-sized tensor
+# per norm) recompute their cheap forward from the inputs instead.
+KEEP_GATHERED_GRAPH_KERNELS = frozenset({"linear", "matmul"})
+
+
+def keeps_graph_of_gathered(kern) -> bool:
+    """Whether a node of ``kern`` keeps its local graph over fsdp-gathered inputs (``refetch_positions``)."""
+    return KEEP_GRAPHS_OF_GATHERED and kern.name in KEEP_GATHERED_GRAPH_KERNELS
 
 
 def _saved_kind(kern, t, h) -> str:
@@ -454,7 +464,7 @@ def _saved_kind(kern, t, h) -> str:
 def refetch_positions(kern, inputs, handles) -> tuple:
     """The inputs a node of ``kern`` gathers again in its backward rather than keep (fsdp-gathered weights): a
     runtime keeping the local graph (``run_tracked``) saves places for them."""
-    if not KEEP_GRAPHS_OF_GATHERED or not _REGATHER_ANY():
+    if not keeps_graph_of_gathered(kern) or not _REGATHER_ANY():
         return ()
     return tuple(n for n, t in enumerate(inputs) if regather_source(t) is not None)
 

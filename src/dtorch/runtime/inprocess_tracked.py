@@ -9,7 +9,8 @@ import torch
 
 from .kernels import as_terms, broadcast_pair, broadcast_shape, varying
 from .shards import BoxShards, Shards
-from .tapes import RELEASE_NUMEL, Refetch, as_views as _as_views, drop_values as _drop_values, saved_tensors as _saved_tensors
+from .tapes import RELEASE_NUMEL, Refetch, as_views as _as_views, drop_output_values, drop_values as _drop_values, \
+    saved_tensors as _saved_tensors
 
 
 class TrackedRuns:
@@ -69,9 +70,7 @@ class TrackedRuns:
             if t.numel() >= RELEASE_NUMEL or any(t is r for r in refetched_leaves):
                 _drop_values(t)
         del refetched_leaves
-        for y in outs:
-            if y.grad_fn is not None and y.numel() >= RELEASE_NUMEL:
-                _drop_values(y)
+        drop_output_values(outs)
         released = tuple(i for i, ref in views if ref() is None)
         return res, _Tape(leaves, outs, grid, released, measured, hooks)
 

@@ -34,7 +34,7 @@ from .box import box_plan
 from .cow import private_copy, writable
 from .grids import global_to_grid, grid_gather, grid_slice, to_partial_grid
 from .kernels import Kernel, broadcast_shape, varying
-from .tapes import RELEASE_NUMEL, Refetch, as_views, drop_values, saved_tensors
+from .tapes import RELEASE_NUMEL, Refetch, as_views, drop_output_values, drop_values, saved_tensors
 
 
 class _Storage:
@@ -382,9 +382,7 @@ class _MetaExecutable(Executable):
             if t.numel() >= RELEASE_NUMEL or any(t is r for r in refetched_leaves):
                 drop_values(t)
         del refetched_leaves
-        for y in outs:
-            if y.grad_fn is not None and y.numel() >= RELEASE_NUMEL:
-                drop_values(y)
+        drop_output_values(outs)
         released = tuple(i for i, ref in views if ref() is None)
         call = (kwargs, device_args) if self.rt.on_kernel is not None else None
         return res, _MetaTape(leaves, outs, grid, released, measured, call)

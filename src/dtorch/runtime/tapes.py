@@ -41,6 +41,24 @@ def drop_values(t: torch.Tensor) -> None:
     t.data = one.expand(t.shape)
 
 
+def drop_output_values(outs) -> None:
+    """Let the big outputs of a kept local graph go of their values (``drop_values``), and the tensor an output
+    is a view of too (a GEMM's result reshaped): a view keeps its base, and so its base's storage, alive
+    whatever its own data becomes. A base stays whole where torch's graph saved its storage (then a saved
+    tensor may be the base itself, whose values the backward reads)."""
+    bases = []
+    for y in outs:
+        if y.grad_fn is not None and y.numel() >= RELEASE_NUMEL:
+            if y._base is not None and y._base.grad_fn is not None:
+                bases.append(y._base)
+            drop_values(y)
+    if bases:
+        saved = {t.untyped_storage()._cdata for t in saved_tensors(outs)}
+        for b in bases:
+            if b.untyped_storage()._cdata not in saved:
+                drop_values(b)
+
+
 def saved_tensors(outs):
     """The tensors torch's autograd graph behind ``outs`` saved for the backward (its nodes' ``_saved_*``
     attributes), walking the graph down to the leaves."""
