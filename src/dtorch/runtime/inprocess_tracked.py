@@ -9,7 +9,7 @@ import torch
 
 from .kernels import as_terms, broadcast_pair, broadcast_shape, varying
 from .shards import BoxShards, Shards
-from .tapes import RELEASE_NUMEL, Refetch, as_views as _as_views, drop_output_values, drop_values as _drop_values, \
+from .tapes import Leaves, as_views as _as_views, drop_output_values, run_keeping_graph, \
     saved_tensors as _saved_tensors
 
 
@@ -26,16 +26,7 @@ class TrackedRuns:
         box = self.box
         if not self.grid and (box is None or not box.trackable):
             return None
-        leaves = []
-        refetched_leaves = []
-
-        def leaf(i, x):
-            if diff[i]:
-                x = x.detach().requires_grad_()
-                leaves.append(x)
-                if i in refetch:
-                    refetched_leaves.append(x)
-            return x
+        leaf = Leaves(diff, refetch)
 
         with torch.enable_grad():
             if box is None:
@@ -45,34 +36,24 @@ class TrackedRuns:
             views = _as_views(xs)
             kwargs = {k: varying(v) if isinstance(v, torch.Tensor) and v.ndim == self.nd else v
                       for k, v in kwargs.items()}
-            hooks = None
-            if refetch:
-                hooks = Refetch(xs, refetch)
-                with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
-                    out = self.kernel.fn(*xs, **kwargs)
-                hooks.done_packing()
-            else:
-                out = self.kernel.fn(*xs, **kwargs)
+            out, hooks = run_keeping_graph(self.kernel.fn, xs, kwargs, refetch)
         outs = out if isinstance(out, tuple) else (out,)
         if box is None:
             res = [Shards(grid=self._fit(y.detach(), g, local, self.kernel.name)[0])
                    for y, (g, local) in zip(outs, self.out_fix)]
         else:
             res = self._box_outputs([y.detach() for y in outs], handles, None, None)
-        grid = broadcast_shape([x.shape[: self.nd] for x in leaves + xs] + [
+        grid = broadcast_shape([x.shape[: self.nd] for x in leaf.all + xs] + [
             v.shape for v in kwargs.values() if isinstance(v, torch.Tensor) and v.ndim == self.nd])
         measured = None
         if self.runtime().measure_tapes:  # (memory accounting: the storages of the inputs and of each output)
             measured = ({t.untyped_storage().data_ptr() for t in xs},
                         tuple(y.untyped_storage().data_ptr() for y in outs))
         del xs, out
-        for t in leaves:
-            if t.numel() >= RELEASE_NUMEL or any(t is r for r in refetched_leaves):
-                _drop_values(t)
-        del refetched_leaves
+        leaf.release()
         drop_output_values(outs)
         released = tuple(i for i, ref in views if ref() is None)
-        return res, _Tape(leaves, outs, grid, released, measured, hooks)
+        return res, _Tape(leaf.all, outs, grid, released, measured, hooks)
 
     def tape_released(self, tape) -> tuple:
         return tape.released

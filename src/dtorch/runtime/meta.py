@@ -34,7 +34,7 @@ from .box import box_plan
 from .cow import private_copy, writable
 from .grids import global_to_grid, grid_gather, grid_slice, to_partial_grid
 from .kernels import Kernel, broadcast_shape, varying
-from .tapes import RELEASE_NUMEL, Refetch, as_views, drop_output_values, drop_values, saved_tensors
+from .tapes import Leaves, as_views, drop_output_values, run_keeping_graph, saved_tensors
 
 
 class _Storage:
@@ -342,16 +342,7 @@ class _MetaExecutable(Executable):
             return None
         if self.rt.on_kernel is not None:
             self._report("forward", kwargs, device_args)
-        leaves = []
-        refetched_leaves = []
-
-        def leaf(i, x):
-            if diff[i]:
-                x = x.detach().requires_grad_()
-                leaves.append(x)
-                if i in refetch:
-                    refetched_leaves.append(x)
-            return x
+        leaf = Leaves(diff, refetch)
 
         try:
             with torch.enable_grad(), _AttentionAsOnCpu():
@@ -360,32 +351,23 @@ class _MetaExecutable(Executable):
                 else:
                     xs, kw = self._box_inputs(kwargs, device_args, leaf)
                 views = as_views(xs)
-                if refetch:
-                    hooks = Refetch(xs, refetch)
-                    with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
-                        out = self.kernel.fn(*xs, **kw)
-                    hooks.done_packing()
-                else:
-                    out = self.kernel.fn(*xs, **kw)
+                out, _ = run_keeping_graph(self.kernel.fn, xs, kw, refetch)
         except Exception:  # noqa: BLE001  (as in run: the backward then recomputes, keeping the inputs)
             return None
         outs = out if isinstance(out, tuple) else (out,)
         res = self._outputs(outs) if box is None else [_handle(s) for s in self.out_specs]
         nd = self.nd
-        grid = broadcast_shape([x.shape[:nd] for x in leaves + xs]
+        grid = broadcast_shape([x.shape[:nd] for x in leaf.all + xs]
                                + [v.shape for v in kw.values() if isinstance(v, torch.Tensor) and v.ndim == nd])
         measured = None
         if self.rt.measure_tapes:
             measured = ({_storage(t) for t in xs}, tuple(_storage(y) for y in outs))
         del xs, out
-        for t in leaves:
-            if t.numel() >= RELEASE_NUMEL or any(t is r for r in refetched_leaves):
-                drop_values(t)
-        del refetched_leaves
+        leaf.release()
         drop_output_values(outs)
         released = tuple(i for i, ref in views if ref() is None)
         call = (kwargs, device_args) if self.rt.on_kernel is not None else None
-        return res, _MetaTape(leaves, outs, grid, released, measured, call)
+        return res, _MetaTape(leaf.all, outs, grid, released, measured, call)
 
     def vjp_tracked(self, tape, cotangents, ct_specs, has_ct, grad_specs, refetched=None) -> list:
         if self.rt.on_kernel is not None:

@@ -131,3 +131,40 @@ class Refetch:
     def done_packing(self) -> None:
         """The forward ran: storage identities may be reused from now on."""
         self.storages = None
+
+
+class Leaves:
+    """The differentiated inputs of a kept local graph, made as the kernel's inputs are read (``leaf(i, x)``:
+    input ``i`` detached into a leaf where ``diff[i]``), and what the run lets go of after it (``release``)."""
+
+    __slots__ = ("diff", "refetch", "all", "refetched")
+
+    def __init__(self, diff, refetch):
+        self.diff, self.refetch, self.all, self.refetched = diff, refetch, [], []
+
+    def __call__(self, i, x):
+        if self.diff[i]:
+            x = x.detach().requires_grad_()
+            self.all.append(x)
+            if i in self.refetch:
+                self.refetched.append(x)
+        return x
+
+    def release(self) -> None:
+        """Drop the values of the big leaves and of the refetched ones (the graph saved places for those)."""
+        for t in self.all:
+            if t.numel() >= RELEASE_NUMEL or any(t is r for r in self.refetched):
+                drop_values(t)
+        self.refetched = []
+
+
+def run_keeping_graph(fn, xs: list, kwargs: dict, refetch):
+    """``fn(*xs, **kwargs)`` as torch records it; with ``refetch`` positions the graph saves places for those
+    inputs instead of them (``Refetch``). Returns (the output, the hooks or None)."""
+    if not refetch:
+        return fn(*xs, **kwargs), None
+    hooks = Refetch(xs, refetch)
+    with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+        out = fn(*xs, **kwargs)
+    hooks.done_packing()
+    return out, hooks
