@@ -243,9 +243,7 @@ class Worker(Collectives):
     def on_kernel(self, r: rec.Kernel):
         _, seq, pid, in_ids, out_ids, kwargs, dev_kw = r
         k, lead, shapes = self.defs[pid]
-        kw = dict(kwargs, **dev_kw) if dev_kw else kwargs
-        if lead:
-            kw = dict(kw, lead=0)
+        kw = _call_kwargs(kwargs, dev_kw, lead)
         t = self.t
         out = k.fn(*[t[i] for i in in_ids], **kw)
         self.kernels_run += 1
@@ -260,9 +258,7 @@ class Worker(Collectives):
         """In place into block ``tid``; copy-on-write when another id holds the same tensor or storage."""
         _, seq, pid, tid, in_ids, kwargs, dev_kw = r
         k, lead, _ = self.defs[pid]
-        kw = dict(kwargs, **dev_kw) if dev_kw else kwargs
-        if lead:
-            kw = dict(kw, lead=0)
+        kw = _call_kwargs(kwargs, dev_kw, lead)
         if not writable(self.t[tid]):
             self.t[tid] = private_copy(self.t[tid])
         k.fn(self.t[tid], *[self.t[i] for i in in_ids], **kw)
@@ -302,3 +298,10 @@ def trim_allocator() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def _call_kwargs(kwargs: dict, dev_kw, lead: bool) -> dict:
+    """A kernel's keywords on this worker: the record's, this device's own, and ``lead=0`` for kernels that
+    take the leading grid dims (a worker holds one block: none)."""
+    kw = dict(kwargs, **dev_kw) if dev_kw else kwargs
+    return dict(kw, lead=0) if lead else kw
