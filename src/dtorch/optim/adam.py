@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import capture
 from ..autograd.kernel_entry import write_local
 from ..ops.pointwise import addcmul, maximum
 from ..runtime.kernels import kernel
@@ -54,10 +55,12 @@ class Adam(Optimizer):
                     if amsgrad:
                         state["max_exp_avg_sq"] = zeros_state(p)
                 exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-                state["step"] += 1
+                capture.effect(_count_step, state)
                 if not amsgrad and _same_layout(p, grad, exp_avg, exp_avg_sq):
-                    _fused_update(p, grad, exp_avg, exp_avg_sq, state["step"].item(), lr, beta1, beta2, eps, decay)
+                    _fused_update(p, grad, exp_avg, exp_avg_sq, group, state, decay)
                     continue
+                capture.refuse(f"dtorch.optim.{type(self).__name__}'s unfused update (amsgrad, or states laid out "
+                               "unlike their parameter) hands its step-dependent scalars to ops as Python values")
                 if decay != 0:
                     p.mul_(1 - lr * decay)
                 exp_avg.lerp_(grad, 1 - beta1)
@@ -125,12 +128,25 @@ def _write(kern, target, inputs, **kw) -> None:
     write_local(f"optim.{kern.name}", kern, target, inputs, kw)
 
 
-def _fused_update(p, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, decoupled_decay) -> None:
-    """torch's ``_single_tensor_adam`` on every device's blocks of ``p`` and its states, which share ``p``'s
-    layout: no communication, three in-place passes (``decoupled_decay``: AdamW's weight decay, else 0)."""
-    _write(_avg_kernel, exp_avg, [grad], beta1=beta1)
-    _write(_sq_kernel, exp_avg_sq, [grad], beta2=beta2)
+def _count_step(state) -> None:
+    state["step"] += 1
+
+
+def _param_scalars(group, state, decoupled_decay) -> dict:
+    """The last pass's scalars: they change with the step count and the lr (a step capture recomputes them at
+    each replay: ``dtorch.capture.live``)."""
+    lr, (beta1, beta2), step = hyperparameter(group["lr"]), group["betas"], state["step"].item()
     bias_correction1 = 1 - beta1 ** step
     bias_correction2 = 1 - beta2 ** step
-    _write(_param_kernel, p, [exp_avg, exp_avg_sq], decay=1 - lr * decoupled_decay, step_size=lr / bias_correction1,
-           bias_correction2_sqrt=bias_correction2 ** 0.5, eps=eps)
+    return dict(decay=1 - lr * decoupled_decay, step_size=lr / bias_correction1,
+                bias_correction2_sqrt=bias_correction2 ** 0.5, eps=group["eps"])
+
+
+def _fused_update(p, grad, exp_avg, exp_avg_sq, group, state, decoupled_decay) -> None:
+    """torch's ``_single_tensor_adam`` on every device's blocks of ``p`` and its states, which share ``p``'s
+    layout: no communication, three in-place passes (``decoupled_decay``: AdamW's weight decay, else 0)."""
+    beta1, beta2 = group["betas"]
+    _write(_avg_kernel, exp_avg, [grad], beta1=beta1)
+    _write(_sq_kernel, exp_avg_sq, [grad], beta2=beta2)
+    write_local("optim.adamw_param", _param_kernel, p, [exp_avg, exp_avg_sq],
+                capture.live(_param_scalars, group, state, decoupled_decay))

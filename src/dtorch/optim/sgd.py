@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import capture
 from .optimizer import Optimizer, check_hyperparameters, hyperparameter, as_state
 
 
@@ -43,5 +44,10 @@ class SGD(Optimizer):
                     else:
                         buf.mul_(momentum).add_(grad, alpha=1 - dampening)
                     grad = grad.add(buf, alpha=momentum) if nesterov else buf
-                p.add_(grad, alpha=-lr)
+                p.add_(grad, alpha=capture.live(_step_scale, group))
         return loss
+
+
+def _step_scale(group) -> float:
+    """-lr, read at each step (a step capture recomputes it at each replay: ``dtorch.capture.live``)."""
+    return -hyperparameter(group["lr"])

@@ -1,0 +1,141 @@
+"""A recorded step as one straight-line Python function: the replay.
+
+The recorder's entries become source lines, one call each, with every slot a local variable and every constant
+(an executable, a kernel's kwargs, a spec) a global of the function. The host entries (torch ops on the step's
+torch inputs, and the guards on values Python read from them) come first: a guard that fails raises ``Miss``
+before any device work, so nothing has changed when the step is traced again. A slot is deleted right after its
+last use, so a replay holds no value longer than eager did (an activation dies with its last reader, a local
+autograd graph with its backward).
+"""
+from __future__ import annotations
+
+from .. import commlog
+from .host import same
+from .record import Entry, Slot
+
+
+class Miss(Exception):
+    """A guard of the replay failed (a value Python read is not what the trace read): trace again."""
+
+
+class Unreplayable(Exception):
+    """The recorded program cannot be replayed (the reason, in the user's terms)."""
+
+
+def _slots(x, out: list) -> list:
+    t = type(x)
+    if t is Slot:
+        out.append(x.k)
+    elif t in (list, tuple):
+        for v in x:
+            _slots(v, out)
+    elif t is dict:
+        for v in x.values():
+            _slots(v, out)
+    return out
+
+
+class _Source:
+    def __init__(self):
+        self.lines: list[str] = []
+        self.consts: dict = {}
+        self._ids: dict = {}
+
+    def const(self, obj) -> str:
+        name = self._ids.get(id(obj))
+        if name is None:
+            name = self._ids[id(obj)] = f"c{len(self.consts)}"
+            self.consts[name] = obj
+        return name
+
+    def expr(self, x) -> str:
+        t = type(x)
+        if t is Slot:
+            return f"s{x.k}"
+        if not _slots(x, []):
+            return self.const(x)
+        if t is list:
+            return "[" + ", ".join(self.expr(v) for v in x) + "]"
+        if t is tuple:
+            return "(" + "".join(self.expr(v) + ", " for v in x) + ")"
+        return "{" + ", ".join(f"{self.const(k)}: {self.expr(v)}" for k, v in x.items()) + "}"
+
+    def target(self, out) -> str:
+        if out is None:
+            return "_"
+        if type(out) is Slot:
+            return f"s{out.k}"
+        return "[" + "".join(self.target(v) + ", " for v in out) + "]"
+
+    def call(self, e: Entry) -> str:
+        f = self.const(e.target) + ("" if e.method is None else f".{e.method}")
+        args = ", ".join([self.expr(a) for a in e.args] + [f"**{self.expr(e.kwargs)}"] if e.kwargs else
+                         [self.expr(a) for a in e.args])
+        return f"{f}({args})"
+
+
+def build(entries: list[Entry], inputs: list[Slot], results: list[Slot]):
+    """The replay function ``run(X) -> results``: ``X`` holds the values of ``inputs`` (bound by the caller)."""
+    host = [e for e in entries if e.kind in ("host", "guard")]
+    rest = [e for e in entries if e.kind not in ("host", "guard")]
+    host = _live_host(host, rest, results)
+    host_made = {k for e in host for k in _slots(e.out, [])} | {s.k for s in inputs}
+    for e in host:
+        if not set(_slots((e.args, e.kwargs), [])) <= host_made:
+            raise Unreplayable("host torch code uses a value the step computed on the devices or an optimizer's "
+                               "live value")
+    order = host + rest
+    last: dict = {}  # slot -> index of the entry that reads it last
+    for n, e in enumerate(order):
+        for k in _slots((e.args, e.kwargs), []):
+            last[k] = n
+    keep = {s.k for s in results}
+    src = _Source()
+    src.consts.update(_Miss=Miss, _same=same, _commlog=commlog)
+    body = ["def run(X):"]
+    body += [f"    s{s.k} = X[{n}]" for n, s in enumerate(inputs)]
+    body.append("    del X")
+    dead_inputs = [s.k for s in inputs if s.k not in last and s.k not in keep]
+    if dead_inputs:
+        body.append("    del " + ", ".join(f"s{k}" for k in dead_inputs))
+    for n, e in enumerate(order):
+        if e.kind == "guard":
+            body.append(f"    if not _same({src.call(e)}, {src.const(e.out)}): raise _Miss({src.const(_describe(e))})")
+        elif e.kind == "log":
+            body.append(f"    if _commlog.is_recording(): {src.call(e)}")
+        else:
+            body.append(f"    {src.target(e.out)} = {src.call(e)}")
+        dead = [k for k in _slots((e.args, e.kwargs), []) if last.get(k) == n and k not in keep]
+        dead += [k for k in _slots(e.out, []) if e.kind != "guard" and k not in last and k not in keep]
+        if dead:
+            body.append("    del " + ", ".join(f"s{k}" for k in dict.fromkeys(dead)))
+    body.append("    return (" + "".join(f"s{s.k}, " for s in results) + ")")
+    source = "\n".join(body)
+    namespace = dict(src.consts)
+    exec(compile(source, "<dtorch.compile replay>", "exec"), namespace)
+    run = namespace["run"]
+    run.source = source
+    return run
+
+
+# host ops with an effect besides their output: a draw advances the generator even when its value goes unused
+_DRAWS = {"normal_", "uniform_", "bernoulli_", "bernoulli", "random_", "exponential_", "geometric_", "cauchy_",
+          "log_normal_", "rand", "randn", "randint", "randperm", "multinomial", "rand_like", "randn_like",
+          "randint_like", "poisson", "dropout"}
+
+
+def _live_host(host: list, rest: list, results: list) -> list:
+    """The host entries a replay needs: those whose values reach the devices, a guard or a result, the guards,
+    and the random draws (the rules' own scratch tensors of the first call are dropped)."""
+    needed = {k for e in rest for k in _slots((e.args, e.kwargs), [])} | {s.k for s in results}
+    keep = []
+    for e in reversed(host):
+        if e.kind == "guard" or getattr(e.target, "__name__", "") in _DRAWS or set(_slots(e.out, [])) & needed:
+            keep.append(e)
+            needed |= set(_slots((e.args, e.kwargs), []))
+    return keep[::-1]
+
+
+def _describe(e: Entry) -> str:
+    name = getattr(e.target, "__name__", repr(e.target))
+    return f"a value Python read from the step's torch inputs ({name}) changed"
