@@ -86,15 +86,22 @@ def hf_bf16_step(master, opt, ids):
     return step
 
 
-def dt_step(model, opt, ids, micro: int, graph):
+def train_step(model, opt, ids, micro: int):
+    if micro > 1:
+        loss = one_f_one_b(model, split_micro_batches(ids, ids, chunks=micro))
+    else:
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def dt_step(model, opt, ids, micro: int, graph, compiled: bool = False):
+    fn = dtorch.compile(train_step) if compiled else train_step
+
     def step():
-        if micro > 1:
-            loss = one_f_one_b(model, split_micro_batches(ids, ids, chunks=micro))
-        else:
-            loss = model(ids, labels=ids).loss
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
+        loss = fn(model, opt, ids, micro)
         graph.sync()
         return loss
     return step
@@ -111,13 +118,22 @@ def run_layout(name: str, batch: int, args, hf_base) -> dict:
     kw = {"mp_policy": dtorch.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
     model = LlamaForCausalLM(cfg, mesh, **kw)
     model.load_state_dict(hf.state_dict())
+    if args.compile:  # a second model for the compiled step (its own optimizer states)
+        model_c = LlamaForCausalLM(cfg, mesh, **kw)
+        model_c.load_state_dict(hf.state_dict())
     ids = torch.randint(0, cfg.vocab_size, (batch, args.seq), generator=torch.Generator().manual_seed(1))
     hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, foreach=False)
     dt_opt = dtorch.optim.AdamW(model.parameters(), lr=1e-4)
     graph = dtorch.default_graph()
     steps = {"hf": hf_bf16_step(hf, hf_opt, ids) if bf16 else hf_step(hf, hf_opt, ids, micro),
              "dtorch": dt_step(model, dt_opt, ids, micro, graph)}
+    if args.compile:
+        steps["compiled"] = dt_step(model_c, dtorch.optim.AdamW(model_c.parameters(), lr=1e-4), ids, micro, graph,
+                                    compiled=True)
     first = {k: float(f().item()) for k, f in steps.items()}  # warm: plans, optimizer states
+    if args.compile:
+        for _ in range(2):  # the compiled step traces its first two calls (the optimizer's first step makes state)
+            steps["compiled"]()
     times = {k: [] for k in steps}
     for _ in range(args.repeats):
         for k, f in steps.items():
@@ -132,7 +148,7 @@ def run_layout(name: str, batch: int, args, hf_base) -> dict:
         peak = max(s["peak"] for s in graph.get_memory_stats(mesh).values())
         graph.track_memory(False)
     return {"hf": med["hf"], "dtorch": med["dtorch"], "ratio": med["dtorch"] / med["hf"], "first": first,
-            "peak": peak}
+            "peak": peak, "compiled": med.get("compiled")}
 
 
 def main(argv=None):
@@ -150,6 +166,9 @@ def main(argv=None):
                     help="cpu: the process's CPU time (one torch thread: robust to other processes on a shared "
                          "machine); wall: elapsed time")
     ap.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory-tracked step")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time the step under dtorch.compile (a second model, the same weights): eager and "
+                         "compiled in one command")
     args = ap.parse_args(argv)
     layouts = args.layouts.split(",")
     for name in layouts:
@@ -163,13 +182,15 @@ def main(argv=None):
     n = sum(p.numel() for p in hf_base.parameters())
     print(f"Llama {n / 1e6:.1f} M params, {args.layers} layers, hidden {args.hidden}, seq {args.seq}, "
           f"torch threads {torch.get_num_threads()}, median of {args.repeats}, {args.clock} time")
-    print(f"| layout | batch | HF s | dtorch s | dtorch / HF | first loss HF / dtorch | peak MiB/device |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    extra = " compiled s | compiled / HF |" if args.compile else ""
+    print(f"| layout | batch | HF s | dtorch s | dtorch / HF |{extra} first loss HF / dtorch | peak MiB/device |")
+    print("|---|---:|---:|---:|---:|" + ("---:|---:|" if args.compile else "") + "---:|---:|")
     for batch in [int(b) for b in args.batches.split(",")]:
         for name in layouts:
             r = run_layout(name, batch, args, hf_base)
             peak = "" if r["peak"] is None else f"{r['peak'] / MiB:.1f}"
-            print(f"| {name} | {batch} | {r['hf']:.3f} | {r['dtorch']:.3f} | {r['ratio']:.2f} | "
+            comp = "" if r["compiled"] is None else f" {r['compiled']:.3f} | {r['compiled'] / r['hf']:.2f} |"
+            print(f"| {name} | {batch} | {r['hf']:.3f} | {r['dtorch']:.3f} | {r['ratio']:.2f} |{comp} "
                   f"{r['first']['hf']:.4f} / {r['first']['dtorch']:.4f} | {peak} |", flush=True)
 
 

@@ -131,7 +131,6 @@ class Compiled:
         if graph is None:
             return "no dtorch tensor, module or default Graph found: the function runs eagerly"
         key = _key(graph, args, kwargs)
-        self._traces.pop(key, None)
         self._trace(graph, key, args, kwargs)
         trace = self._traces.get(key)
         if trace is None:

@@ -129,12 +129,21 @@ class Recorder:
         return out
 
     def note_effect(self, fn, args) -> None:
-        self.entries.append(Entry("effect", fn, None, self.template(args), {}, None))
+        self.entries.append(Entry("effect", fn, None, self._by_reference(args), {}, None))
 
     def note_live(self, value, fn, args) -> None:
         s = self.new_slot(value)
         self._live[id(value)] = (value, s)
-        self.entries.append(Entry("live", fn, None, self.template(args), {}, s))
+        self.entries.append(Entry("live", fn, None, self._by_reference(args), {}, s))
+
+    def _by_reference(self, args) -> tuple:
+        """An effect's or live value's arguments: the objects themselves (a replay must read their state then,
+        not a copy made now), live values as their slots."""
+        out = []
+        for a in args:
+            got = self._live.get(id(a))
+            out.append(got[1] if got is not None and got[0] is a else a)
+        return tuple(out)
 
     def note_refusal(self, reason: str) -> None:
         self.refusals.append(f"{reason} (at {_user_frame()})")

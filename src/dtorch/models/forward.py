@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import capture
 from ..autograd.mode import is_grad_enabled
 from ..errors import DTorchError
 from ..placement import Partial, Replicate
@@ -141,6 +142,9 @@ def forward_with_arguments(model, input_ids, attention_mask=None, position_ids=N
     elif cache is not None:
         grow = getattr(cache, "_growable", False)
     if cache is not None:
+        # the cache's write position is Python state (``_next``) a replay would not advance
+        capture.refuse("the forward uses a KV cache, whose write position is Python state a replay does not advance: "
+                       "decode steps run eagerly under dtorch.compile")
         cache._growable = grow
         if cache._model is not model.model:
             raise GenerationError("past_key_values was made for another model")

@@ -1,0 +1,125 @@
+"""dtorch.compile against eager dtorch and torch, in one process (issue 24's speed figures).
+
+- ``add``: a loop of element-wise adds on a small tensor (1-device and 8-device meshes), eager dtorch and a
+  ``dtorch.compile``d loop, each against the same loop in torch.
+- ``train``: the ``dtorch train`` default model (4 layers, hidden 128, 8 heads / 4 kv heads, vocab 256: 0.8 M
+  parameters; batch 8 x seq 64): forward with labels, backward, AdamW, zero_grad. Hugging Face + torch.optim.AdamW
+  on one device = 1; dtorch eager and compiled, on one device and on 16 simulated devices (dp2 x tp2 x pp2 x
+  ulysses2). Each compiled step is checked to give the eager step's loss bit for bit.
+
+Timed alternately (median of --repeats windows), torch on one thread, process CPU time (other processes on a
+shared machine hardly move the ratios).
+
+    .venv/bin/python bench/compile_step.py [--only add|train] [--repeats 5]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+import dtorch
+from dtorch.models.llama import LlamaForCausalLM
+
+CLOCK = time.process_time
+
+
+def timed(fns: dict, repeats: int, n: int) -> dict:
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            t0 = CLOCK()
+            for _ in range(n):
+                f()
+            times[k].append((CLOCK() - t0) / n)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bench_add(repeats: int) -> None:
+    adds = 50
+    print(f"\n## tiny add: a loop of {adds} adds on a [8, 8] float32 tensor, seconds per loop (ratio to torch)\n")
+    print("| mesh | torch | dtorch eager | dtorch.compile |")
+    print("|---|---:|---:|---:|")
+    x = torch.randn(8, 8)
+
+    def loop(a, b):
+        for _ in range(adds):
+            a = a + b
+        return a
+
+    for name, mesh in (("1 device", dtorch.DeviceMesh("cpu")),
+                       ("8 devices (Shard(0))", dtorch.init_device_mesh("cpu", (8,), mesh_dim_names=["dp"]))):
+        placements = [dtorch.Shard(0)] * mesh.ndim if mesh.size() > 1 else [dtorch.Replicate()]
+        a = dtorch.Tensor(x, device_mesh=mesh, placements=placements)
+        b = dtorch.Tensor(x, device_mesh=mesh, placements=placements)
+        compiled = dtorch.compile(loop)
+        assert torch.equal(compiled(a, b).to_torch(), loop(a, b).to_torch())
+        assert torch.equal(compiled(a, b).to_torch(), loop(x, x))
+        t = timed({"torch": lambda: loop(x, x), "eager": lambda: loop(a, b), "compiled": lambda: compiled(a, b)},
+                  repeats, 200)
+        print(f"| {name} | {t['torch'] * 1e6:.0f} us | {t['eager'] * 1e6:.0f} us ({t['eager'] / t['torch']:.2f}x) | "
+              f"{t['compiled'] * 1e6:.0f} us ({t['compiled'] / t['torch']:.2f}x) |", flush=True)
+
+
+def train_step(model, opt, ids):
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def bench_train(repeats: int) -> None:
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=8,
+                                   num_key_value_heads=4, vocab_size=256, max_position_embeddings=128)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg)
+    n = sum(p.numel() for p in hf.parameters())
+    ids = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(1))
+    hf_opt = torch.optim.AdamW(hf.parameters(), lr=1e-4, foreach=False)
+    print(f"\n## train step: Llama {n / 1e6:.2f} M parameters, batch 8 x seq 64, seconds per step (ratio to HF)\n")
+    print("| mesh | HF + torch AdamW | dtorch eager | dtorch.compile | compiled loss == eager loss |")
+    print("|---|---:|---:|---:|---|")
+    meshes = (("1 device", dtorch.DeviceMesh("cpu")),
+              ("16 devices: dp2 x tp2 x pp2 x ulysses2",
+               dtorch.init_device_mesh("cpu", (2, 2, 2, 2), mesh_dim_names=["dp", "tp", "pp", "ulysess_cp"])))
+    for name, mesh in meshes:
+        models = []
+        for _ in range(2):
+            m = LlamaForCausalLM(cfg, mesh)
+            m.load_state_dict(hf.state_dict())
+            models.append((m, dtorch.optim.AdamW(m.parameters(), lr=1e-4)))
+        (m_e, o_e), (m_c, o_c) = models
+        compiled = dtorch.compile(train_step)
+        same = all(torch.equal(train_step(m_e, o_e, ids).to_torch(), compiled(m_c, o_c, ids).to_torch())
+                   for _ in range(4))
+        h = copy.deepcopy(hf)
+        h_opt = torch.optim.AdamW(h.parameters(), lr=1e-4, foreach=False)
+        t = timed({"hf": lambda: train_step(h, h_opt, ids), "eager": lambda: train_step(m_e, o_e, ids),
+                   "compiled": lambda: compiled(m_c, o_c, ids)}, repeats, 3)
+        print(f"| {name} | {t['hf'] * 1e3:.1f} ms | {t['eager'] * 1e3:.1f} ms ({t['eager'] / t['hf']:.2f}x) | "
+              f"{t['compiled'] * 1e3:.1f} ms ({t['compiled'] / t['hf']:.2f}x) | {same} "
+              f"({compiled.stats['replays']} replays, {compiled.stats['traces']} traces) |", flush=True)
+    del hf_opt
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", choices=("add", "train"))
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.only in (None, "add"):
+        bench_add(args.repeats)
+    if args.only in (None, "train"):
+        bench_train(args.repeats)
+
+
+if __name__ == "__main__":
+    main()
