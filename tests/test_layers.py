@@ -22,7 +22,7 @@ MAX_LINES = 600
 # the bottom of the stack: pure metadata, and leaves importing nothing of dtorch (CommLog's recorder, the
 # future of an asynchronous read, the bounded LRU of the plan caches)
 BASE = ("dtorch.errors", "dtorch.placement", "dtorch.mesh", "dtorch.spec", "dtorch.context", "dtorch.distributed_spec",
-        "dtorch.commlog", "dtorch.future", "dtorch._lru")
+        "dtorch.commlog", "dtorch.future", "dtorch._lru", "dtorch.capture")
 
 # docs/internals.md's picture, top first: (the label that starts its line in the picture, the modules of the layer)
 STACK = (
@@ -30,7 +30,8 @@ STACK = (
     ("dtorch.rl, dtorch.plan", ("dtorch.rl", "dtorch.plan")),
     ("dtorch.models", ("dtorch.models",)),
     ("dtorch/__init__", ("dtorch",)),  # the package itself (the public API), not its modules: see _layer
-    ("dtorch.nn, dtorch.optim", ("dtorch.nn", "dtorch.optim", "dtorch.pipeline", "dtorch.testing", "dtorch.visualize")),
+    ("dtorch.nn, dtorch.optim", ("dtorch.nn", "dtorch.optim", "dtorch.pipeline", "dtorch.testing", "dtorch.visualize",
+                                 "dtorch.compile")),
     ("ops/", ("dtorch.ops",)),
     ("autograd/", ("dtorch.autograd",)),
     ("tensor.py", ("dtorch.tensor",)),

@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--selective-ac", type=int, metavar="N", default=None,
                    help="selective activation checkpointing: recompute only every N-th layer in the backward")
     t.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the batches")
+    t.add_argument("--eager", action="store_true", help="run every step eagerly (default: the step is traced once "
+                   "with dtorch.compile and replayed, with the same numbers)")
     o = p.add_argument_group("output")
     o.add_argument("--save", metavar="DIR", help="write a Hugging Face checkpoint (safetensors, generation config and "
                    "a byte-level tokenizer.json) here, for dtorch generate --model DIR (default: none)")
@@ -189,6 +191,7 @@ def train(args, progress: bool = True) -> TrainResult:
     batches = byte_batches(data, args.batch, args.seq, gen)
     losses = []
     measured = None
+    step_fn = train_step if args.eager else dtorch.compile(train_step)
     bar = tqdm(range(args.steps), desc="training", unit="step", file=sys.stdout, dynamic_ncols=True,
                disable=not progress)
     t_start = time.perf_counter()
@@ -199,11 +202,7 @@ def train(args, progress: bool = True) -> TrainResult:
         if last:  # the final step is the one measured: memory and communication
             graph.track_memory()
             log = dtorch.CommLog().__enter__()
-        loss = model(ids, labels=labels).loss
-        loss.backward()
-        if args.clip > 0:
-            dtorch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
+        loss = step_fn(model, opt, ids, labels, args.clip)  # (the measured step runs eagerly: memory is tracked)
         if last:
             log.__exit__(None, None, None)
             peaks = {dev: st["peak"] for (_, dev), st in graph.get_memory_stats(mesh).items()}
@@ -217,6 +216,16 @@ def train(args, progress: bool = True) -> TrainResult:
     bar.close()
     elapsed = time.perf_counter() - t_start
     return TrainResult(model, opt, cfg, losses, elapsed, tokens, *measured)
+
+
+def train_step(model, opt, ids, labels, clip: float):
+    """Forward with labels, backward, gradient clipping, AdamW: what ``dtorch train`` compiles."""
+    loss = model(ids, labels=labels).loss
+    loss.backward()
+    if clip > 0:
+        dtorch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return loss
 
 
 def run(args) -> int:
