@@ -327,3 +327,24 @@ def test_bad_arguments_are_clear():
         dtorch.compile(lambda: None, backend="xla")
     with pytest.raises(TypeError, match="function"):
         dtorch.compile(3)
+    with pytest.raises(NotImplementedError, match="inductor"):
+        dtorch.compile(lambda: None, backend="inductor")
+
+
+def test_view_arguments_and_in_place_writes_of_arguments_replay_as_eager():
+    mesh = _mesh(2)
+
+    def fn(base, v, w):
+        v.mul_(2)  # a write through a view: the base sees it
+        w.add_(1)  # an in-place write of an argument
+        return base.sum(1) + w.sum(1)
+
+    f = dtorch.compile(fn)
+    for _ in range(3):
+        x, y = torch.randn(4, 6), torch.randn(4, 3)
+        b1, b2 = _t(x, mesh, [Shard(0)]), _t(x, mesh, [Shard(0)])
+        w1, w2 = _t(y, mesh, [Shard(0)]), _t(y, mesh, [Shard(0)])
+        out1, out2 = fn(b1, b1[:, 1:3], w1), f(b2, b2[:, 1:3], w2)
+        assert torch.equal(out1.to_torch(), out2.to_torch())
+        assert torch.equal(b1.to_torch(), b2.to_torch()) and torch.equal(w1.to_torch(), w2.to_torch())
+        assert w1._version == w2._version

@@ -46,6 +46,9 @@ class Compiled:
     def __init__(self, fn, backend: str = "eager", max_traces: int = 8):
         if backend not in ("eager", "inductor"):
             raise ValueError(f"dtorch.compile: backend must be 'eager' or 'inductor', got {backend!r}")
+        if backend == "inductor":
+            raise NotImplementedError("dtorch.compile(backend='inductor') (each device's local program handed to "
+                                      "torch.compile) is not built yet; use the default backend='eager' replay")
         if not callable(fn):
             raise TypeError(f"dtorch.compile expects a function, got {type(fn).__name__}")
         self.fn = fn
@@ -90,7 +93,7 @@ class Compiled:
         real_runtime, real_log = graph.runtime, commlog.record
 
         def log(*a, **kw):
-            if not rec.inside:
+            if not rec.passthrough:
                 rec.note_log(a, kw)
             return real_log(*a, **kw)
 

@@ -58,7 +58,7 @@ class HostTracker(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         rec = self.rec
-        if rec.inside:  # a kernel running inside a recorded runtime call
+        if rec.passthrough:  # a kernel running inside a recorded runtime call, or another thread's work
             return func(*args, **kwargs)
         tracked = any(rec.slot_of(t) is not None for t in _tensors((args, kwargs), []))
         if not tracked and func not in _FACTORIES:

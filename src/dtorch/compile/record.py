@@ -11,6 +11,7 @@ Python state that ``dtorch.capture`` declares (effects, live values) too. A valu
 """
 from __future__ import annotations
 
+import threading
 import traceback
 import weakref
 
@@ -62,6 +63,12 @@ class Recorder:
         self._live = {}  # id(value) -> (value, Slot)
         self.refusals: list[str] = []
         self.inside = 0  # > 0 while a recorded call runs: the runtime's own calls, and its torch ops, are not ours
+        self.thread = threading.get_ident()  # another thread's calls on the Graph are not the step's
+
+    @property
+    def passthrough(self) -> bool:
+        """True for calls that are not the step's own (module doc): they run unrecorded."""
+        return self.inside > 0 or threading.get_ident() != self.thread
 
     # -- slots -------------------------------------------------------------------------------------
     def new_slot(self, obj) -> Slot:
@@ -129,9 +136,13 @@ class Recorder:
         return out
 
     def note_effect(self, fn, args) -> None:
+        if self.passthrough:
+            return
         self.entries.append(Entry("effect", fn, None, self._by_reference(args), {}, None))
 
     def note_live(self, value, fn, args) -> None:
+        if self.passthrough:
+            return
         s = self.new_slot(value)
         self._live[id(value)] = (value, s)
         self.entries.append(Entry("live", fn, None, self._by_reference(args), {}, s))
@@ -146,6 +157,8 @@ class Recorder:
         return tuple(out)
 
     def note_refusal(self, reason: str) -> None:
+        if self.passthrough:
+            return
         self.refusals.append(f"{reason} (at {_user_frame()})")
 
     def note_log(self, args, kwargs) -> None:
@@ -172,7 +185,7 @@ class RecordingRuntime:
     # -- compute -------------------------------------------------------------------------------------
     def executable(self, kernel, in_specs, out_specs):
         ex = self._real.executable(kernel, in_specs, out_specs)
-        if self._rec.inside:
+        if self._rec.passthrough:
             return ex
         wrapped = self._execs.get(id(ex))
         if wrapped is None or wrapped._ex is not ex:
@@ -184,7 +197,7 @@ class RecordingRuntime:
 
     def write(self, kernel, target, target_spec, inputs, in_specs, kwargs, device_args=None):
         r = self._rec
-        if r.inside:
+        if r.passthrough:
             return self._real.write(kernel, target, target_spec, inputs, in_specs, kwargs, device_args)
         tpl = (kernel, r.handle(target), target_spec, [r.handle(h) for h in inputs], in_specs, r.template(kwargs),
                device_args)
@@ -210,7 +223,7 @@ class RecordingRuntime:
     def _host_data(self, method, data, spec):
         r = self._rec
         args = (spec,) if data is None else (data, spec)
-        if r.inside:
+        if r.passthrough:
             return getattr(self._real, method)(*args)
         tpl = (spec,) if data is None else (r.host_value(data), spec)
         return r.call(self._real, method, args, None, tpl)
@@ -229,7 +242,7 @@ class RecordingRuntime:
         return self._real.local_blocks(handle, spec)
 
     def _read(self, what: str) -> None:
-        if not self._rec.inside:
+        if not self._rec.passthrough:
             self._rec.note_refusal(f"reads a value back to Python: {what}; a replay cannot give Python a new value "
                                    "(return the tensor and read it after the call)")
 
@@ -260,14 +273,14 @@ class RecordingRuntime:
 
     def move_into(self, moves):
         r = self._rec
-        if r.inside:
+        if r.passthrough:
             return self._real.move_into(moves)
         tpl = ([(r.handle(s), b, r.handle(t), a) for s, b, t, a in moves],)
         return r.call(self._real, "move_into", (list(moves),), None, tpl)
 
     def _one(self, method, handle, rest):
         r = self._rec
-        if r.inside:
+        if r.passthrough:
             return getattr(self._real, method)(handle, *rest)
         return r.call(self._real, method, (handle,) + rest, None, (r.handle(handle),) + rest)
 
@@ -284,21 +297,21 @@ class RecordingExecutable:
 
     def run(self, handles, kwargs, device_args=None):
         r = self._rec
-        if r.inside:
+        if r.passthrough:
             return self._ex.run(handles, kwargs, device_args)
         tpl = ([r.handle(h) for h in handles], r.template(kwargs), device_args)
         return r.call(self._ex, "run", (handles, kwargs, device_args), None, tpl)
 
     def run_tracked(self, handles, kwargs, device_args, diff, refetch=()):
         r = self._rec
-        if r.inside:
+        if r.passthrough:
             return self._ex.run_tracked(handles, kwargs, device_args, diff, refetch)
         tpl = ([r.handle(h) for h in handles], r.template(kwargs), device_args, diff, refetch)
         return r.call(self._ex, "run_tracked", (handles, kwargs, device_args, diff, refetch), None, tpl)
 
     def vjp_tracked(self, tape, cotangents, ct_specs, has_ct, grad_specs, refetched=None):
         r = self._rec
-        if r.inside:
+        if r.passthrough:
             return self._ex.vjp_tracked(tape, cotangents, ct_specs, has_ct, grad_specs, refetched)
         tpl = (r.handle(tape), [None if h is None else r.handle(h) for h in cotangents], ct_specs, has_ct, grad_specs,
                None if refetched is None else {k: r.handle(h) for k, h in refetched.items()})
