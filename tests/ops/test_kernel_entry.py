@@ -24,6 +24,9 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "dtorch"
 ENTRY = {"ops/dispatch.py", "autograd/kernel_entry.py"}
 # the recording half of dispatch: KernelNode runs its VJP kernel and keeps laid-out copies of its inputs
 RECORDING = {"autograd/dispatched.py"}
+# the step capture (dtorch.compile): while it traces, the Graph's runtime is its recorder, which hands every call
+# on to the real runtime; a replay runs the recorded calls again and wraps the outputs
+CAPTURE = {"compile/record.py", "compile/trace.py"}
 # modules whose ``_make`` wraps a handle that no kernel made
 WRAPS_NON_KERNEL_HANDLES = {
     "tensor.py": "defines _make; Tensor(torch_tensor) lays a value out (from_blocks)",
@@ -41,12 +44,12 @@ WRAPS_NON_KERNEL_HANDLES = {
     "autograd/tensor_methods.py": "detach: an alias",
 }
 PATTERNS = {
-    "run_local": (re.compile(r"\brun_local\("), set()),
+    "run_local": (re.compile(r"\brun_local\("), CAPTURE),
     "record_kernel": (re.compile(r"\brecord_kernel\("), {"ops/dispatch.py"} | RECORDING),
     "Executable.run": (re.compile(r"\.executable\([^)]*\)\s*\.run\(|\bex\.run\(|\.vjp_tracked\(|\.run_tracked\("),
-                       ENTRY | RECORDING),
+                       ENTRY | RECORDING | CAPTURE),
     "Runtime.write": (re.compile(r"\b(?:rt|runtime)\.write\("), ENTRY | {"ops/inplace.py"}),
-    "Tensor._make": (re.compile(r"\._make\("), ENTRY | RECORDING | set(WRAPS_NON_KERNEL_HANDLES)),
+    "Tensor._make": (re.compile(r"\._make\("), ENTRY | RECORDING | CAPTURE | set(WRAPS_NON_KERNEL_HANDLES)),
 }
 
 

@@ -114,6 +114,7 @@ class Compiled:
                 raise TraceError(hooks)
             if trace is not None:
                 trace.program = build(rec.entries, trace.inputs, trace.results)
+                trace.entries = rec.entries
         except (TraceError, Unreplayable) as exc:
             trace = Trace.eager(str(exc))
         finally:

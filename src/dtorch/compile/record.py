@@ -119,10 +119,15 @@ class Recorder:
             return got[1]
         t = type(x)
         if t is dict:
-            return {k: self.template(v) for k, v in x.items()}
-        if t in (list, tuple):
-            return t(self.template(v) for v in x)
-        return x
+            out = {k: self.template(v) for k, v in x.items()}
+        elif t in (list, tuple):
+            out = t(self.template(v) for v in x)
+        else:
+            return x
+        # the object itself when nothing in it is live: a plan's own kwargs dict stays that dict, which the
+        # in-process executables bind their kernel to (they recognise it by identity)
+        return x if all(a is b for a, b in zip(out.values() if t is dict else out, x.values() if t is dict else x)) \
+            else out
 
     # -- entries -------------------------------------------------------------------------------------
     def call(self, target, method, args, kwargs, tpl_args, tpl_kwargs=None, kind="device"):

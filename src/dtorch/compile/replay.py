@@ -91,24 +91,45 @@ def build(entries: list[Entry], inputs: list[Slot], results: list[Slot]):
             last[k] = n
     keep = {s.k for s in results}
     src = _Source()
-    src.consts.update(_Miss=Miss, _same=same, _commlog=commlog)
+    src.consts.update(_Miss=Miss, _same=same, _commlog=commlog, _gridof=_gridof)
     body = ["def run(X):"]
     body += [f"    s{s.k} = X[{n}]" for n, s in enumerate(inputs)]
     body.append("    del X")
     dead_inputs = [s.k for s in inputs if s.k not in last and s.k not in keep]
     if dead_inputs:
         body.append("    del " + ", ".join(f"s{k}" for k in dead_inputs))
+    grids = set()  # slots whose local holds a bare grid (the output of a lowered call), not a handle
+
+    def as_handles(ks):
+        for k in dict.fromkeys(ks):
+            if k in grids:
+                body.append(f"    s{k} = _Sh(grid=s{k})")
+                grids.discard(k)
+
     for n, e in enumerate(order):
-        if e.kind == "guard":
-            body.append(f"    if not _same({src.call(e)}, {src.const(e.out)}): raise _Miss({src.const(_describe(e))})")
-        elif e.kind == "log":
-            body.append(f"    if _commlog.is_recording(): {src.call(e)}")
+        lowered = _grid_call(e)
+        if lowered is not None:
+            f, several, handle_of, ex = lowered
+            src.consts["_Sh"] = handle_of  # (one backend per trace)
+            args = ", ".join(f"s{s.k}" if s.k in grids else f"_gridof(s{s.k}, {src.const(ex)}, {src.const(spec)})"
+                             for s, spec in zip(e.args[0], ex.in_specs))
+            body.append(f"    {src.target(e.out) if several else f's{e.out[0].k}'} = {src.const(f)}({args})")
+            grids.update(_slots(e.out, []))
         else:
-            body.append(f"    {src.target(e.out)} = {src.call(e)}")
+            as_handles(_slots((e.args, e.kwargs), []))
+            if e.kind == "guard":
+                body.append(f"    if not _same({src.call(e)}, {src.const(e.out)}): "
+                            f"raise _Miss({src.const(_describe(e))})")
+            elif e.kind == "log":
+                body.append(f"    if _commlog.is_recording(): {src.call(e)}")
+            else:
+                body.append(f"    {src.target(e.out)} = {src.call(e)}")
         dead = [k for k in _slots((e.args, e.kwargs), []) if last.get(k) == n and k not in keep]
         dead += [k for k in _slots(e.out, []) if e.kind != "guard" and k not in last and k not in keep]
         if dead:
             body.append("    del " + ", ".join(f"s{k}" for k in dict.fromkeys(dead)))
+            grids.difference_update(dead)
+    as_handles([s.k for s in results])
     body.append("    return (" + "".join(f"s{s.k}, " for s in results) + ")")
     source = "\n".join(body)
     namespace = dict(src.consts)
@@ -116,6 +137,23 @@ def build(entries: list[Entry], inputs: list[Slot], results: list[Slot]):
     run = namespace["run"]
     run.source = source
     return run
+
+
+def _grid_call(e: Entry):
+    """``(f, several outputs, handle of a grid, executable)`` when ``e`` is an executable's run the runtime can hand over as one bare
+    call on grids (the in-process backend's bound kernels: ``grid_call``), else None."""
+    if e.kind != "device" or e.method != "run" or not hasattr(e.target, "grid_call"):
+        return None
+    handles, kwargs, device_args = e.args
+    if _slots(kwargs, []) or any(type(h) is not Slot for h in handles):
+        return None
+    got = e.target.grid_call(kwargs, device_args)
+    return None if got is None else (got[0], got[1], got[2], e.target)
+
+
+def _gridof(h, ex, spec):
+    g = h.grid
+    return g if g is not None else ex.runtime().as_grid(h, spec)
 
 
 # host ops with an effect besides their output: a draw advances the generator even when its value goes unused

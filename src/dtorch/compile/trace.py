@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ..tensor import Tensor
 from .record import Recorder, Slot
+from .replay import build
 from .state import Found, at, roots, walk, writes
 
 _make = Tensor._make
@@ -44,6 +45,8 @@ class Trace:
         self.optimizers: list = []  # (optimizer, fingerprint)
         self.scalars: list = []  # (read(), value)
         self.counts = {}
+        self.entries = None  # the recorder's entries, until the program is built again (``replay``)
+        self.replays = 0
 
     @classmethod
     def eager(cls, reason: str) -> "Trace":
@@ -70,6 +73,12 @@ class Trace:
 
     # -- replay ------------------------------------------------------------------------------------------
     def replay(self, graph, args, kwargs):
+        if self.replays == 1 and self.entries is not None:
+            # built again once the executables have seen their kwargs twice (trace, first replay) and bound their
+            # kernels: the bound ones then run as bare calls on grids (replay.build)
+            self.program = build(self.entries, self.inputs, self.results)
+            self.entries = None
+        self.replays += 1
         both = (args, kwargs)
         xs = []
         for kind, where in self.bindings:

@@ -354,8 +354,18 @@ class _Executable(TrackedRuns, Executable):
         if f is None:
             f = functools.partial(self.fn, lead=lead, **kwargs) if self.wants_lead else functools.partial(self.fn, **kwargs)
         self.binding = (kwargs, f)
+        self.tuple_out = tuple_out
         if self.in_specs:  # the executable specialises itself: run is the bound call from now on
             self.run = _bound_run(self, f, kwargs, len(self.in_specs), tuple_out)
+
+    def grid_call(self, kwargs, device_args):
+        """``(f, several outputs, handle of a grid)``: the torch call this executable makes on the grids once bound
+        to ``kwargs``, for a step replay to call directly, grids in and out (dtorch.compile), and how a grid
+        becomes a handle again; None when it is not bound to them."""
+        kw, f = self.binding
+        if self.direct and not device_args and self.in_specs and kw is kwargs and f is not None:
+            return f, self.tuple_out, Shards
+        return None
 
     def _grid_inputs(self, handles, kwargs, device_args, leaf=None):
         """The kernel's grid inputs and keyword arguments (per-device values as grid-shaped tensors);
