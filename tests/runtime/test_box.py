@@ -7,9 +7,10 @@ import torch
 import transformers
 
 import dtorch
-from dtorch import Shard
+from dtorch import Partial, Shard
 from dtorch.models.llama import LlamaForCausalLM
 from dtorch.runtime import inprocess
+from sweep import distribute
 
 from ..models.test_llama import Layout, make_config
 from ..models.test_llama_train import TOL, _batch, _compare_grads
@@ -110,3 +111,29 @@ def test_conv_and_pool_with_empty_blocks_run_on_the_box_and_match_torch(batch, d
         torch.testing.assert_close(got.grad.to_torch(), r.grad, msg=lambda m: f"gradient of input {k}: {m}")
     # (an idle device builds its halo-extended block alone: padding where its block is empty)
     assert [c for c in device_calls if c[0].removeprefix("vjp:") in ("conv.conv", "pool.pool")] == []
+
+
+@pytest.mark.parametrize("op", ["avg", "max"])
+def test_a_non_sum_partial_with_empty_blocks_runs_on_the_box_and_matches_torch(op, device_calls):
+    """x [S(0), P(op)] with one row over 2: the busy devices' terms differ, the idle ones hold no row. The box
+    never takes an idle device's term for zero (their outputs are empty); values and gradients are torch's."""
+    mesh = dtorch.init_device_mesh("cpu", (2, 2))
+    gen = torch.Generator().manual_seed(0)
+    x_ref, w_ref = (torch.randn(s, generator=gen, dtype=torch.float64, requires_grad=True) for s in ((1, 5), (3, 5)))
+    x = distribute(x_ref.detach(), mesh, [Shard(0), Partial(op)], seed=1).requires_grad_()
+    w = dtorch.from_torch(w_ref.detach(), device_mesh=mesh, placements=[dtorch.Replicate()] * 2).requires_grad_()
+
+    def net(x, w):  # (the linear keeps P(avg), amax P(max); exp needs the value: a reduction first)
+        y = torch.nn.functional.linear(x, w) if op == "avg" else x.amax(-1, keepdim=True)
+        return y, (y * w.sum(-1)).exp() * 2
+
+    want = net(x_ref, w_ref)[1]
+    g = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    want.backward(g)
+    y, out = net(x, w)
+    assert y.placements[1] == Partial(op)  # the partial reaches kernels that run on the box
+    out.backward(dtorch.from_torch(g, device_mesh=mesh, placements=[Shard(0), dtorch.Replicate()]))
+    torch.testing.assert_close(out.to_torch(), want.detach())
+    torch.testing.assert_close(x.grad.to_torch(), x_ref.grad)
+    torch.testing.assert_close(w.grad.to_torch(), w_ref.grad)
+    assert device_calls == []  # no device ran anything alone: the busy ones together, the idle ones nothing
