@@ -7,9 +7,10 @@ import torch
 import transformers
 
 import dtorch
-from dtorch import Shard
+from dtorch import Partial, Shard
 from dtorch.models.llama import LlamaForCausalLM
 from dtorch.runtime import inprocess
+from sweep import distribute
 
 from ..models.test_llama import Layout, make_config
 from ..models.test_llama_train import TOL, _batch, _compare_grads
@@ -77,3 +78,62 @@ def test_a_llama_step_with_empty_shards_costs_the_idle_devices_nothing_per_layer
     assert {n for _, n in one + three} <= {2, 3}
     assert sorted(one) == sorted(three)
     assert len(one) <= 8, one
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_conv_and_pool_with_empty_blocks_run_on_the_box_and_match_torch(batch, device_calls):
+    """dp2 x sp2, spatial shards: the stride-2 conv on 2 rows leaves the sp device 1 with no output row (its
+    cotangent block is empty), and batch 1 leaves dp device 1 with no row at all. The halo-extended input of that
+    conv is even, so the box takes it from a whole-mesh grid: the box covers one device of sp, and that grid
+    dim must be cut to the box's device (else the VJP adds the other device's window to the weight gradient).
+    Values and every gradient are torch's; no conv or pool kernel runs on a device alone (a device whose window
+    has no output row is idle too)."""
+    mesh = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["dp", "sp"])
+    gen = torch.Generator().manual_seed(0)
+    ref = [torch.randn(s, generator=gen, dtype=torch.float64, requires_grad=True)
+           for s in ((batch, 2, 4, 5), (3, 2, 3, 3), (3,), (4, 3, 3, 3), (4,))]
+
+    def net(x, w1, b1, w2, b2):
+        y = torch.nn.functional.max_pool2d(torch.nn.functional.conv2d(x, w1, b1, padding=1), 2)  # [.., 2, 2]
+        y = torch.nn.functional.conv2d(y, w2, b2, stride=2, padding=1)  # one output row: on sp device 0
+        return torch.nn.functional.avg_pool2d(y, 1) * 3
+
+    want = net(*ref)
+    g = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    want.backward(g)
+    ins = [dtorch.from_torch(ref[0].detach(), device_mesh=mesh, placements=[Shard(0), Shard(2)]).requires_grad_()]
+    ins += [dtorch.from_torch(t.detach(), device_mesh=mesh, placements=[dtorch.Replicate()] * 2).requires_grad_()
+            for t in ref[1:]]
+    out = net(*ins)
+    out.backward(dtorch.from_torch(g, device_mesh=mesh, placements=[Shard(0), dtorch.Replicate()]))
+    torch.testing.assert_close(out.to_torch(), want.detach())
+    for k, (got, r) in enumerate(zip(ins, ref)):
+        torch.testing.assert_close(got.grad.to_torch(), r.grad, msg=lambda m: f"gradient of input {k}: {m}")
+    # (an idle device builds its halo-extended block alone: padding where its block is empty)
+    assert [c for c in device_calls if c[0].removeprefix("vjp:") in ("conv.conv", "pool.pool")] == []
+
+
+@pytest.mark.parametrize("op", ["avg", "max"])
+def test_a_non_sum_partial_with_empty_blocks_runs_on_the_box_and_matches_torch(op, device_calls):
+    """x [S(0), P(op)] with one row over 2: the busy devices' terms differ, the idle ones hold no row. The box
+    never takes an idle device's term for zero (their outputs are empty); values and gradients are torch's."""
+    mesh = dtorch.init_device_mesh("cpu", (2, 2))
+    gen = torch.Generator().manual_seed(0)
+    x_ref, w_ref = (torch.randn(s, generator=gen, dtype=torch.float64, requires_grad=True) for s in ((1, 5), (3, 5)))
+    x = distribute(x_ref.detach(), mesh, [Shard(0), Partial(op)], seed=1).requires_grad_()
+    w = dtorch.from_torch(w_ref.detach(), device_mesh=mesh, placements=[dtorch.Replicate()] * 2).requires_grad_()
+
+    def net(x, w):  # (the linear keeps P(avg), amax P(max); exp needs the value: a reduction first)
+        y = torch.nn.functional.linear(x, w) if op == "avg" else x.amax(-1, keepdim=True)
+        return y, (y * w.sum(-1)).exp() * 2
+
+    want = net(x_ref, w_ref)[1]
+    g = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+    want.backward(g)
+    y, out = net(x, w)
+    assert y.placements[1] == Partial(op)  # the partial reaches kernels that run on the box
+    out.backward(dtorch.from_torch(g, device_mesh=mesh, placements=[Shard(0), dtorch.Replicate()]))
+    torch.testing.assert_close(out.to_torch(), want.detach())
+    torch.testing.assert_close(x.grad.to_torch(), x_ref.grad)
+    torch.testing.assert_close(w.grad.to_torch(), w_ref.grad)
+    assert device_calls == []  # no device ran anything alone: the busy ones together, the idle ones nothing

@@ -1,7 +1,8 @@
 """Uneven layouts where some devices hold empty blocks (a batch smaller than dp x fsdp): the kernel runs once
 on the stacked blocks of the busy devices only, and an idle device runs nothing.
 
-A device is *idle* for a kernel when one of its input blocks is empty where another device's is not. The busy
+A device is *idle* for a kernel when one of its input or output blocks is empty where another device's is not
+(an output: a sliding window with no output row on that device, a slice that misses its block). The busy
 devices must form a box of the mesh (a range per mesh dim: torch.chunk leaves the empty shards last) on which
 every spec is even; their blocks then stack into one grid tensor of the box, as the in-process backend stacks
 a whole mesh (``runtime/inprocess.py``). What an idle device's outputs are, without running anything there:
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from ..spec import DTensorSpec
-from .kernels import VJP_PREFIX
+from .kernels import VJP_PREFIX, varying
 
 
 def _numel(shape) -> int:
@@ -144,34 +145,31 @@ class BoxPlan:
         return torch.stack(picks).reshape(tuple(grid_shape) + local)
 
     def narrow(self, grid: torch.Tensor, grid_shape) -> torch.Tensor:
-        """The box part of a whole-mesh grid."""
+        """The box part of a whole-mesh grid. A dim the box covers with one device (``g`` 1) is cut too when the
+        spec is sharded there (the grid holds every device's block); a grid dim of size 1 is one block that all
+        devices share (replicated), the box's as it is."""
         for m, g in enumerate(grid_shape):
-            if g > 1 and grid.shape[m] != g:
+            if grid.shape[m] != g and grid.shape[m] > 1:
                 grid = grid.narrow(m, self.lo[m], g)
         return grid
 
     def device_args(self, device_args: dict, device) -> dict:
+        """The box's part of per-device values, cut to size 1 on the dims they are constant on: a value that
+        only an idle device makes per-device (a window's length, 0 there) is one number on the box, as kernels
+        that take it as a python int (``conv.window``'s length) need."""
         sl = tuple(slice(lo, lo + n) for lo, n in zip(self.lo, self.shape))
-        return {k: torch.as_tensor(np.asarray(v).reshape(self.mesh.shape)[sl], device=device) for k, v in device_args.items()}
-
-
-# Run device by device as before boxes (gradients came out wrong on a box; not understood yet, see
-# docs/benchmarks.md "Training matrix"): the sliding-window kernels over spatial shards, whose halos come from
-# neighbours (tests/models/test_resnet.py sp4, dp2 x sp2; tests/autograd/test_op_grads.py conv2d on
-# [P(max), S(3)]), and, as a precaution, layouts with a non-sum Partial (an idle device's max/min/avg term is
-# no zero).
-_DEVICE_BY_DEVICE = ("conv.", "pool.")
+        return {k: varying(torch.as_tensor(np.asarray(v).reshape(self.mesh.shape)[sl], device=device))
+                for k, v in device_args.items()}
 
 
 def box_plan(mesh, in_specs, out_specs, kernel_name: str) -> BoxPlan | None:
     """The box plan for a kernel on these specs, or None when no device is idle or the busy ones are no box
     with every spec even on it."""
-    if not in_specs or kernel_name.removeprefix(VJP_PREFIX).startswith(_DEVICE_BY_DEVICE) or any(
-            p.is_partial() and p.reduce_op != "sum" for s in tuple(in_specs) + tuple(out_specs) for p in s.placements):
+    if not in_specs:
         return None
     coords = mesh.coordinates()
     empties = []
-    for s in in_specs:
+    for s in tuple(in_specs) + tuple(out_specs):  # (an empty output: a window with no output rows here)
         e = [_numel(s.local_shape(c)) == 0 for c in coords]
         if any(e) and not all(e):
             empties.append(e)
