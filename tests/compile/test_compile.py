@@ -195,6 +195,20 @@ def test_module_identity_training_flag_and_optimizer_options_retrace():
     del drop
 
 
+def test_a_replaced_parameter_or_submodule_retraces():
+    mesh = _mesh(2)
+    m1, m2 = _mlp(mesh), _mlp(mesh)
+    x = _t(torch.randn(4, 6), mesh, [Shard(0)])
+    fwd = dtorch.compile(lambda model, t: model(t) * 1)
+    with dtorch.no_grad():
+        assert torch.equal(fwd(m2, x).to_torch(), m2(x).to_torch())
+        m2[0].weight = dtorch.nn.Parameter(m1[0].weight.detach() * 2)  # a new parameter object
+        assert torch.equal(fwd(m2, x).to_torch(), m2(x).to_torch())
+        setattr(m2, "2", dtorch.nn.Linear(16, 3, device_mesh=mesh))  # a new child module
+        assert torch.equal(fwd(m2, x).to_torch(), m2(x).to_torch())
+    assert fwd.stats["traces"] == 3 and fwd.stats["replays"] == 0
+
+
 def test_dropout_draws_as_eager_from_the_global_generator():
     mesh = _mesh(2)
     x = _t(torch.randn(6, 5), mesh, [Shard(0)])

@@ -41,7 +41,7 @@ class Trace:
         self.outputs = None
         self.spec_guards: list = []  # (binding, spec)
         self.grad_guards: list = []  # (tensor, grad was None)
-        self.modules: list = []  # (module, training)
+        self.modules: list = []  # (module, its training flag and the identities of its parameters, buffers, children)
         self.optimizers: list = []  # (optimizer, fingerprint)
         self.scalars: list = []  # (read(), value)
         self.counts = {}
@@ -63,8 +63,8 @@ class Trace:
         for t, was_none in self.grad_guards:
             if (t._ag.grad is None) is not was_none:
                 return False
-        for m, training in self.modules:
-            if m.training is not training:
+        for m, fp in self.modules:
+            if _module_fingerprint(m) != fp:
                 return False
         for opt, fp in self.optimizers:
             if _fingerprint(opt) != fp:
@@ -137,11 +137,19 @@ class Trace:
 
 
 def _fingerprint(opt) -> tuple:
-    """What an optimizer's step depends on besides its lr (a live value): its state count and other options."""
+    """What an optimizer's step depends on besides its lr (a live value): its state count, other options and
+    which parameters it holds."""
     groups = tuple(tuple(sorted((k, v) for k, v in g.items() if k not in ("params", "lr", "initial_lr")
                                 and isinstance(v, (int, float, bool, tuple, type(None)))))
-                   + (len(g["params"]),) for g in opt.param_groups)
+                   + (tuple(map(id, g["params"])),) for g in opt.param_groups)
     return len(opt.state), groups
+
+
+def _module_fingerprint(m) -> tuple:
+    """A module's training flag and which parameters, buffers and children it holds (one replaced since the
+    trace would be silently skipped by a replay)."""
+    return (m.training, tuple(map(id, m._parameters.values())), tuple(map(id, m._buffers.values())),
+            tuple(map(id, m._modules.values())))
 
 
 def _scalar_guards(fn) -> list:
@@ -242,7 +250,7 @@ def settle(rec: Recorder, found: Found, before: dict, torch_inputs, out, args, k
     tr.outputs = _outputs(out, before, binding, slot, results)
     tr.results = list(results.values())
     tr._index = {s.k: n for n, s in enumerate(tr.results)}
-    tr.modules = [(m, m.training) for m in found.modules]
+    tr.modules = [(m, _module_fingerprint(m)) for m in found.modules]
     tr.optimizers = [(o, _fingerprint(o)) for o in found.optimizers]
     tr.scalars = _scalar_guards(fn)
     for e in rec.entries:
