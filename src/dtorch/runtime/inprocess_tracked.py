@@ -155,7 +155,8 @@ class _Tape:
     grid it spans, the input positions nothing of it holds (``released``), and, while the memory is measured,
     (the storages of its inputs, those of its outputs)."""
 
-    __slots__ = ("leaves", "outs", "grid", "released", "measured", "hooks")
+    # (__weakref__: a step capture names tapes by slot without keeping them, and their saved tensors, alive)
+    __slots__ = ("leaves", "outs", "grid", "released", "measured", "hooks", "__weakref__")
 
     def __init__(self, leaves, outs, grid, released, measured, hooks=None):
         self.leaves, self.outs, self.grid, self.released, self.measured = leaves, outs, grid, released, measured
