@@ -99,6 +99,7 @@ def build(entries: list[Entry], inputs: list[Slot], results: list[Slot]):
     if dead_inputs:
         body.append("    del " + ", ".join(f"s{k}" for k in dead_inputs))
     grids = set()  # slots whose local holds a bare grid (the output of a lowered call), not a handle
+    grid_of: dict = {}  # slot holding a handle -> the local holding its grid (``g<slot>``)
 
     def as_handles(ks):
         for k in dict.fromkeys(ks):
@@ -111,8 +112,11 @@ def build(entries: list[Entry], inputs: list[Slot], results: list[Slot]):
         if lowered is not None:
             f, several, handle_of, ex = lowered
             src.consts["_Sh"] = handle_of  # (one backend per trace)
-            args = ", ".join(f"s{s.k}" if s.k in grids else f"_gridof(s{s.k}, {src.const(ex)}, {src.const(spec)})"
-                             for s, spec in zip(e.args[0], ex.in_specs))
+            for s, spec in zip(e.args[0], ex.in_specs):
+                if s.k not in grids and s.k not in grid_of:  # a handle's grid, taken once
+                    grid_of[s.k] = f"g{s.k}"
+                    body.append(f"    g{s.k} = _gridof(s{s.k}, {src.const(ex)}, {src.const(spec)})")
+            args = ", ".join(f"s{s.k}" if s.k in grids else grid_of[s.k] for s in e.args[0])
             body.append(f"    {src.target(e.out) if several else f's{e.out[0].k}'} = {src.const(f)}({args})")
             grids.update(_slots(e.out, []))
         else:
@@ -127,7 +131,8 @@ def build(entries: list[Entry], inputs: list[Slot], results: list[Slot]):
         dead = [k for k in _slots((e.args, e.kwargs), []) if last.get(k) == n and k not in keep]
         dead += [k for k in _slots(e.out, []) if e.kind != "guard" and k not in last and k not in keep]
         if dead:
-            body.append("    del " + ", ".join(f"s{k}" for k in dict.fromkeys(dead)))
+            body.append("    del " + ", ".join([f"s{k}" for k in dict.fromkeys(dead)] +
+                                               [grid_of.pop(k) for k in dict.fromkeys(dead) if k in grid_of]))
             grids.difference_update(dead)
     as_handles([s.k for s in results])
     body.append("    return (" + "".join(f"s{s.k}, " for s in results) + ")")
