@@ -86,9 +86,13 @@ def build(entries: list[Entry], inputs: list[Slot], results: list[Slot]):
                                "live value")
     order = host + rest
     last: dict = {}  # slot -> index of the entry that reads it last
+    last_lowered: dict = {}  # slot -> index of the last lowered call reading it (its grid local dies there)
     for n, e in enumerate(order):
         for k in _slots((e.args, e.kwargs), []):
             last[k] = n
+        if _grid_call(e) is not None:
+            for k in _slots(e.args, []):
+                last_lowered[k] = n
     keep = {s.k for s in results}
     src = _Source()
     src.consts.update(_Miss=Miss, _same=same, _commlog=commlog, _gridof=_gridof)
@@ -119,6 +123,11 @@ def build(entries: list[Entry], inputs: list[Slot], results: list[Slot]):
             args = ", ".join(f"s{s.k}" if s.k in grids else grid_of[s.k] for s in e.args[0])
             body.append(f"    {src.target(e.out) if several else f's{e.out[0].k}'} = {src.const(f)}({args})")
             grids.update(_slots(e.out, []))
+            # a grid local held past its last lowered reader would make an in-place write of that storage copy
+            # first (copy-on-write counts references), where eager wrote in place
+            done = [grid_of.pop(s.k) for s in e.args[0] if last_lowered.get(s.k) == n and s.k in grid_of]
+            if done:
+                body.append("    del " + ", ".join(dict.fromkeys(done)))
         else:
             as_handles(_slots((e.args, e.kwargs), []))
             if e.kind == "guard":

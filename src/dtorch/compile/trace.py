@@ -222,7 +222,10 @@ def settle(rec: Recorder, found: Found, before: dict, torch_inputs, out, args, k
     results: dict = {}
     new_grads = set()
     for tid, (t, h0, w0, g0) in before.items():
-        if t._h is not h0:
+        written = rec.slot_of(t._h)  # the slot of an in-place write's result, when one wrote it
+        if t._h is not h0 or (written is not None and written is not external_of.get(id(h0))):
+            # (also when the write was in place here: a replay's write may copy where this one did not, the
+            # copy-on-write deciding by who else holds the storage, and the tensor must then take the copy)
             results[slot(t._h).k] = s = slot(t._h)
             tr.effects.append(("handle", binding(t), s))
         w1 = writes(t)
