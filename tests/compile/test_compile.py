@@ -408,3 +408,20 @@ def test_a_write_that_copies_in_a_replay_but_not_in_the_trace_updates_the_tensor
         for p1, p2 in zip(m1.parameters(), m2.parameters()):
             assert torch.equal(p1.to_torch(), p2.to_torch()), n
     assert step.stats["replays"] == 3
+
+
+def test_in_place_writes_of_arguments_replay():
+    mesh = _mesh(2)
+
+    def fn(w, b):
+        w.add_(b)
+        w.mul_(0.5)
+        return (w * b).sum(0)
+
+    f = dtorch.compile(fn)
+    for _ in range(4):
+        x, y = torch.randn(4, 3), torch.randn(4, 3)
+        w1, w2, b = _t(x, mesh, [Shard(0)]), _t(x, mesh, [Shard(0)]), _t(y, mesh, [Shard(0)])
+        assert torch.equal(fn(w1, b).to_torch(), f(w2, b).to_torch())
+        assert torch.equal(w1.to_torch(), w2.to_torch()) and w1._version == w2._version
+    assert f.stats["replays"] == 3
