@@ -5,7 +5,8 @@ pool that takes the batches and drops them (no workers, so a loaded machine move
     PYTHONPATH=<other checkout>/src .venv/bin/python bench/process_controller.py   # before, same bench
 
 Each op is a kernel on a 4-device mesh (``(y @ w).relu() + x``, 20 deep, 20 times per sample); the median
-and minimum over 15 samples of process CPU time per op (issue, plan lookups, records, pickling, pushes).
+and minimum over 15 samples of process CPU time per op (issue, plan lookups, records, pickling, pushes), eager
+and under ``dtorch.compile`` (the replay issues the recorded runtime calls: no rules, plans or Tensor objects).
 """
 from __future__ import annotations
 
@@ -48,16 +49,21 @@ def main() -> None:
             y = (y @ w).relu() + x
         return y
 
-    for _ in range(50):
-        step()
-    per_op = []
-    for _ in range(15):
-        t, n = time.process_time(), rt.stats["ops"]
-        for _ in range(20):
-            step()
-        per_op.append((time.process_time() - t) / (rt.stats["ops"] - n) * 1e6)
-    print(f"controller CPU per op (4 workers): median {statistics.median(per_op):.2f} us, "
-          f"min {min(per_op):.2f} us; {rt.stats['bytes_pushed'] / rt.stats['ops']:.0f} record bytes per op")
+    compiled = dtorch.compile(step)
+    for name, fn in (("eager", step), ("dtorch.compile", compiled)):
+        for _ in range(50):
+            fn()
+        per_op = []
+        for _ in range(15):
+            t, n = time.process_time(), rt.stats["ops"]
+            for _ in range(20):
+                fn()
+            per_op.append((time.process_time() - t) / (rt.stats["ops"] - n) * 1e6)
+        ops = (rt.stats["ops"] - n) // 20
+        print(f"{name}: controller CPU per op (4 workers): median {statistics.median(per_op):.2f} us, "
+              f"min {min(per_op):.2f} us; {ops} ops per step: {statistics.median(per_op) * ops / 1e3:.2f} ms per "
+              f"step; {rt.stats['bytes_pushed'] / rt.stats['ops']:.0f} record bytes per op")
+    assert compiled.stats["replays"] > 0, compiled.last_reason
     rt._pool = None
 
 

@@ -31,17 +31,17 @@ def set_active(recorder) -> None:
 
 def effect(fn, *args) -> None:
     """Run ``fn(*args)`` (a change of Python state the step makes); a capture runs it again at each replay."""
-    fn(*args)
-    if _recorder is not None:
+    if _recorder is None:
+        fn(*args)
+    else:
         _recorder.note_effect(fn, args)
 
 
 def live(fn, *args):
     """``fn(*args)``, recomputed at each replay wherever the value reaches a kernel (module doc)."""
-    value = fn(*args)
-    if _recorder is not None:
-        _recorder.note_live(value, fn, args)
-    return value
+    if _recorder is None:
+        return fn(*args)
+    return _recorder.note_live(fn, args)
 
 
 def refuse(reason: str) -> None:

@@ -141,16 +141,29 @@ class Recorder:
         return out
 
     def note_effect(self, fn, args) -> None:
-        if self.passthrough:
-            return
-        self.entries.append(Entry("effect", fn, None, self._by_reference(args), {}, None))
+        """Run the effect ``fn(*args)`` (dtorch.capture.effect) and record it."""
+        mine = not self.passthrough
+        self._unrecorded(fn, args)
+        if mine:
+            self.entries.append(Entry("effect", fn, None, self._by_reference(args), {}, None))
 
-    def note_live(self, value, fn, args) -> None:
-        if self.passthrough:
-            return
-        s = self.new_slot(value)
-        self._live[id(value)] = (value, s)
-        self.entries.append(Entry("live", fn, None, self._by_reference(args), {}, s))
+    def note_live(self, fn, args):
+        """``fn(*args)`` (dtorch.capture.live), recorded as a value the replay computes again."""
+        mine = not self.passthrough
+        value = self._unrecorded(fn, args)
+        if mine:
+            s = self.new_slot(value)
+            self._live[id(value)] = (value, s)
+            self.entries.append(Entry("live", fn, None, self._by_reference(args), {}, s))
+        return value
+
+    def _unrecorded(self, fn, args):
+        # the torch ops inside are the effect's own: the replay runs the effect, not them
+        self.inside += 1
+        try:
+            return fn(*args)
+        finally:
+            self.inside -= 1
 
     def _by_reference(self, args) -> tuple:
         """An effect's or live value's arguments: the objects themselves (a replay must read their state then,
