@@ -11,7 +11,7 @@ import dtorch
 from dtorch.models.llama import LlamaForCausalLM
 from dtorch.pipeline import one_f_one_b, split_micro_batches
 from tests.llama_models import hf_model
-from tests.models.test_llama import LAYOUTS
+from tests.models.test_llama import LAYOUTS, Layout
 from tests.models.test_llama_train import FSDP_LAYOUTS
 
 STEPS = 10
@@ -76,3 +76,16 @@ def test_compiled_training_equals_eager_layout_matrix(layout):
 def test_compiled_pipeline_schedule_equals_eager():
     layout = next(lay for lay in LAYOUTS if lay.name == "3 layers on pp2 (uneven split)")
     check_compiled_equals_eager(layout, layout.mesh(), step=pipelined_step, steps=5)
+
+
+def gpipe_step(model, opt, ids):
+    half = ids.shape[0] // 2
+    loss = dtorch.pipeline.train_step(model, [(ids[:half], ids[:half]), (ids[half:], ids[half:])], schedule="gpipe")
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def test_compiled_pipeline_train_step_equals_eager():
+    layout = Layout("pp2 x dp2, batch 4", (("pp", 2), ("dp", 2)), batch=4, seq=6, config="pipeline")
+    check_compiled_equals_eager(layout, layout.mesh(), step=gpipe_step, steps=4)
