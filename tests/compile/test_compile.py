@@ -209,6 +209,17 @@ def test_a_replaced_parameter_or_submodule_retraces():
     assert fwd.stats["traces"] == 3 and fwd.stats["replays"] == 0
 
 
+def test_a_module_compiled_as_a_whole():
+    mesh = _mesh(2)
+    m = _mlp(mesh)
+    f = dtorch.compile(m)
+    with dtorch.no_grad():
+        for _ in range(3):
+            x = _t(torch.randn(4, 6), mesh, [Shard(0)])
+            assert torch.equal(f(x).to_torch(), m(x).to_torch())
+    assert f.stats["replays"] == 2
+
+
 def test_dropout_draws_as_eager_from_the_global_generator():
     mesh = _mesh(2)
     x = _t(torch.randn(6, 5), mesh, [Shard(0)])

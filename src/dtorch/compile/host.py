@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .record import Entry, Recorder, Slot
+from .record import Entry, Recorder, Slot, leaves
 
 # torch functions that make a fresh tensor from Python values alone
 _FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.arange, torch.tensor, torch.as_tensor,
@@ -32,16 +32,11 @@ _METADATA = {"dim", "size", "numel", "stride", "is_floating_point", "is_complex"
 
 
 def _tensors(x, out: list) -> list:
-    t = type(x)
-    if isinstance(x, torch.Tensor):
-        out.append(x)
-    elif t in (list, tuple):
-        for v in x:
-            _tensors(v, out)
-    elif t is dict:
-        for v in x.values():
-            _tensors(v, out)
-    return out
+    return leaves(x, _is_tensor, out)
+
+
+def _is_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor)
 
 
 class HostTracker(TorchFunctionMode):

@@ -31,6 +31,21 @@ class Slot:
         return f"s{self.k}"
 
 
+def leaves(x, keep, out: list) -> list:
+    """The items of ``x`` for which ``keep`` holds, through lists, tuples and dicts (a template's slots, a call's
+    tensors), appended to ``out``."""
+    t = type(x)
+    if t in (list, tuple):
+        for v in x:
+            leaves(v, keep, out)
+    elif t is dict:
+        for v in x.values():
+            leaves(v, keep, out)
+    elif keep(x):
+        out.append(x)
+    return out
+
+
 class Entry:
     """``out = target.<method>(*args, **kwargs)`` (``method`` None: ``target(*args, **kwargs)``). ``args`` and
     ``kwargs`` are templates (Slots where values come from the program); ``out`` is the output's structure with

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .. import commlog
 from .host import same
-from .record import Entry, Slot
+from .record import Entry, Slot, leaves
 
 
 class Miss(Exception):
@@ -23,16 +23,13 @@ class Unreplayable(Exception):
 
 
 def _slots(x, out: list) -> list:
-    t = type(x)
-    if t is Slot:
-        out.append(x.k)
-    elif t in (list, tuple):
-        for v in x:
-            _slots(v, out)
-    elif t is dict:
-        for v in x.values():
-            _slots(v, out)
+    """The slot numbers in template ``x`` (appended to ``out``)."""
+    out += [s.k for s in leaves(x, _is_slot, [])]
     return out
+
+
+def _is_slot(x) -> bool:
+    return type(x) is Slot
 
 
 class _Source:

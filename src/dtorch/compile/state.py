@@ -59,9 +59,9 @@ def at(args, path):
 
 
 def roots(fn) -> list:
-    """The objects ``fn`` reaches besides its arguments: its ``self``, closure cells and the globals its code
-    names."""
-    out = []
+    """The objects ``fn`` reaches besides its arguments: itself (a callable object), its ``self``, closure cells and
+    the globals its code names."""
+    out = [fn]  # a callable object (a module compiled as a whole) holds its tensors itself
     self = getattr(fn, "__self__", None)
     if self is not None:
         out.append(self)
