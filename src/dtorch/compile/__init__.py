@@ -103,6 +103,10 @@ class Compiled:
         try:
             with host:
                 out = self.fn(*args, **kwargs)
+                # a view's storage is made when first read (from its base): read it while the trace records
+                for _, leaf in arg_leaves(out):
+                    if isinstance(leaf, Tensor):
+                        leaf._h  # noqa: B018
         finally:
             capture.set_active(None)
             commlog.record = real_log

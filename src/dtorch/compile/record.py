@@ -182,11 +182,12 @@ class Recorder:
 
     def _by_reference(self, args) -> tuple:
         """An effect's or live value's arguments: the objects themselves (a replay must read their state then,
-        not a copy made now), live values as their slots."""
+        not a copy made now), live values and tracked host tensors as their slots."""
         out = []
         for a in args:
             got = self._live.get(id(a))
-            out.append(got[1] if got is not None and got[0] is a else a)
+            s = self.slot_of(a) if isinstance(a, torch.Tensor) else None  # a tracked host tensor (compile/host.py)
+            out.append(got[1] if got is not None and got[0] is a else a if s is None else s)
         return tuple(out)
 
     def note_refusal(self, reason: str) -> None:
@@ -233,7 +234,7 @@ class RecordingRuntime:
         if r.passthrough:
             return self._real.write(kernel, target, target_spec, inputs, in_specs, kwargs, device_args)
         tpl = (kernel, r.handle(target), target_spec, [r.handle(h) for h in inputs], in_specs, r.template(kwargs),
-               device_args)
+               r.template(device_args))
         return r.call(self._real, "write", (kernel, target, target_spec, inputs, in_specs, kwargs, device_args), None,
                       tpl)
 

@@ -73,14 +73,20 @@ class _Source:
 
 def build(entries: list[Entry], inputs: list[Slot], results: list[Slot]):
     """The replay function ``run(X) -> results``: ``X`` holds the values of ``inputs`` (bound by the caller)."""
-    host = [e for e in entries if e.kind in ("host", "guard")]
-    rest = [e for e in entries if e.kind not in ("host", "guard")]
+    # host entries that need only the inputs and each other run first (their guards before any device work);
+    # those that read a live value (a KV cache's slot order) stay where they were, after the live entry
+    early = {s.k for s in inputs}
+    host, rest = [], []
+    for e in entries:
+        if e.kind in ("host", "guard") and set(_slots((e.args, e.kwargs), [])) <= early:
+            host.append(e)
+            early.update(_slots(e.out, []) if e.kind == "host" else [])
+        elif e.kind == "guard":
+            raise Unreplayable("Python reads a value of host torch code that depends on a live value (a guard a "
+                               "replay could only check after it changed state)")
+        else:
+            rest.append(e)
     host = _live_host(host, rest, results)
-    host_made = {k for e in host for k in _slots(e.out, [])} | {s.k for s in inputs}
-    for e in host:
-        if not set(_slots((e.args, e.kwargs), [])) <= host_made:
-            raise Unreplayable("host torch code uses a value the step computed on the devices or an optimizer's "
-                               "live value")
     order = host + rest
     last: dict = {}  # slot -> index of the entry that reads it last
     last_lowered: dict = {}  # slot -> index of the last lowered call reading it (its grid local dies there)

@@ -212,11 +212,11 @@ def settle(rec: Recorder, found: Found, before: dict, torch_inputs, out, args, k
         tr.inputs.append(s)
         tr.bindings.append(("torch", path))
 
-    def slot(h) -> Slot:
+    def slot(h, t) -> Slot:
         s = rec.slot_of(h) or external_of.get(id(h))
         if s is None:
-            raise TraceError("a tensor of the step ends up holding storage made outside it that dtorch.compile "
-                             "cannot name")
+            raise TraceError(f"a tensor of the step ({t._spec}) ends up holding storage made outside it that "
+                             "dtorch.compile cannot name (a view's, or one laid out before the trace)")
         return s
 
     results: dict = {}
@@ -226,7 +226,7 @@ def settle(rec: Recorder, found: Found, before: dict, torch_inputs, out, args, k
         if t._h is not h0 or (written is not None and written is not external_of.get(id(h0))):
             # (also when the write was in place here: a replay's write may copy where this one did not, the
             # copy-on-write deciding by who else holds the storage, and the tensor must then take the copy)
-            results[slot(t._h).k] = s = slot(t._h)
+            results[slot(t._h, t).k] = s = slot(t._h, t)
             tr.effects.append(("handle", binding(t), s))
         w1 = writes(t)
         if w1 != w0:
@@ -244,7 +244,7 @@ def settle(rec: Recorder, found: Found, before: dict, torch_inputs, out, args, k
             raise TraceError("the step sets a .grad to a tensor that existed before it; a replay cannot follow that")
         else:
             new_grads.add(id(g1))
-            s = slot(g1._h)
+            s = slot(g1._h, g1)
             results[s.k] = s
             tr.effects.append(("grad", binding(t), (g1._spec, s, writes(g1))))
     after = walk((args, kwargs), roots(fn))
@@ -271,7 +271,7 @@ def _outputs(out, before, binding, slot, results):
                                                                                             True))):
             raise TraceError("the step returns a tensor with an autograd graph it did not use; a replay gives values "
                              "only: call backward inside the compiled function, or return .detach()")
-        s = slot(out._h)
+        s = slot(out._h, out)
         results[s.k] = s
         return ("new", out._spec, s)
     if out is None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..compile import compile as compile_step
 from ..ops.attention.decode import last_position
 from ..ops.sampling import next_token
 from ..tensor import Tensor
@@ -49,6 +50,22 @@ def _hidden(model, step: CachedForward, last_only: bool) -> Tensor:
     llama, _ = _model_parts(model)
     h = llama(step.ids, step=step)  # [B, S, H] on the last stage
     return last_position(h) if last_only else h
+
+
+# generate's decode steps run under dtorch.compile (False: eagerly, e.g. to compare)
+COMPILE_DECODE = True
+
+
+def _logits(model, step: CachedForward) -> Tensor:
+    """The last position's logits [B, vocab] (vocab over tp) of one cached forward."""
+    _, lm_head = _model_parts(model)
+    logits = lm_head(_hidden(model, step, last_only=True))  # [B, 1, vocab]
+    return logits.view(logits.shape[0], logits.shape[-1])
+
+
+def _decode_logits(model, cache: KVCache, tok: torch.Tensor, positions: torch.Tensor) -> Tensor:
+    """One decode step: the tokens ``tok`` [B, 1] at ``positions`` written into the cache, the next logits."""
+    return _logits(model, CachedForward(model, tok, torch.ones(tok.shape[0], 1, dtype=torch.bool), positions, cache))
 
 
 def _choose(logits: Tensor, sampling: tuple, generator) -> Tensor:
@@ -217,12 +234,15 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, gene
     timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
     if streamer is not None:
         streamer.put(ids)
+    # the decode step is traced once and replayed (dtorch.compile): same tokens, none of the front end's Python
+    decode = compile_step(_decode_logits) if COMPILE_DECODE else _decode_logits
     with torch.no_grad():
-        step = CachedForward(model, ids, mask, positions, cache)
         for i in range(max_new_tokens):
             t0 = time.perf_counter()
-            logits = lm_head(_hidden(model, step, last_only=True))  # [B, 1, vocab], vocab over tp
-            logits = logits.view(b, logits.shape[-1])
+            if i == 0:  # the prefill
+                logits = _logits(model, CachedForward(model, ids, mask, positions, cache))
+            else:
+                logits = decode(model, cache, tok[:, None], positions)
             tok = _choose(logits, sampling, generator).to_torch()  # the one fetch of a step: [B] ids
             timings["prefill_s" if i == 0 else "decode_s"] += time.perf_counter() - t0
             timings["decode_steps"] += i > 0
@@ -238,7 +258,8 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, gene
             if i + 1 == max_new_tokens or (eos and bool(finished.all())):
                 break
             positions = positions[:, -1:] + 1
-            step = CachedForward(model, tok[:, None], torch.ones(b, 1, dtype=torch.bool), positions, cache)
+    if COMPILE_DECODE:
+        timings["decode_replays"] = decode.stats["replays"]
     if streamer is not None:
         streamer.end()
     seqs = torch.cat(out, dim=1)

@@ -32,6 +32,7 @@ import torch
 
 import dtorch
 
+from .. import capture
 from ..errors import DTorchError
 from ..mesh import DeviceMesh
 from ..nn import functional as F
@@ -233,6 +234,19 @@ class KVCache:
                 f"{self.kv_heads} kv heads x {self.head_dim}, {self._seen} tokens cached)")
 
 
+def _take(cache: KVCache, n: int, valid: torch.Tensor, sharded: bool, grow: bool, seen: int) -> None:
+    """Slots for ``n`` new tokens (``KVCache._take``), kept on the cache for ``_taken`` to read; ``seen`` more
+    tokens given."""
+    (kwargs, device_args), order = cache._take(n, valid, sharded=sharded, grow=grow)
+    cache._taken = (kwargs, {} if device_args is None else device_args, order)
+    cache._seen += seen
+
+
+def _taken(cache: KVCache, i: int):
+    """Part ``i`` of the last ``_take``: the write's kwargs, its per-device arguments ({} when none), the order."""
+    return cache._taken[i]
+
+
 class CachedForward:
     """One forward with padding, given positions and/or a KV cache: what the model's layers ask of it.
 
@@ -264,17 +278,19 @@ class CachedForward:
             if segments is not None:
                 segments = torch.cat([segments.new_full((b, self.pad), -1), segments], dim=1)
         self.ids, self.valid, self.positions = ids, valid, positions
-        self.seq_len = int(positions.max()) + 1 if positions.numel() else 1  # for the length-dependent rope types
         self._per_mesh: dict = {}
         self._table = None
         self.write_args = None
         if cache is not None:
             if cache.batch_size != b:
                 raise KVCacheError(f"the KV cache holds {cache.batch_size} rows; this forward has {b}")
-            self.write_args, order = cache._take(ids.shape[1], valid, sharded=not self.decode, grow=grow)
-            cache._seen += s
+            # the slot table is Python state: a step capture (dtorch.compile) runs the take again at each replay
+            # and recomputes what the step reads of it (the write arguments, the mask) as live values
+            capture.effect(_take, cache, ids.shape[1], valid, not self.decode, grow, s)
+            self.write_args = (capture.live(_taken, cache, 0), capture.live(_taken, cache, 1))
+            order = capture.live(_taken, cache, 2)
             if self.decode:
-                self.mask_full = cache._mask(order)
+                self.mask_full = capture.live(cache._mask, order)
                 if recording:  # [B, 1, L, slots + L]: the cached tokens, then the new ones (causal)
                     cached = self.mask_full & ~torch.isin(cache.order, order)
                     own = valid[:, None, None, :] & torch.ones(s, s, dtype=torch.bool).tril()
@@ -318,7 +334,9 @@ class CachedForward:
     def _rope_table(self, rotary):
         if self._table is None:
             if "dynamic" in rotary.rope_type or rotary.rope_type == "longrope":
-                rotary._update(self.seq_len)  # (Hugging Face's dynamic_rope_update for these positions)
+                capture.refuse(f"the {rotary.rope_type} rope rescales with the sequence length (Python state)")
+                seq_len = int(self.positions.max()) + 1 if self.positions.numel() else 1
+                rotary._update(seq_len)  # (Hugging Face's dynamic_rope_update for these positions)
             freqs = self.positions.float().unsqueeze(-1) * rotary._in_use  # the torch copy of inv_freq
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = emb.cos(), emb.sin()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ... import capture
 from ...autograd.kernel_entry import write_local
 from ...placement import Partial, Replicate, Shard
 from ...runtime.kernels import kernel
@@ -230,8 +231,13 @@ def last_position(h):
 def write_cache(target, new, rope=(), *, projected: bool = False, kwargs: dict, device_args=None) -> None:
     """``new`` (keys or values; a decode step's projection when ``projected``, rotated by ``rope`` = (cos, sin)
     when given) written into the cache tensor ``target``'s slots in place (``kv_cache.write``)."""
-    write_local("kv_cache.write", _write_kernel, target, [new, *rope], dict(kwargs, projected=True) if projected
-                else kwargs, device_args)
+    write_local("kv_cache.write", _write_kernel, target, [new, *rope],
+                capture.live(_projected, kwargs) if projected else kwargs, device_args)
+
+
+def _projected(kwargs: dict) -> dict:
+    """The write's kwargs for a projection's keys or values (recomputed by a replay: the slots are live)."""
+    return dict(kwargs, projected=True)
 
 
 def grow_cache(t, spec: DTensorSpec, slots: int):
