@@ -35,6 +35,10 @@ def _to_id_array(mesh) -> np.ndarray:
     return arr.astype(np.int64)
 
 
+# sub-mesh key -> (parent mesh, its unbound dims, the sub-mesh's coordinate on them): the latest unbind that made it
+_UNBOUND: dict = {}
+
+
 class DeviceMesh:
     """A logical n-D arrangement of devices, e.g. ``DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=["dp", "tp"])``."""
 
@@ -173,15 +177,18 @@ class DeviceMesh:
             child = DeviceMesh(self.device_type, sub.reshape(1) if sub.ndim == 0 else sub,
                                mesh_dim_names=names or None)
             child._parent = (self, picked, coord)
+            _UNBOUND[child._key] = child._parent
             out.append(child)
         return out
 
     def parent_dim_between(self, other: "DeviceMesh"):
         """If both meshes came from one ``unbind`` of a parent and sit at coordinates that differ on one of its
         unbound dims only, that dim's label (e.g. "pp")."""
-        if not (self._parent and other._parent):
+        # (by key too: a mesh equal to a sub-mesh, e.g. in a spec a cached plan made earlier, stands for it)
+        mine, theirs = self._parent or _UNBOUND.get(self._key), other._parent or _UNBOUND.get(other._key)
+        if not (mine and theirs):
             return None
-        (parent, dims, coord), (other_parent, other_dims, other_coord) = self._parent, other._parent
+        (parent, dims, coord), (other_parent, other_dims, other_coord) = mine, theirs
         if parent != other_parent or dims != other_dims:
             return None
         differ = [d for d, a, b in zip(dims, coord, other_coord) if a != b]
