@@ -22,7 +22,7 @@ class TrackedRuns:
     plain_kwargs = None  # the last kwargs dict seen that holds no tensor (a plan's own: the same dict each run)
     # (the tape's grid, cotangent specs, gradient specs) -> what vjp_tracked does per gradient (``_vjp_plan``),
     # and (ids of a call site's spec lists) -> (those lists, the tape's grid, that plan)
-    vjp_plans = None
+    vjp_plans = vjp_sites = None
 
     def run_tracked(self, handles, kwargs, device_args, diff, refetch=()):
         """Run with torch's autograd recording the grid computation of the ``diff`` inputs; (output handles,
@@ -179,14 +179,15 @@ class TrackedRuns:
         (``as_terms``); where it is Replicate (the caller folded the reduction of a parameter's gradient into
         the GEMM), the sum is the value. The grid is the tape's broadcast with the cotangents' (each of exactly
         its spec's grid shape: the grid form's invariant)."""
-        plans = self.vjp_plans
-        if plans is None:
-            plans = self.vjp_plans = {}
         # a replay passes each call site's own spec lists every step: found by identity (the entry holds the
         # lists, so their ids stay theirs; eager builds new ones, which nothing changes after the call)
-        site = plans.get((id(ct_specs), id(grad_specs)))
+        sites = self.vjp_sites
+        site = sites.get((id(ct_specs), id(grad_specs))) if sites is not None else None
         if site is not None and site[0] is ct_specs and site[1] is grad_specs and site[2] == grid:
             return site[3]
+        plans = self.vjp_plans
+        if plans is None:
+            plans, sites = self.vjp_plans, self.vjp_sites = {}, {}
         key = (grid, tuple(ct_specs), tuple(grad_specs))
         fits = plans.get(key)
         if fits is None:
@@ -196,11 +197,12 @@ class TrackedRuns:
                 target, local = spec.grid_shape(), spec.even_local_shape()
                 terms = tuple(n if t > 1 else 1 for n, t in zip(full, target))
                 fits.append((terms if any(n > 1 for n in terms) else None, target, local, tuple(target) + tuple(local)))
+            if len(plans) >= 64:  # (bounds: per-device values may vary the tape's grid from run to run)
+                plans.clear()
             plans[key] = fits
-        if len(plans) >= 256:  # (a bound: eager's call sites come and go, per-device values vary the grid)
-            plans.clear()
-            plans[key] = fits
-        plans[(id(ct_specs), id(grad_specs))] = (ct_specs, grad_specs, grid, fits)
+        if len(sites) >= 256:  # (eager's lists come and go)
+            sites.clear()
+        sites[(id(ct_specs), id(grad_specs))] = (ct_specs, grad_specs, grid, fits)
         return fits
 
     def _box_gradient(self, g, spec, target):
