@@ -298,6 +298,7 @@ class _Executable(TrackedRuns, Executable):
         self.binding = (None, None)
         self.exact = None  # outputs needed no reshaping on every grid run so far
         self.grid_args = (None, None)  # (the plan's device_args, as grid-shaped tensors)
+        self.with_lead = (None, None)  # (the plan's kwargs, with ``lead``)
         self.in_specs = in_specs
         self.out_specs = out_specs
         mesh = out_specs[0].mesh if out_specs else in_specs[0].mesh
@@ -382,9 +383,15 @@ class _Executable(TrackedRuns, Executable):
                 grid_args = self.grid_args = (device_args, {
                     k: torch.as_tensor(v, device=self.grid_dev).reshape(self.mesh.shape) for k, v in device_args.items()})
             kwargs = dict(kwargs, **grid_args[1])
-        if self.wants_lead:
-            kwargs = dict(kwargs, lead=self.nd)
-        return xs, kwargs
+            return xs, dict(kwargs, lead=self.nd) if self.wants_lead else kwargs
+        if not self.wants_lead:
+            return xs, kwargs
+        # plans keep their kwargs dict (and never change it): with ``lead`` added once per dict, which the
+        # callers only unpack into the kernel's call
+        with_lead = self.with_lead
+        if with_lead[0] is not kwargs:
+            with_lead = self.with_lead = (kwargs, dict(kwargs, lead=self.nd))
+        return xs, with_lead[1]
 
     def _fit(self, y, g, local, what):
         """A grid result laid out as an output of grid shape ``g`` (replicated dims narrowed, broadcast

@@ -29,16 +29,24 @@ def as_views(xs: list) -> list:
 
 
 _SCALARS: dict = {}
+# (dtype, device, shape) -> that one element broadcast to the shape: ``t.data = d`` copies ``d``'s metadata and
+# storage reference into ``t`` (not ``d`` itself), so one broadcast serves every tensor of its shape
+_DROPPED: dict = {}
 
 
 def drop_values(t: torch.Tensor) -> None:
     """Let ``t`` (a leaf or an output of a local graph) go of its storage, keeping its shape and its place in
     the graph: its data becomes one element broadcast (torch's saved tensors keep their own references)."""
-    key = (t.dtype, t.device)
-    one = _SCALARS.get(key)
-    if one is None:
-        one = _SCALARS[key] = torch.zeros((), dtype=t.dtype, device=t.device)
-    t.data = one.expand(t.shape)
+    dtype, device, shape = t.dtype, t.device, t.shape
+    dropped = _DROPPED.get((dtype, device, shape))
+    if dropped is None:
+        one = _SCALARS.get((dtype, device))
+        if one is None:
+            one = _SCALARS[(dtype, device)] = torch.zeros((), dtype=dtype, device=device)
+        dropped = one.expand(shape)
+        if len(_DROPPED) < 4096:  # (a bound: a model has a few shapes, a shape sweep many)
+            _DROPPED[(dtype, device, shape)] = dropped
+    t.data = dropped
 
 
 def drop_output_values(outs) -> None:
@@ -153,7 +161,7 @@ class Leaves:
     def release(self) -> None:
         """Drop the values of the big leaves and of the refetched ones (the graph saved places for those)."""
         for t in self.all:
-            if t.numel() >= RELEASE_NUMEL or any(t is r for r in self.refetched):
+            if t.numel() >= RELEASE_NUMEL or (self.refetched and any(t is r for r in self.refetched)):
                 drop_values(t)
         self.refetched = []
 

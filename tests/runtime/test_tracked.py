@@ -1,0 +1,78 @@
+"""runtime/inprocess_tracked.py: a kept local graph's run and VJP, whose layouts come from the specs once per
+executable (``_tracked_shapes``, ``_vjp_plan``), give what torch gives, whatever the call site."""
+from __future__ import annotations
+
+import torch
+
+import dtorch
+from dtorch import Partial, Replicate, Shard
+from dtorch.runtime.inprocess import InProcessRuntime
+from dtorch.runtime.kernels import kernel
+from dtorch.runtime.tapes import RELEASE_NUMEL, drop_values
+from dtorch.spec import DTensorSpec
+
+
+@kernel("test_tracked_scale_rows", align=True)
+def _scale_rows(x, w):
+    return x * w
+
+
+@kernel("test_tracked_shift")
+def _shift(x, offset):
+    return x * 2 + offset.reshape(offset.shape + (1,) * (x.ndim - offset.ndim))
+
+
+MESH = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["dp", "tp"])
+
+
+def _spec(placements, shape):
+    return DTensorSpec(MESH, tuple(placements), shape, torch.float64)
+
+
+def test_one_executable_gives_each_call_site_its_gradient_layout():
+    # one executable, called from sites whose cotangent and gradient layouts differ (a weight's gradient as
+    # Partial terms, or folded into its sum: Replicate): each gets its own, also when the lists come again
+    rt = InProcessRuntime()
+    x_spec, w_spec = _spec((Shard(0), Replicate()), (6, 4)), _spec((Replicate(), Replicate()), (4,))
+    ex = rt.executable(_scale_rows, (x_spec, w_spec), (x_spec,))
+    g = torch.Generator().manual_seed(0)
+    x, w, ct = (torch.randn(s, generator=g, dtype=torch.float64) for s in ((6, 4), (4,), (6, 4)))
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    want_x, want_w = torch.autograd.grad(xl * wl, (xl, wl), ct)
+    ct_specs = [x_spec]
+    sites = [[x_spec, w_spec.with_placements((Partial(), Replicate()))], [x_spec, w_spec]]
+    for grad_specs in sites + sites:
+        out, tape = ex.run_tracked([rt.from_global(x, x_spec), rt.from_global(w, w_spec)], {}, None, (True, True))
+        assert torch.equal(rt.to_global(out[0], x_spec), x * w)
+        gx, gw = ex.vjp_tracked(tape, [rt.from_global(ct, x_spec)], ct_specs, (True,), grad_specs)
+        assert torch.equal(rt.to_global(gx, grad_specs[0]), want_x)
+        assert gw.grid.shape[:2] == grad_specs[1].grid_shape()  # (Partial: a term per dp device)
+        torch.testing.assert_close(rt.to_global(gw, grad_specs[1]), want_w, rtol=1e-12, atol=0)
+
+
+def test_per_device_values_span_the_grid_they_vary_on():
+    # a per-device value (an offset per dp row) makes a replicated input's gradient terms per dp device
+    rt = InProcessRuntime()
+    spec = _spec((Replicate(), Replicate()), (3,))
+    partial = spec.with_placements((Partial(), Replicate()))
+    ex = rt.executable(_shift, (spec,), (partial,))
+    x = torch.arange(3.0, dtype=torch.float64)
+    for offsets in ([[1.0, 1.0], [2.0, 2.0]], [[1.0, 1.0], [1.0, 1.0]]):
+        out, tape = ex.run_tracked([rt.from_global(x, spec)], {}, {"offset": offsets}, (True,))
+        assert torch.equal(rt.to_global(out[0], partial), 4 * x + sum(r[0] for r in offsets))
+        (gx,) = ex.vjp_tracked(tape, [rt.from_global(torch.ones(3, dtype=torch.float64), spec)], [spec], (True,),
+                               [partial])
+        # where the values vary, torch summed both dp devices' gradients (terms: the sum on dp device 0, zeros
+        # on 1); where they do not, the one replicated computation's gradient is each device's term
+        terms = [4.0, 0.0] if offsets[0] != offsets[1] else [2.0, 2.0]
+        assert torch.equal(gx.grid[:, 0], torch.tensor(terms, dtype=torch.float64)[:, None].expand(2, 3))
+        assert torch.equal(rt.to_global(gx, partial), torch.full((3,), 4.0, dtype=torch.float64))
+
+
+def test_dropped_tensors_of_one_shape_stay_apart():
+    a, b = torch.randn(RELEASE_NUMEL), torch.randn(RELEASE_NUMEL)
+    drop_values(a)
+    drop_values(b)
+    assert a.shape == b.shape == (RELEASE_NUMEL,) and a.untyped_storage().nbytes() == 4
+    a.data = torch.ones(RELEASE_NUMEL)  # (one tensor given new values: the other is not)
+    assert b.untyped_storage().nbytes() == 4 and bool((a == 1).all()) and bool((b == 0).all())
