@@ -199,10 +199,13 @@ class Recorder:
         self.entries.append(Entry("log", commlog.record, None, args, kwargs, None))
 
     def drop(self) -> None:
-        """Forget the objects of the trace (the handles die with their last user, not with the recorder)."""
+        """Forget the objects of the trace (the handles die with their last user, not with the recorder). The
+        recorder may outlive the trace (op plans cached while it ran keep its runtime until their next call): it
+        must not keep what the entries name (a KV cache, a module) alive; the Trace holds what it replays."""
         self._slot.clear()
         self._live.clear()
-        self.externals = [(s, None) for s, _ in self.externals]
+        self.externals = []
+        self.entries = []
 
 
 class RecordingRuntime:

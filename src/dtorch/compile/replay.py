@@ -151,7 +151,7 @@ def build(entries: list[Entry], inputs: list[Slot], results: list[Slot]):
     source = "\n".join(body)
     namespace = dict(src.consts)
     exec(compile(source, "<dtorch.compile replay>", "exec"), namespace)
-    run = namespace["run"]
+    run = namespace.pop("run")  # (its globals are the namespace: kept there too, the two would be a cycle)
     run.source = source
     return run
 
