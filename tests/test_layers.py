@@ -30,7 +30,8 @@ STACK = (
     ("dtorch.rl, dtorch.plan", ("dtorch.rl", "dtorch.plan")),
     ("dtorch.models", ("dtorch.models",)),
     ("dtorch/__init__", ("dtorch",)),  # the package itself (the public API), not its modules: see _layer
-    ("dtorch.nn, dtorch.optim", ("dtorch.nn", "dtorch.optim", "dtorch.pipeline", "dtorch.testing", "dtorch.visualize")),
+    ("dtorch.nn, dtorch.optim", ("dtorch.nn", "dtorch.optim", "dtorch.pipeline", "dtorch.testing", "dtorch.visualize",
+                                  "dtorch.recovery")),
     ("ops/", ("dtorch.ops",)),
     ("autograd/", ("dtorch.autograd",)),
     ("tensor.py", ("dtorch.tensor",)),

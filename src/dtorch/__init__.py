@@ -58,6 +58,7 @@ from . import testing  # noqa: E402,F401
 from . import nn  # noqa: E402,F401
 from . import optim  # noqa: E402,F401
 from . import pipeline  # noqa: E402,F401
+from . import recovery  # noqa: E402,F401
 
 DTensor = Tensor
 

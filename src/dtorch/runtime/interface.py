@@ -257,6 +257,18 @@ class Runtime(ABC):
     def empty_cache(self) -> None:
         pass
 
+    # -- workers (backends with a process per device; dtorch.recovery) ----------------------------------
+    def worker_pids(self) -> dict:
+        """Device id -> the process id of its worker; {} where the devices live in this process."""
+        return {}
+
+    def inject_fault(self, device: int, at_op: int, kind: str = "kill") -> None:
+        """Tests of recovery: lose ``device``'s worker just before the ``at_op``-th op issued from now."""
+        from ..errors import RuntimeBackendError
+
+        raise RuntimeBackendError(f"the {self.name} backend has no worker processes to lose; faults are injected "
+                                  "on the process backend (dtorch.Graph(backend='process'))")
+
     def shutdown(self) -> None:
         pass
 

@@ -84,7 +84,11 @@ class Heartbeats:
 
 
 class WorkerError(RuntimeBackendError):
-    """A worker died, raised, or stopped answering; the backend's workers were stopped."""
+    """A worker died, raised, or stopped answering; the backend's workers were stopped. ``lost_devices``: the
+    device ids whose worker died or hung (empty when workers only raised: re-running would fail the same way),
+    which ``dtorch.recovery`` replaces."""
+
+    lost_devices: tuple = ()
 
 
 class Pool:
@@ -216,10 +220,25 @@ class Pool:
         silent = self._silent(now)
         if dead or faults or silent:
             time.sleep(0.3)  # let a dying worker's peers and launchers report too: name the root cause
-            raise WorkerError(self._fault_report(silent))
+            err = WorkerError(self._fault_report(silent))
+            err.lost_devices = self._lost(silent)
+            raise err
 
     def _silent(self, now: float) -> list:
         return self.beats.silent(now, range(self.world), lambda r: int(self.client.add(f"hb/{r}", 0)))
+
+    def _lost(self, silent) -> tuple:
+        """The device ids whose worker died (exit status, or a launcher's report) or stopped answering."""
+        dead = {r for r, p in self.procs.items() if p.poll() is not None}
+        dead.update(r for r in range(self.world) if self.client.check([f"dead/{r}"]))
+        return tuple(sorted(dead.union(silent)))
+
+    def pid(self, r: int) -> int | None:
+        """Worker ``r``'s process id (the one this controller started, else the one it announced)."""
+        if r in self.procs:
+            return self.procs[r].pid
+        self.who(r)  # reads info/<r> into _info
+        return self._info.get(r, {}).get("pid")
 
     def who(self, r: int) -> str:
         """'worker 1 (device id 1, pid 4242, host node2, cuda:1)': everything known that finds the process."""

@@ -398,6 +398,9 @@ class RayPool:
                 "\nThe backend's device actors were stopped; tensors on them are lost (the next operation starts "
                 "new actors).")
 
+    def pid(self, r: int) -> int | None:
+        return self.info.get(r, {}).get("pid")
+
     def who(self, r: int) -> str:
         info = self.info.get(r, {})
         parts = [f"device id {r}"] + [f"{k} {info[k]}" for k in ("pid", "host") if k in info]

@@ -1,0 +1,179 @@
+"""What a training step needs to restart, kept on the controller's host: ``Snapshot``.
+
+The first version is the simplest correct one: after every ``every``-th step the snapshot fetches the global
+value of every parameter, buffer and optimizer-state tensor (and copies the optimizer's host-side state: step
+counters, group options; the controller's RNG state), so a lost device loses nothing the snapshot cannot
+give back, whatever held it. Restoring writes each value back into the *same* tensor object (a new storage
+handle on the new workers: ``Tensor._written``, as an in-place copy would), so tensors the user holds stay
+valid. Its cost: one fetch of model + optimizer state per snapshot (``Snapshot.last_take_s`` and ``.nbytes``;
+docs/recovery.md has the measured ratio to step time), and that much host memory.
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from ..errors import RuntimeBackendError
+from ..placement import Partial
+from ..tensor import Tensor
+from .config import RecoveryError, RecoveryEvent, max_faults_per_step, mode
+
+
+def _owned_tensors(model, optimizer) -> list:
+    """Every dtorch tensor a restart needs, each once: parameters, buffers, optimizer states."""
+    seen: dict = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        seen.setdefault(id(t), t)
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, Tensor):
+                    seen.setdefault(id(v), v)
+    return list(seen.values())
+
+
+def fetch(t: Tensor):
+    """A host copy of ``t`` that ``place`` lays out again with the same bits: the global value, or (a Partial
+    tensor, whose terms a global value would not give back bit for bit) every device's block."""
+    if any(isinstance(p, Partial) for p in t.placements):
+        return ("blocks", [b.clone() for b in t._graph.runtime.local_blocks(t._h, t._spec)])
+    return ("global", t._graph.runtime.to_global(t._h, t._spec))
+
+
+def place(t: Tensor, value) -> None:
+    """Write the host copy ``value`` (``fetch``) back into ``t`` itself: a new handle on the current workers."""
+    how, data = value
+    rt = t._graph.runtime
+    t._written(rt.from_blocks(data, t._spec) if how == "blocks" else rt.from_global(data, t._spec))
+
+
+def nbytes(value) -> int:
+    how, data = value
+    return sum(b.numel() * b.element_size() for b in (data if how == "blocks" else [data]))
+
+
+class Snapshot:
+    """The state of ``model`` and ``optimizer`` after the latest snapshot step, on the host (see the module
+    docstring). ``dtorch.recovery.snapshot`` makes one; ``run_step`` runs a step under it."""
+
+    def __init__(self, model, optimizer, every: int = 1):
+        if not (isinstance(every, int) and every >= 1):
+            raise ValueError(f"snapshot(every={every!r}): every is a number of steps >= 1 (1: after every step)")
+        params = list(model.parameters())
+        if not params:
+            raise ValueError("snapshot(model, ...): the model has no parameters to keep")
+        self.model, self.optimizer, self.every = model, optimizer, every
+        self.graph = params[0]._graph
+        self.steps = 0  # steps run to completion under this snapshot
+        self.taken_at = 0  # ... at the latest snapshot
+        self.nbytes = 0
+        self.last_take_s = 0.0
+        self._values: list = []  # (tensor, host copy)
+        self._state: dict = {}  # parameter -> {key: tensor object (restored) or host value (copied back)}
+        self._groups: list = []
+        self._rng = None
+        self._log: list = []  # (fn, args, kwargs, dtorch tensor arguments with host copies) since the snapshot
+        self.events: list = []  # RecoveryEvent of every recovery
+        self.take()
+
+    def take(self, step: int | None = None) -> None:
+        """Keep the current state, as that after ``step`` (default: the steps run so far); waits for the queued
+        work, so a fault still in flight surfaces here."""
+        t0 = time.perf_counter()
+        self.graph.sync()  # every worker, also those holding only replicas the fetches below do not read
+        values = [(t, fetch(t)) for t in _owned_tensors(self.model, self.optimizer)]
+        opt = self.optimizer
+        state, groups = {}, []
+        if opt is not None:
+            state = {p: {k: v if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in s.items()}
+                     for p, s in opt.state.items()}
+            groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        # only now, all fetched: a fault during the fetches leaves the previous snapshot whole
+        self._values, self._state, self._groups = values, state, groups
+        self._rng = torch.random.get_rng_state()
+        self.taken_at = self.steps if step is None else step
+        self.nbytes = sum(nbytes(v) for _, v in values)
+        self.last_take_s = time.perf_counter() - t0
+
+    def restore(self) -> int:
+        """Put every kept value back into its tensor (on the backend's current workers) and the optimizer's
+        host state back; gradients are dropped (the step that made them is re-run). Returns the tensors rebuilt."""
+        # the widest mesh first: the new workers start once, not once and then again to grow
+        order = sorted(self._values, key=lambda tv: -max(tv[0].device_mesh.device_ids))
+        for t, value in order:
+            place(t, value)
+        for p in self.model.parameters():
+            p.grad = None
+        opt = self.optimizer
+        if opt is not None:
+            opt.state.clear()
+            for p, s in self._state.items():
+                opt.state[p] = {k: v if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in s.items()}
+            for g, kept in zip(opt.param_groups, self._groups):
+                g.update(copy.deepcopy(kept))
+        torch.random.set_rng_state(self._rng)
+        return len(order)
+
+    # -- steps -----------------------------------------------------------------------------------------
+    def run_step(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``: one training step (zero_grad, forward, backward, optimizer step); returns what
+        ``fn`` returns. A device lost meanwhile (a worker that died or hung) is replaced, the snapshot written
+        back and the steps since it re-run, this one last, with the same bits. Pass the batch as torch tensors
+        (a dtorch tensor argument costs a fetch per step, so that a re-run on new workers still has it)."""
+        held = [(a, fetch(a)) for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+        self._log.append((fn, args, kwargs, held))
+        lost: list = []
+        reasons: list = []
+        replay = False
+        try:
+            while True:
+                try:
+                    if replay:  # the steps since the snapshot, then this one again
+                        for f, a, k, _ in self._log[:-1]:
+                            f(*a, **k)
+                    out = fn(*args, **kwargs)
+                    if (self.steps + 1) % self.every == 0:
+                        self.take(self.steps + 1)  # waits for the step's work: its faults surface here, in the step
+                    else:
+                        self.graph.sync()
+                    break
+                except RuntimeBackendError as exc:
+                    devices = tuple(getattr(exc, "lost_devices", ()))
+                    if not devices or mode() == "off" or isinstance(exc, RecoveryError):
+                        raise  # an op that raised would raise again; "off": the fault is the caller's
+                    t0 = time.perf_counter()
+                    lost += devices
+                    reasons.append(str(exc).splitlines()[0])
+                    self._recover(lost, reasons, exc)
+                    self.events.append(RecoveryEvent(self.steps + 1, devices, len(self._values),
+                                                     time.perf_counter() - t0, reasons[-1]))
+                    replay = True
+        except BaseException:
+            self._log.pop()  # a step that did not finish is not re-run by a later recovery
+            raise
+        self.steps += 1
+        if self.taken_at == self.steps:
+            self._log.clear()
+        return out
+
+    def _recover(self, lost: list, reasons: list, exc: BaseException) -> None:
+        """The backend stopped every worker when it raised: rebuild on new workers (the first placement starts
+        them), unless this step lost more devices than ``max_faults_per_step`` allows."""
+        step = self.steps + 1
+        ids = ", ".join(map(str, lost))
+        if len(lost) > max_faults_per_step():
+            raise RecoveryError(
+                f"step {step}: {len(lost)} device losses in one step (device ids {ids}), more than "
+                f"max_faults_per_step={max_faults_per_step()} (dtorch.recovery.configure); the step was not re-run "
+                "again. The faults:\n  " + "\n  ".join(reasons) + f"\nsnap.restore() puts back the state after step "
+                f"{self.taken_at} (the latest snapshot) once the devices work.") from exc
+        try:
+            self.restore()
+            for _, _, _, held in self._log:
+                for t, value in held:
+                    place(t, value)
+        except RuntimeBackendError as again:
+            raise RecoveryError(f"step {step}: device ids {ids} were lost ({reasons[-1]}) and rebuilding their "
+                                f"blocks on new workers failed: {again}") from again
