@@ -7,7 +7,7 @@ The default runs use a dp2 x tp2 mesh (4 workers); ``-m slow`` adds the dp2 x fs
 from __future__ import annotations
 
 import os
-import time
+import random
 
 import pytest
 import torch
@@ -49,7 +49,7 @@ class Trainer:
         self.phases: list = []
 
     def step(self, ids):
-        ops = self.graph.runtime.stats["ops"]
+        ops = self.first_op = self.graph.runtime.stats["ops"]
         self.opt.zero_grad()
         loss = self.model(ids, labels=ids).loss
         marks = [self.graph.runtime.stats["ops"] - ops]
@@ -59,6 +59,11 @@ class Trainer:
         marks.append(self.graph.runtime.stats["ops"] - ops)
         self.phases = marks
         return loss.item()
+
+    def kinds(self) -> list:
+        """What each op of the latest step was ("kernel", "step" (a redistribution step), "put", "get", ...)."""
+        ops = self.graph.runtime._ops
+        return [ops[seq][0] for seq in range(self.first_op + 1, self.first_op + self.phases[-1] + 1)]
 
     def run(self, fault=None):
         """(losses, {name: final weight}); ``fault``: (step index, device, op within the step, kind)."""
@@ -200,3 +205,67 @@ def test_off_and_op_errors_raise_as_without_recovery(graph, reference):
         with pytest.raises(WorkerError, match="ZeroDivisionError") as err:
             t.snap.run_step(bad_step)
         assert err.value.lost_devices == () and t.snap.events == []
+
+
+def test_dtorch_train_recover_replace_reports_the_event_and_keeps_the_loss_curve(graph, monkeypatch, capsys):
+    from dtorch.models import train_cli
+
+    small = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--seq", "16", "--batch", "4",
+             "--pp", "1", "--ulysses-cp", "1", "--steps", "3", "--recover", "replace"]
+    args = train_cli.build_parser().parse_args(small)
+    with using(graph):
+        clean = train_cli.train(args, progress=False).losses
+        real_step, calls = dtorch.optim.AdamW.step, []
+
+        def step_losing_device_2(self, *a, **k):  # the second optimizer step loses worker 2 at its first op
+            calls.append(1)
+            if len(calls) == 2:
+                dtorch.recovery.inject_fault(2, at_op=1, kind="kill")
+            return real_step(self, *a, **k)
+
+        monkeypatch.setattr(dtorch.optim.AdamW, "step", step_losing_device_2)
+        capsys.readouterr()
+        faulty = train_cli.train(args, progress=False).losses
+    assert faulty == clean and len(calls) == 4  # the second step ran twice
+    out = capsys.readouterr().out
+    assert "dtorch train: recovered step 2: device 2 lost and replaced" in out and "s lost" in out
+
+
+# -- the acceptance sweep: dp2 x fsdp2 x tp2, 8 workers, a worker SIGKILLed at random ops -----------------------
+HSDP_TP = (("dp", 2), ("fsdp", 2), ("tp", 2))
+SWEEP = 20
+
+
+@pytest.fixture(scope="module")
+def graph8():
+    g = process_graph(workers=8, heartbeat_timeout_s=HEARTBEAT_S)
+    yield g
+    g.runtime.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference8(graph8):
+    t = Trainer(graph8, dims=HSDP_TP)
+    losses, weights = t.run()
+    kinds = t.kinds()
+    fwd, bwd, _ = t.phases
+    # the faults: (step, device, op within the step, where), placed in forward, backward, optimizer step and at
+    # redistribution steps, in turn
+    rng = random.Random(27)
+    where = {"forward": range(fwd), "backward": range(fwd, bwd), "optimizer": range(bwd, len(kinds)),
+             "redistribution": [i for i, k in enumerate(kinds) if k == "step"]}
+    faults = []
+    for n in range(SWEEP):
+        phase = list(where)[n % 4]
+        faults.append((rng.randrange(STEPS), rng.randrange(8), rng.choice(list(where[phase])) + 1, phase))
+    return losses, weights, faults
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", range(SWEEP))
+def test_hsdp_tp_training_survives_a_killed_worker_at_random_ops(graph8, reference8, run):
+    step, device, op, phase = reference8[2][run]
+    t = Trainer(graph8, dims=HSDP_TP)
+    got = t.run(fault=(step, device, op, "kill"))
+    _same(got, reference8)
+    assert [(e.step, e.devices) for e in t.snap.events] == [(step + 1, (device,))], phase

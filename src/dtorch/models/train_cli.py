@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--selective-ac", type=int, metavar="N", default=None,
                    help="selective activation checkpointing: recompute only every N-th layer in the backward")
     t.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the batches")
+    t.add_argument("--recover", choices=("off", "replace"), default="off",
+                   help="replace: a worker lost mid-step (process backend) is replaced, the step re-run from a "
+                        "snapshot kept after every step (docs/recovery.md)")
     o = p.add_argument_group("output")
     o.add_argument("--save", metavar="DIR", help="write a Hugging Face checkpoint (safetensors, generation config and "
                    "a byte-level tokenizer.json) here, for dtorch generate --model DIR (default: none)")
@@ -193,17 +196,32 @@ def train(args, progress: bool = True) -> TrainResult:
                disable=not progress)
     t_start = time.perf_counter()
     tokens = 0
+    snap = None
+    if args.recover != "off":
+        dtorch.recovery.configure(args.recover)
+        snap = dtorch.recovery.snapshot(model, opt)
+
+    def one_step(ids, labels):
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+        if args.clip > 0:
+            dtorch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        return loss
+
     for step in bar:
         ids, labels = next(batches)
         last = step == args.steps - 1
         if last:  # the final step is the one measured: memory and communication
             graph.track_memory()
             log = dtorch.CommLog().__enter__()
-        loss = model(ids, labels=labels).loss
-        loss.backward()
-        if args.clip > 0:
-            dtorch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
+        if snap is None:
+            loss = one_step(ids, labels)
+        else:
+            seen = len(snap.events)
+            loss = snap.run_step(one_step, ids, labels)
+            for event in snap.events[seen:]:
+                bar.write(f"dtorch train: {event}")
         if last:
             log.__exit__(None, None, None)
             peaks = {dev: st["peak"] for (_, dev), st in graph.get_memory_stats(mesh).items()}
