@@ -49,6 +49,18 @@ def place(t: Tensor, value) -> None:
     t._written(rt.from_blocks(data, t._spec) if how == "blocks" else rt.from_global(data, t._spec))
 
 
+def _lost_device(exc: BaseException):
+    """The backend's report of a lost device (``lost_devices`` not empty) that ``exc`` is or was caused by
+    (code between the backend and the step may wrap it), else None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, RuntimeBackendError) and getattr(exc, "lost_devices", ()):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def nbytes(value) -> int:
     how, data = value
     return sum(b.numel() * b.element_size() for b in (data if how == "blocks" else [data]))
@@ -139,13 +151,14 @@ class Snapshot:
                     else:
                         self.graph.sync()
                     break
-                except RuntimeBackendError as exc:
-                    devices = tuple(getattr(exc, "lost_devices", ()))
+                except Exception as exc:  # noqa: BLE001  (re-raised unless it is a lost device)
+                    fault = _lost_device(exc)
+                    devices = () if fault is None else fault.lost_devices
                     if not devices or mode() == "off" or isinstance(exc, RecoveryError):
                         raise  # an op that raised would raise again; "off": the fault is the caller's
                     t0 = time.perf_counter()
                     lost += devices
-                    reasons.append(str(exc).splitlines()[0])
+                    reasons.append(str(fault).splitlines()[0])
                     self._recover(lost, reasons, exc)
                     self.events.append(RecoveryEvent(self.steps + 1, devices, len(self._values),
                                                      time.perf_counter() - t0, reasons[-1]))
