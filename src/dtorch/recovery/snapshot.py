@@ -34,16 +34,20 @@ def _owned_tensors(model, optimizer) -> list:
     return list(seen.values())
 
 
-def fetch(t: Tensor):
-    """A host copy of ``t`` that ``place`` lays out again with the same bits: the global value, or (a Partial
-    tensor, whose terms a global value would not give back bit for bit) every device's block."""
-    if any(isinstance(p, Partial) for p in t.placements):
-        return ("blocks", [b.clone() for b in t._graph.runtime.local_blocks(t._h, t._spec)])
-    return ("global", t._graph.runtime.to_global(t._h, t._spec))
+def fetch_all(tensors) -> list:
+    """A host copy of each tensor that ``place`` lays out again with the same bits: its global value (all of
+    them in one pass: ``Runtime.to_global_many``), or, for a Partial tensor (whose terms a global value would
+    not give back bit for bit), every device's block."""
+    partial = [any(isinstance(p, Partial) for p in t.placements) for t in tensors]
+    whole = [t for t, p in zip(tensors, partial) if not p]
+    values = iter(whole[0]._graph.runtime.to_global_many([t._h for t in whole], [t._spec for t in whole])
+                  if whole else [])
+    return [("blocks", [b.clone() for b in t._graph.runtime.local_blocks(t._h, t._spec)]) if p
+            else ("global", next(values)) for t, p in zip(tensors, partial)]
 
 
 def place(t: Tensor, value) -> None:
-    """Write the host copy ``value`` (``fetch``) back into ``t`` itself: a new handle on the current workers."""
+    """Write the host copy ``value`` (``fetch_all``) back into ``t`` itself: a new handle on the current workers."""
     how, data = value
     rt = t._graph.runtime
     t._written(rt.from_blocks(data, t._spec) if how == "blocks" else rt.from_global(data, t._spec))
@@ -95,7 +99,8 @@ class Snapshot:
         work, so a fault still in flight surfaces here."""
         t0 = time.perf_counter()
         self.graph.sync()  # every worker, also those holding only replicas the fetches below do not read
-        values = [(t, fetch(t)) for t in _owned_tensors(self.model, self.optimizer)]
+        owned = _owned_tensors(self.model, self.optimizer)
+        values = list(zip(owned, fetch_all(owned)))
         opt = self.optimizer
         state, groups = {}, []
         if opt is not None:
@@ -134,7 +139,8 @@ class Snapshot:
         ``fn`` returns. A device lost meanwhile (a worker that died or hung) is replaced, the snapshot written
         back and the steps since it re-run, this one last, with the same bits. Pass the batch as torch tensors
         (a dtorch tensor argument costs a fetch per step, so that a re-run on new workers still has it)."""
-        held = [(a, fetch(a)) for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+        given = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+        held = list(zip(given, fetch_all(given)))
         self._log.append((fn, args, kwargs, held))
         lost: list = []
         reasons: list = []

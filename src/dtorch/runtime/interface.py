@@ -147,6 +147,10 @@ class Runtime(ABC):
 
         return TensorFuture.completed(self.to_global(handle, spec))
 
+    def to_global_many(self, handles: Sequence, specs: Sequence[DTensorSpec]) -> list[torch.Tensor]:
+        """``to_global`` of many tensors (a backend may overlap them)."""
+        return [self.to_global(h, s) for h, s in zip(handles, specs)]
+
     @abstractmethod
     def local_blocks(self, handle, spec: DTensorSpec) -> list[torch.Tensor]:
         """Every device's block, in mesh order (for tests, visualisation and debugging; do not write)."""

@@ -58,6 +58,7 @@ from .devices import mesh_problems, read_device_config, simulation_device
 from .._lru import LRU
 from .interface import Runtime
 from .process_ops import Handle, Operations
+from .process_recovery import Recovery
 from .process_pool import Pool, WorkerError, heartbeat_timeout
 from .transport import StoreTransport, Transport, _TAG_SPAN
 
@@ -80,7 +81,7 @@ def _env_int(name: str, default):
         raise ValueError(f"{name}={raw!r} must be an integer") from None
 
 
-class ProcessRuntime(Operations, Runtime):
+class ProcessRuntime(Operations, Recovery, Runtime):
     """The controller of one worker per device; ``transport`` reaches the workers (default: the process
     backend's store transport, configured by the arguments and the environment above)."""
 
@@ -491,30 +492,6 @@ class ProcessRuntime(Operations, Runtime):
         got = self._ask_everyone(lambda req, world: rec.Stats(req, collectives, world), "st", "worker statistics",
                                  values=True)
         return {} if got is None else dict(enumerate(got))
-
-    def worker_pids(self) -> dict:
-        with self._lock:
-            pool = self._pool
-            return {} if pool is None else {r: pool.pid(r) for r in range(self._world)}
-
-    def inject_fault(self, device: int, at_op: int, kind: str = "kill") -> None:
-        """Worker ``device`` SIGKILLs or SIGSTOPs itself just before the ``at_op``-th op (kernel, step, put, get)
-        issued from now: the fault record is queued in order, so where it dies does not depend on timing."""
-        if kind not in ("kill", "stop") or not (isinstance(at_op, int) and at_op >= 1) or \
-                self._pool is None or not 0 <= device < self._world:
-            raise ValueError(f"inject_fault(device={device}, at_op={at_op!r}, kind={kind!r}): kind is 'kill' or 'stop', "
-                             f"at_op >= 1 (1: the next op), device a running worker's id (0..{self._world - 1})")
-        fire = self.stats["ops"] + at_op
-        note = type(self)._note.__get__(self)
-
-        def armed(what):  # this runtime's _note until the fault is queued (no cost once it is)
-            seq = note(what)
-            if self.stats["ops"] == fire:
-                del self._note
-                self._buf.setdefault(device, []).append(rec.Fault(kind))
-            return seq
-
-        self._note = armed
 
     def _last_op(self):
         """The number of the latest op issued (a dead Ray actor's message names the ops it had)."""
