@@ -12,6 +12,8 @@ re-run computes the same bits: same values, same plans, same reduction order. do
 """
 from __future__ import annotations
 
+import weakref
+
 from ..graph import Graph, resolve_graph
 from .config import RecoveryError, RecoveryEvent, configure, mode
 from .snapshot import Snapshot
@@ -19,23 +21,26 @@ from .snapshot import Snapshot
 __all__ = ["configure", "mode", "snapshot", "run_step", "inject_fault", "RecoveryError", "RecoveryEvent",
            "Snapshot"]
 
-_LATEST: "dict[Graph, Snapshot]" = {}  # the latest snapshot per Graph, for the module-level run_step
+# the latest snapshot per Graph, for the module-level run_step; weak both ways: a snapshot lives as long as the
+# caller keeps it (it holds the model, the optimizer and a host copy of their state)
+_LATEST: "weakref.WeakKeyDictionary[Graph, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 def snapshot(model, optimizer=None, every: int = 1) -> Snapshot:
     """Keep what a step of ``model`` and ``optimizer`` needs to restart, now and after every ``every``-th
     ``run_step``; a fault re-runs the steps since the latest snapshot (``every`` of them at most)."""
     snap = Snapshot(model, optimizer, every)
-    _LATEST[snap.graph] = snap
+    _LATEST[snap.graph] = weakref.ref(snap)
     return snap
 
 
 def run_step(fn, *args, **kwargs):
     """``Snapshot.run_step`` of the default Graph's latest snapshot."""
-    snap = _LATEST.get(Graph.default_graph())
+    ref = _LATEST.get(Graph.default_graph())
+    snap = None if ref is None else ref()
     if snap is None:
-        raise RuntimeError("dtorch.recovery.run_step needs a snapshot of this Graph's model and optimizer: call "
-                           "snap = dtorch.recovery.snapshot(model, optimizer) first (then snap.run_step(fn, ...))")
+        raise RuntimeError("dtorch.recovery.run_step needs a live snapshot of this Graph's model and optimizer: keep "
+                           "snap = dtorch.recovery.snapshot(model, optimizer) (then snap.run_step(fn, ...) or this)")
     return snap.run_step(fn, *args, **kwargs)
 
 
