@@ -52,9 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--selective-ac", type=int, metavar="N", default=None,
                    help="selective activation checkpointing: recompute only every N-th layer in the backward")
     t.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the batches")
-    t.add_argument("--recover", choices=("off", "replace"), default="off",
-                   help="replace: a worker lost mid-step (process backend) is replaced, the step re-run from a "
-                        "snapshot kept after every step (docs/recovery.md)")
+    t.add_argument("--recover", choices=("off", "replace", "shrink"), default="off",
+                   help="replace: a worker lost mid-step (process and ray backends) is replaced, the step re-run "
+                        "from a snapshot kept after every step (docs/recovery.md); shrink: not implemented yet")
     o = p.add_argument_group("output")
     o.add_argument("--save", metavar="DIR", help="write a Hugging Face checkpoint (safetensors, generation config and "
                    "a byte-level tokenizer.json) here, for dtorch generate --model DIR (default: none)")
@@ -73,6 +73,8 @@ def check_args(args) -> list[str]:
     problems += head_width_problems(args.hidden, args.heads)
     if args.heads % args.kv_heads:
         problems.append(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    if args.recover == "shrink":
+        problems.append("--recover shrink (continue on a smaller mesh) is not implemented yet; use --recover replace")
     if args.seq % args.ulysses_cp:
         problems.append(f"--seq {args.seq} must be divisible by --ulysses-cp {args.ulysses_cp}")
     text = Path(args.text) if args.text else CORPUS
