@@ -4,14 +4,15 @@ the next step's start.
 Model: the issue's 32 M Llama (8 layers, hidden 512, 8 heads / 4 kv heads, MLP 1408, vocab 8192), AdamW, batch
 8 x seq 64, on a dp2 x tp2 mesh (4 workers; ``--mesh dp2xfsdp2xtp2`` for 8). Reports:
 
-- step: median wall seconds of a training step under ``snap.run_step`` with ``every`` so large that no snapshot
-  is taken (the step and its closing ``sync``);
-- snapshot: median seconds of ``snap.take()`` (a sync, then the fetch of every parameter and optimizer state),
-  and its ratio to the step: the overhead of ``every=1``;
+- step: median wall seconds of a training step under ``snap.run_step``, with ``every`` so large that no snapshot
+  is taken (the step and its closing ``sync``), and with ``every=1`` (each step's snapshot fetched while the
+  next step runs): their ratio is the snapshots' overhead;
+- snapshot: the seconds of one ``snap.take()`` alone (a sync, then the fetch of every parameter and optimizer
+  state, waited for), and its ratio to the step;
 - fault to next step: a worker is SIGKILLed halfway through a step (a timer, by its pid); the seconds from the
   kill to the start of the step's re-run (detection, stopping the workers, new workers, the snapshot placed).
 
-    .venv/bin/python bench/recovery.py [--steps 4] [--mesh dp2xtp2] [--layers 8]
+    .venv/bin/python bench/recovery.py [--steps 3] [--block 3] [--mesh dp2xtp2] [--layers 8]
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ MESHES = {"dp2xtp2": (("dp", 2), ("tp", 2)), "dp2xfsdp2xtp2": (("dp", 2), ("fsdp
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3, help="rounds: a block of steps without, then with snapshots")
+    ap.add_argument("--block", type=int, default=3, help="steps per block")
     ap.add_argument("--mesh", choices=list(MESHES), default="dp2xtp2")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
@@ -65,23 +67,30 @@ def main() -> None:
         opt.step()
         return loss.item()
 
-    snap = dtorch.recovery.snapshot(model, opt, every=10 ** 9)  # snapshots taken by hand below
+    def block(snap, n: int) -> float:
+        """Seconds per step of ``n`` steps; a snapshot's last fetch is waited for within the block, so that the
+        next block's first step does not carry it."""
+        t0 = time.perf_counter()
+        for _ in range(n):
+            snap.run_step(step, ids)
+        snap._settle(wait=True)
+        return (time.perf_counter() - t0) / n
+
     step(ids)  # warm: the optimizer's states exist, plans are cached
+    plain = dtorch.recovery.snapshot(model, opt, every=10 ** 9)  # no snapshot after the first
+    snap = dtorch.recovery.snapshot(model, opt, every=1)
+    t0 = time.perf_counter()
     snap.take()
-    steps, takes = [], []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        snap.run_step(step, ids)
-        steps.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        snap.take()
-        takes.append(time.perf_counter() - t0)
-    step_s, take_s = statistics.median(steps), statistics.median(takes)
+    take_s = time.perf_counter() - t0
+    # blocks of steps without and with snapshots, alternately (the machine's load moves between rounds)
+    rounds = [(block(plain, args.block), block(snap, args.block)) for _ in range(args.steps)]
+    bare, with_snap = (statistics.median(r[i] for r in rounds) for i in (0, 1))
     print(f"{n_params / 1e6:.1f} M parameters, {args.mesh} ({mesh.size()} workers), AdamW, batch {args.batch} x seq "
           f"{args.seq}, {os.cpu_count()} cores")
-    print(f"step            {step_s:.3f} s (median of {args.steps})")
-    print(f"snapshot        {take_s:.3f} s, {snap.nbytes / 2 ** 20:.0f} MiB kept on the host: {take_s / step_s:.2f} of "
-          "a step (the overhead of every=1)")
+    print(f"step            {bare:.3f} s without snapshots, {with_snap:.3f} s with every=1 (medians of {args.steps} blocks of {args.block}): "
+          f"overhead {with_snap / bare - 1:+.2f}")
+    print(f"snapshot        {take_s:.3f} s alone (snap.take(), not overlapped), {snap.nbytes / 2 ** 20:.0f} MiB kept on "
+          f"the host: {take_s / bare:.2f} of a step")
 
     victim = graph.worker_pids()[1]
     killed: list = []
@@ -90,14 +99,14 @@ def main() -> None:
         killed.append(time.perf_counter())
         os.kill(victim, signal.SIGKILL)
 
-    timer = threading.Timer(step_s / 2, kill)
+    timer = threading.Timer(bare / 2, kill)
     starts.clear()
     timer.start()
     snap.run_step(step, ids)
     timer.join()
     (event,) = snap.events
     rerun = [s for s in starts if s > killed[0]]
-    print(f"fault to next step {rerun[0] - killed[0]:.2f} s (worker 1 SIGKILLed {step_s / 2:.2f} s into a step; "
+    print(f"fault to next step {rerun[0] - killed[0]:.2f} s (worker 1 SIGKILLed {bare / 2:.2f} s into a step; "
           f"rebuilding {event.rebuilt} tensors on new workers: {event.seconds:.2f} s of it)")
     graph.runtime.shutdown()
 

@@ -5,8 +5,10 @@ value of every parameter, buffer and optimizer-state tensor (and copies the opti
 counters, group options; the controller's RNG state), so a lost device loses nothing the snapshot cannot
 give back, whatever held it. Restoring writes each value back into the *same* tensor object (a new storage
 handle on the new workers: ``Tensor._written``, as an in-place copy would), so tensors the user holds stay
-valid. Its cost: one fetch of model + optimizer state per snapshot (``Snapshot.last_take_s`` and ``.nbytes``;
-docs/recovery.md has the measured ratio to step time), and that much host memory.
+valid. Within ``run_step`` the fetch overlaps the next step: its requests are queued right after the step
+(so the values are the step's), one thread collects them while the next step is issued, and the snapshot
+counts once they are all in (until then the previous one stands, and a fault re-runs from it). Its cost: one
+fetch of model + optimizer state per snapshot, and up to twice that much host memory (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -34,20 +36,34 @@ def _owned_tensors(model, optimizer) -> list:
     return list(seen.values())
 
 
-def fetch_all(tensors) -> list:
-    """A host copy of each tensor that ``place`` lays out again with the same bits: its global value (all of
-    them in one pass: ``Runtime.to_global_many``), or, for a Partial tensor (whose terms a global value would
-    not give back bit for bit), every device's block."""
-    partial = [any(isinstance(p, Partial) for p in t.placements) for t in tensors]
-    whole = [t for t, p in zip(tensors, partial) if not p]
-    values = iter(whole[0]._graph.runtime.to_global_many([t._h for t in whole], [t._spec for t in whole])
-                  if whole else [])
-    return [("blocks", [b.clone() for b in t._graph.runtime.local_blocks(t._h, t._spec)]) if p
-            else ("global", next(values)) for t, p in zip(tensors, partial)]
+class Fetch:
+    """Host copies of ``tensors`` that ``place`` lays out again with the same bits, asked for now (their values
+    after the work issued so far) and collected meanwhile: each tensor's global value (all in one pass:
+    ``Runtime.to_global_many_async``), or, for a Partial tensor (whose terms a global value would not give back
+    bit for bit), every device's block (fetched at once)."""
+
+    def __init__(self, tensors):
+        self.tensors = list(tensors)
+        self.partial = [any(isinstance(p, Partial) for p in t.placements) for t in self.tensors]
+        self.blocks = {i: ("blocks", [b.clone() for b in t._graph.runtime.local_blocks(t._h, t._spec)])
+                       for i, (t, p) in enumerate(zip(self.tensors, self.partial)) if p}
+        whole = [t for t, p in zip(self.tensors, self.partial) if not p]
+        self.future = (whole[0]._graph.runtime.to_global_many_async([t._h for t in whole], [t._spec for t in whole])
+                       if whole else None)
+
+    def succeeded(self) -> bool:
+        """All collected, without a fault (does not wait)."""
+        return self.future is None or (self.future.done() and self.future.exception() is None)
+
+    def values(self) -> list:
+        """(tensor, host copy) of each tensor; waits for them (the backend's own waits have timeouts)."""
+        got = iter(self.future.result() if self.future is not None else [])
+        return [(t, self.blocks[i] if p else ("global", next(got)))
+                for i, (t, p) in enumerate(zip(self.tensors, self.partial))]
 
 
 def place(t: Tensor, value) -> None:
-    """Write the host copy ``value`` (``fetch_all``) back into ``t`` itself: a new handle on the current workers."""
+    """Write the host copy ``value`` (``Fetch``) back into ``t`` itself: a new handle on the current workers."""
     how, data = value
     rt = t._graph.runtime
     t._written(rt.from_blocks(data, t._spec) if how == "blocks" else rt.from_global(data, t._spec))
@@ -85,52 +101,65 @@ class Snapshot:
         self.steps = 0  # steps run to completion under this snapshot
         self.taken_at = 0  # ... at the latest snapshot
         self.nbytes = 0
-        self.last_take_s = 0.0
         self._values: list = []  # (tensor, host copy)
-        self._state: dict = {}  # parameter -> {key: tensor object (restored) or host value (copied back)}
-        self._groups: list = []
-        self._rng = None
-        self._log: list = []  # (fn, args, kwargs, dtorch tensor arguments with host copies) since the snapshot
+        self._host: tuple = ({}, [], None)  # optimizer state {param: {key: tensor or host value}}, groups, RNG
+        self._pending = None  # (step, Fetch, host state) of a snapshot being collected
+        # (step number, fn, args, kwargs, dtorch tensor arguments with host copies) of the steps since the snapshot
+        self._log: list = []
         self.events: list = []  # RecoveryEvent of every recovery
         self.take()
 
     def take(self, step: int | None = None) -> None:
         """Keep the current state, as that after ``step`` (default: the steps run so far); waits for the queued
         work, so a fault still in flight surfaces here."""
-        t0 = time.perf_counter()
-        self.graph.sync()  # every worker, also those holding only replicas the fetches below do not read
-        owned = _owned_tensors(self.model, self.optimizer)
-        values = list(zip(owned, fetch_all(owned)))
+        self._begin(self.steps if step is None else step)
+        self._settle(wait=True)
+
+    def _begin(self, step: int) -> None:
+        """Ask for the values after the work issued so far; the host-side state is copied now."""
+        self.graph.sync()  # every worker, also those holding only replicas the fetches do not read
         opt = self.optimizer
         state, groups = {}, []
         if opt is not None:
             state = {p: {k: v if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in s.items()}
                      for p, s in opt.state.items()}
             groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
-        # only now, all fetched: a fault during the fetches leaves the previous snapshot whole
-        self._values, self._state, self._groups = values, state, groups
-        self._rng = torch.random.get_rng_state()
-        self.taken_at = self.steps if step is None else step
-        self.nbytes = sum(nbytes(v) for _, v in values)
-        self.last_take_s = time.perf_counter() - t0
+        self._pending = (step, Fetch(_owned_tensors(self.model, opt)), (state, groups, torch.random.get_rng_state()))
+
+    def _settle(self, wait: bool) -> None:
+        """The pending snapshot becomes the snapshot once all its values are in (``wait``: wait for them; else
+        only if they are); a fault while fetching it leaves the previous one whole."""
+        if self._pending is None:
+            return
+        step, fetch, host = self._pending
+        if not wait and not fetch.succeeded():
+            return
+        self._pending = None
+        self._values, self._host, self.taken_at = fetch.values(), host, step
+        self.nbytes = sum(nbytes(v) for _, v in self._values)
+        self._log = [entry for entry in self._log if entry[0] > step]
 
     def restore(self) -> int:
         """Put every kept value back into its tensor (on the backend's current workers) and the optimizer's
         host state back; gradients are dropped (the step that made them is re-run). Returns the tensors rebuilt."""
+        if self._pending is not None:  # collected before the fault: the newer state; else it is dropped
+            self._settle(wait=False)
+            self._pending = None
         # the widest mesh first: the new workers start once, not once and then again to grow
         order = sorted(self._values, key=lambda tv: -max(tv[0].device_mesh.device_ids))
         for t, value in order:
             place(t, value)
         for p in self.model.parameters():
             p.grad = None
+        state, groups, rng = self._host
         opt = self.optimizer
         if opt is not None:
             opt.state.clear()
-            for p, s in self._state.items():
+            for p, s in state.items():
                 opt.state[p] = {k: v if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in s.items()}
-            for g, kept in zip(opt.param_groups, self._groups):
+            for g, kept in zip(opt.param_groups, groups):
                 g.update(copy.deepcopy(kept))
-        torch.random.set_rng_state(self._rng)
+        torch.random.set_rng_state(rng)
         return len(order)
 
     # -- steps -----------------------------------------------------------------------------------------
@@ -140,8 +169,7 @@ class Snapshot:
         back and the steps since it re-run, this one last, with the same bits. Pass the batch as torch tensors
         (a dtorch tensor argument costs a fetch per step, so that a re-run on new workers still has it)."""
         given = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
-        held = list(zip(given, fetch_all(given)))
-        self._log.append((fn, args, kwargs, held))
+        self._log.append((self.steps + 1, fn, args, kwargs, Fetch(given).values()))
         lost: list = []
         reasons: list = []
         replay = False
@@ -149,11 +177,14 @@ class Snapshot:
             while True:
                 try:
                     if replay:  # the steps since the snapshot, then this one again
-                        for f, a, k, _ in self._log[:-1]:
+                        for _, f, a, k, _ in self._log[:-1]:
                             f(*a, **k)
                     out = fn(*args, **kwargs)
+                    self._settle(wait=False)
                     if (self.steps + 1) % self.every == 0:
-                        self.take(self.steps + 1)  # waits for the step's work: its faults surface here, in the step
+                        self._settle(wait=True)  # (two fetches at most at once)
+                        self._begin(self.steps + 1)  # syncs first: the step's faults surface here, in the step
+                        self._settle(wait=False)  # (a backend that fetched at once: counts now)
                     else:
                         self.graph.sync()
                     break
@@ -173,8 +204,6 @@ class Snapshot:
             self._log.pop()  # a step that did not finish is not re-run by a later recovery
             raise
         self.steps += 1
-        if self.taken_at == self.steps:
-            self._log.clear()
         return out
 
     def _recover(self, lost: list, reasons: list, exc: BaseException) -> None:
@@ -190,7 +219,7 @@ class Snapshot:
                 f"{self.taken_at} (the latest snapshot) once the devices work.") from exc
         try:
             self.restore()
-            for _, _, _, held in self._log:
+            for _, _, _, _, held in self._log:
                 for t, value in held:
                     place(t, value)
         except RuntimeBackendError as again:

@@ -151,6 +151,15 @@ class Runtime(ABC):
         """``to_global`` of many tensors (a backend may overlap them)."""
         return [self.to_global(h, s) for h, s in zip(handles, specs)]
 
+    def to_global_many_async(self, handles: Sequence, specs: Sequence[DTensorSpec]):
+        """A ``concurrent.futures.Future`` of ``to_global_many``: the values are those after the work issued so
+        far, whatever is issued before the future completes (a backend may collect them meanwhile)."""
+        import concurrent.futures
+
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_result(self.to_global_many(handles, specs))
+        return fut
+
     @abstractmethod
     def local_blocks(self, handle, spec: DTensorSpec) -> list[torch.Tensor]:
         """Every device's block, in mesh order (for tests, visualisation and debugging; do not write)."""

@@ -3,6 +3,9 @@
 in one pass (a snapshot)."""
 from __future__ import annotations
 
+import concurrent.futures
+import threading
+
 from . import process_plan as pp
 from . import protocol as rec
 
@@ -35,9 +38,30 @@ class Recovery:
     def to_global_many(self, handles, specs) -> list:
         """The global values of many tensors: every request is queued first, then the answers are collected
         in order, so the workers write one block after another instead of waiting for a round trip each."""
+        return self._collect_many(self._ask_many(handles, specs))
+
+    def to_global_many_async(self, handles, specs) -> concurrent.futures.Future:
+        """``to_global_many`` whose requests are queued now (the values are those after the work queued so far)
+        and whose answers one thread collects while the caller goes on queueing work."""
+        asked = self._ask_many(handles, specs)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def collect():
+            try:
+                fut.set_result(self._collect_many(asked))
+            except BaseException as exc:  # noqa: BLE001  (delivered through the future)
+                fut.set_exception(exc)
+
+        threading.Thread(target=collect, name="dtorch-fetch-many", daemon=True).start()
+        return fut
+
+    def _ask_many(self, handles, specs) -> list:
         asked = []
         with self._lock:
             for h, spec in zip(handles, specs):
                 coords = pp.grid_coords(spec)
                 asked.append((self._request(h, spec, coords, whole=True), spec, coords))
+        return asked
+
+    def _collect_many(self, asked) -> list:
         return [self._fetch(req, ranks, pool, out, spec, coords) for (req, ranks, pool, out), spec, coords in asked]
