@@ -182,6 +182,19 @@ def test_two_faults_in_one_step_are_a_clear_error(graph, reference):
         assert t.snap.run_step(t.step, t.batches[0]) == reference[0][0]
 
 
+def test_a_worker_lost_while_the_snapshot_is_fetched_re_runs_from_the_one_before(graph, reference):
+    """The fault hits the 10th fetch of step 2's snapshot (collected while step 3 runs): step 2's snapshot never
+    counts, so the snapshot of step 1 is restored and steps 2 and 3 run again."""
+    t = Trainer(graph)
+    ends = reference[2]
+    got = t.run(fault=(1, 1, ends[-1] + 1 + 10, "kill"))  # after the step's ops and its loss.item()
+    _same(got, reference)
+    (event,) = t.snap.events
+    assert event.devices == (1,) and event.step == 3 and "worker 1 " in event.reason
+    t.snap.wait()  # the last step's snapshot, collected meanwhile
+    assert t.snap.taken_at == STEPS
+
+
 def test_off_and_op_errors_raise_as_without_recovery(graph, reference):
     t = Trainer(graph)
     try:

@@ -12,6 +12,7 @@ fetch of model + optimizer state per snapshot, and up to twice that much host me
 """
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import time
 
@@ -54,6 +55,17 @@ class Fetch:
     def succeeded(self) -> bool:
         """All collected, without a fault (does not wait)."""
         return self.future is None or (self.future.done() and self.future.exception() is None)
+
+    def fault(self, timeout: float):
+        """The lost-device report that ended the collection (waiting up to ``timeout`` for it), else None. The
+        collecting thread may be the first to see a worker die: the step then finds only its tensors gone."""
+        if self.future is None:
+            return None
+        try:
+            exc = self.future.exception(timeout)
+        except concurrent.futures.TimeoutError:
+            return None
+        return None if exc is None else _lost_device(exc)
 
     def values(self) -> list:
         """(tensor, host copy) of each tensor; waits for them (the backend's own waits have timeouts)."""
@@ -139,6 +151,11 @@ class Snapshot:
         self.nbytes = sum(nbytes(v) for _, v in self._values)
         self._log = [entry for entry in self._log if entry[0] > step]
 
+    def wait(self) -> None:
+        """Wait until the snapshot being collected (that of the latest step) counts; ``taken_at`` is then that
+        step. A fault while collecting it raises here (the previous snapshot stands: ``restore`` puts it back)."""
+        self._settle(wait=True)
+
     def restore(self) -> int:
         """Put every kept value back into its tensor (on the backend's current workers) and the optimizer's
         host state back; gradients are dropped (the step that made them is re-run). Returns the tensors rebuilt."""
@@ -190,6 +207,8 @@ class Snapshot:
                     break
                 except Exception as exc:  # noqa: BLE001  (re-raised unless it is a lost device)
                     fault = _lost_device(exc)
+                    if fault is None and self._pending is not None and isinstance(exc, RuntimeBackendError):
+                        fault = self._pending[1].fault(timeout=10.0)
                     devices = () if fault is None else fault.lost_devices
                     if not devices or mode() == "off" or isinstance(exc, RecoveryError):
                         raise  # an op that raised would raise again; "off": the fault is the caller's
