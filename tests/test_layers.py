@@ -31,7 +31,7 @@ STACK = (
     ("dtorch.models", ("dtorch.models",)),
     ("dtorch/__init__", ("dtorch",)),  # the package itself (the public API), not its modules: see _layer
     ("dtorch.nn, dtorch.optim", ("dtorch.nn", "dtorch.optim", "dtorch.pipeline", "dtorch.testing", "dtorch.visualize",
-                                 "dtorch.compile")),
+                                 "dtorch.compile", "dtorch.recovery")),
     ("ops/", ("dtorch.ops",)),
     ("autograd/", ("dtorch.autograd",)),
     ("tensor.py", ("dtorch.tensor",)),
@@ -49,7 +49,8 @@ RUNTIME_SURFACE = {"dtorch.runtime", "dtorch.runtime.interface", "dtorch.runtime
 PROCESS_BACKEND = ("dtorch.runtime.process", "dtorch.runtime.process_plan", "dtorch.runtime.process_pool",
                    "dtorch.runtime.process_ops", "dtorch.runtime.transport", "dtorch.runtime.protocol",
                    "dtorch.runtime.worker", "dtorch.runtime.worker_loop", "dtorch.runtime.worker_comm",
-                   "dtorch.runtime.ray_backend", "dtorch.runtime.ray_worker")
+                   "dtorch.runtime.ray_backend", "dtorch.runtime.ray_worker",
+                   "dtorch.runtime.process_recovery")
 OTHER_BACKENDS = ("dtorch.runtime.inprocess", "dtorch.runtime.reference") + PROCESS_BACKEND
 
 

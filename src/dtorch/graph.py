@@ -151,6 +151,11 @@ class Graph:
     def sync(self) -> None:
         self.runtime.sync()
 
+    def worker_pids(self) -> dict:
+        """Device id -> the process id of the worker holding that device's blocks (process and ray backends;
+        {} while no worker runs, and on backends whose devices live in this process)."""
+        return self.runtime.worker_pids()
+
     def sync_future(self):
         """``sync()`` as a future (``dtorch.VoidFutureCollect``: ``get/wait/is_ready/await``)."""
         from .future import VoidFutureCollect

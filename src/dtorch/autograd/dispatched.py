@@ -27,7 +27,7 @@ import weakref
 
 import torch
 
-from ..errors import OpError
+from ..errors import DTorchError, OpError
 from ..placement import Partial, Replicate, Shard
 from ..redistribute import relayout
 from ..redistribute.executor import record_only
@@ -294,7 +294,7 @@ class KernelNode(Node):
                         vjp += (summed,)
                         ex = rt.executable(vjp_kernel(self.kernel), tuple(specs) + tuple(ct_specs), grad_specs)
                 outs = ex.run(handles, {**self.kwargs, "vjp": vjp}, self.device_args)
-        except OpError:
+        except DTorchError:  # (a backend's fault, a lost worker, too: not a missing derivative)
             raise
         except Exception as exc:  # torch has no derivative for the local computation (floor_divide), ...
             raise NoGradientError(f"dtorch.{self.op} has no gradient here: differentiating its kernel "

@@ -52,8 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--selective-ac", type=int, metavar="N", default=None,
                    help="selective activation checkpointing: recompute only every N-th layer in the backward")
     t.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the batches")
+<<<<<<< HEAD
     t.add_argument("--eager", action="store_true", help="run every step eagerly (default: the step is traced once "
                    "with dtorch.compile and replayed, with the same numbers)")
+=======
+    t.add_argument("--recover", choices=("off", "replace", "shrink"), default="off",
+                   help="replace: a worker lost mid-step (process and ray backends) is replaced, the step re-run "
+                        "from a snapshot kept after every step (docs/recovery.md); shrink: not implemented yet")
+>>>>>>> recovery
     o = p.add_argument_group("output")
     o.add_argument("--save", metavar="DIR", help="write a Hugging Face checkpoint (safetensors, generation config and "
                    "a byte-level tokenizer.json) here, for dtorch generate --model DIR (default: none)")
@@ -72,6 +78,8 @@ def check_args(args) -> list[str]:
     problems += head_width_problems(args.hidden, args.heads)
     if args.heads % args.kv_heads:
         problems.append(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
+    if args.recover == "shrink":
+        problems.append("--recover shrink (continue on a smaller mesh) is not implemented yet; use --recover replace")
     if args.seq % args.ulysses_cp:
         problems.append(f"--seq {args.seq} must be divisible by --ulysses-cp {args.ulysses_cp}")
     text = Path(args.text) if args.text else CORPUS
@@ -196,13 +204,36 @@ def train(args, progress: bool = True) -> TrainResult:
                disable=not progress)
     t_start = time.perf_counter()
     tokens = 0
+    snap = None
+    if args.recover != "off":
+        dtorch.recovery.configure(args.recover)
+        snap = dtorch.recovery.snapshot(model, opt)
+
+    def one_step(ids, labels):
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+        if args.clip > 0:
+            dtorch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        return loss
+
     for step in bar:
         ids, labels = next(batches)
         last = step == args.steps - 1
         if last:  # the final step is the one measured: memory and communication
             graph.track_memory()
             log = dtorch.CommLog().__enter__()
+<<<<<<< HEAD
         loss = step_fn(model, opt, ids, labels, args.clip)  # (the measured step runs eagerly: memory is tracked)
+=======
+        if snap is None:
+            loss = one_step(ids, labels)
+        else:
+            seen = len(snap.events)
+            loss = snap.run_step(one_step, ids, labels)
+            for event in snap.events[seen:]:
+                bar.write(f"dtorch train: {event}")
+>>>>>>> recovery
         if last:
             log.__exit__(None, None, None)
             peaks = {dev: st["peak"] for (_, dev), st in graph.get_memory_stats(mesh).items()}

@@ -24,7 +24,7 @@ from ..autograd.dispatched import record_rebind
 from ..autograd.mode import is_grad_enabled as _grad_enabled
 from ..autograd.mode import no_grad as _no_grad
 from ..autograd.redistribute import redistribute_spec
-from ..errors import OpError
+from ..errors import DTorchError, OpError
 from ..graph import check_one_graph
 from ..placement import Replicate
 from ..runtime.kernels import get_kernel, kernel
@@ -92,7 +92,7 @@ def dispatch_inplace(name: str, rule, tensors, static: tuple, kwargs: dict | Non
         try:
             handle = graph.runtime.write(k, target._h, tspec, [o._h for o in others], plan.in_specs[1:], kw,
                                          plan.device_args)
-        except OpError:
+        except DTorchError:  # (a backend's fault, a lost worker, too: not this op's)
             raise
         except Exception as exc:
             raise OpError(f"dtorch.{name}_ failed on inputs {describe([t._spec for t in tensors])}: "

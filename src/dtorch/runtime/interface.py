@@ -147,6 +147,19 @@ class Runtime(ABC):
 
         return TensorFuture.completed(self.to_global(handle, spec))
 
+    def to_global_many(self, handles: Sequence, specs: Sequence[DTensorSpec]) -> list[torch.Tensor]:
+        """``to_global`` of many tensors (a backend may overlap them)."""
+        return [self.to_global(h, s) for h, s in zip(handles, specs)]
+
+    def to_global_many_async(self, handles: Sequence, specs: Sequence[DTensorSpec]):
+        """A ``concurrent.futures.Future`` of ``to_global_many``: the values are those after the work issued so
+        far, whatever is issued before the future completes (a backend may collect them meanwhile)."""
+        import concurrent.futures
+
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        fut.set_result(self.to_global_many(handles, specs))
+        return fut
+
     @abstractmethod
     def local_blocks(self, handle, spec: DTensorSpec) -> list[torch.Tensor]:
         """Every device's block, in mesh order (for tests, visualisation and debugging; do not write)."""
@@ -256,6 +269,18 @@ class Runtime(ABC):
 
     def empty_cache(self) -> None:
         pass
+
+    # -- workers (backends with a process per device; dtorch.recovery) ----------------------------------
+    def worker_pids(self) -> dict:
+        """Device id -> the process id of its worker; {} where the devices live in this process."""
+        return {}
+
+    def inject_fault(self, device: int, at_op: int, kind: str = "kill") -> None:
+        """Tests of recovery: lose ``device``'s worker just before the ``at_op``-th op issued from now."""
+        from ..errors import RuntimeBackendError
+
+        raise RuntimeBackendError(f"the {self.name} backend has no worker processes to lose; faults are injected "
+                                  "on the process backend (dtorch.Graph(backend='process'))")
 
     def shutdown(self) -> None:
         pass

@@ -58,6 +58,7 @@ from .devices import mesh_problems, read_device_config, simulation_device
 from .._lru import LRU
 from .interface import Runtime
 from .process_ops import Handle, Operations
+from .process_recovery import Recovery
 from .process_pool import Pool, WorkerError, heartbeat_timeout
 from .transport import StoreTransport, Transport, _TAG_SPAN
 
@@ -80,7 +81,7 @@ def _env_int(name: str, default):
         raise ValueError(f"{name}={raw!r} must be an integer") from None
 
 
-class ProcessRuntime(Operations, Runtime):
+class ProcessRuntime(Operations, Recovery, Runtime):
     """The controller of one worker per device; ``transport`` reaches the workers (default: the process
     backend's store transport, configured by the arguments and the environment above)."""
 

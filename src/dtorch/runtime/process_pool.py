@@ -84,7 +84,11 @@ class Heartbeats:
 
 
 class WorkerError(RuntimeBackendError):
-    """A worker died, raised, or stopped answering; the backend's workers were stopped."""
+    """A worker died, raised, or stopped answering; the backend's workers were stopped. ``lost_devices``: the
+    device ids whose worker died or hung (empty when workers only raised: re-running would fail the same way),
+    which ``dtorch.recovery`` replaces."""
+
+    lost_devices: tuple = ()
 
 
 class Pool:
@@ -117,6 +121,7 @@ class Pool:
         self._tls = threading.local()
         self._batches = 0
         self._waiter: concurrent.futures.ThreadPoolExecutor | None = None  # blocks on store keys (wait_key)
+        self.stopping = False  # ``stop`` runs: the workers it kills are not lost devices
 
     @property
     def client(self) -> dist.TCPStore:
@@ -216,10 +221,30 @@ class Pool:
         silent = self._silent(now)
         if dead or faults or silent:
             time.sleep(0.3)  # let a dying worker's peers and launchers report too: name the root cause
-            raise WorkerError(self._fault_report(silent))
+            lost = self._lost(dead, silent)
+            err = WorkerError(self._fault_report(silent, lost))
+            err.lost_devices = lost
+            raise err
 
     def _silent(self, now: float) -> list:
         return self.beats.silent(now, range(self.world), lambda r: int(self.client.add(f"hb/{r}", 0)))
+
+    def _lost(self, dead, silent) -> tuple:
+        """The device ids whose worker died (exit status, or a launcher's report) or stopped answering. ``dead``:
+        the exits seen before the wait for the peers' reports; those seen after it count unless another thread
+        is stopping the pool meanwhile (its kills are no faults)."""
+        lost = set(dead).union(silent)
+        if not self.stopping:
+            lost.update(r for r, p in self.procs.items() if p.poll() is not None)
+        lost.update(r for r in range(self.world) if self.client.check([f"dead/{r}"]))
+        return tuple(sorted(lost))
+
+    def pid(self, r: int) -> int | None:
+        """Worker ``r``'s process id (the one this controller started, else the one it announced)."""
+        if r in self.procs:
+            return self.procs[r].pid
+        self.who(r)  # reads info/<r> into _info
+        return self._info.get(r, {}).get("pid")
 
     def who(self, r: int) -> str:
         """'worker 1 (device id 1, pid 4242, host node2, cuda:1)': everything known that finds the process."""
@@ -241,12 +266,12 @@ class Pool:
             parts.append(info["device"])
         return f"worker {r} ({', '.join(parts)})"
 
-    def _fault_report(self, silent) -> str:
+    def _fault_report(self, silent, lost) -> str:
         store = self.client
         lines = []
         for r, p in sorted(self.procs.items()):
             rc = p.poll()
-            if rc is not None:
+            if rc is not None and r in lost:
                 how = f"killed by signal {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
                 lines.append(f"{self.who(r)} died: {how}{self._log_tail(r)}")
         for r in range(self.world):
@@ -298,6 +323,7 @@ class Pool:
     # -- stopping ------------------------------------------------------------------------------
     def stop(self, clean: bool, grace: float = 5.0) -> None:
         """Clean: the workers got an exit record; wait for them. Else (or after ``grace``) kill them."""
+        self.stopping = True
         deadline = time.monotonic() + (grace if clean else 0.0)
         if not clean:
             try:

@@ -73,6 +73,12 @@ class Exit(Record):
     """Leave once the queue reaches this record."""
 
 
+class Fault(Record):
+    """Tests of recovery (``dtorch.recovery.inject_fault``): the worker is lost here, by SIGKILL ("kill") or
+    SIGSTOP ("stop", a hang), as a crash or a frozen device would lose it."""
+    kind: str
+
+
 class Batch(Record):
     """A batch too large for one queue message, stored under ``name`` (process backend)."""
     name: str

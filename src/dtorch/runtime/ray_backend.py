@@ -312,10 +312,13 @@ class RayPool:
         faults = self._finished_faults()
         if faults:
             time.sleep(0.3)  # let the peers' calls fail or report too: the root cause leads the message
-            raise WorkerError(self._fault_report(faults + self._finished_faults()))
-        silent = self._silent(now)
-        if silent:
-            raise WorkerError(self._fault_report([(2, r, self.beats.message(self.who(r))) for r in silent]))
+            faults += self._finished_faults()
+        else:
+            faults = [(2, r, self.beats.message(self.who(r))) for r in self._silent(now)]
+        if faults:
+            err = WorkerError(self._fault_report(faults))
+            err.lost_devices = tuple(sorted({r for kind, r, _ in faults if kind != 1}))  # dead or silent actors
+            raise err
 
     def _silent(self, now: float) -> list:
         """Actors whose heartbeat stood still; actor 0 when the store that counts them (its own) has not
@@ -397,6 +400,9 @@ class RayPool:
         return ("dtorch ray backend: " + "\n".join(dict.fromkeys(lines)) +
                 "\nThe backend's device actors were stopped; tensors on them are lost (the next operation starts "
                 "new actors).")
+
+    def pid(self, r: int) -> int | None:
+        return self.info.get(r, {}).get("pid")
 
     def who(self, r: int) -> str:
         info = self.info.get(r, {})

@@ -15,6 +15,7 @@ import datetime
 import importlib
 import inspect
 import os
+import signal
 from collections import Counter
 
 import torch
@@ -157,6 +158,10 @@ class Worker(Collectives):
     @handles(rec.Pair)
     def on_pair(self, r: rec.Pair):
         self.link.open_pair(self, r[1])
+
+    @handles(rec.Fault)
+    def on_fault(self, r: rec.Fault):
+        os.kill(os.getpid(), signal.SIGKILL if r[1] == "kill" else signal.SIGSTOP)
 
     @handles(rec.Batch)
     def on_batch(self, r: rec.Batch):

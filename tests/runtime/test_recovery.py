@@ -1,0 +1,302 @@
+"""dtorch.recovery on the process backend: a worker SIGKILLed or SIGSTOPped mid-step (forward, backward,
+optimizer step) is replaced, the snapshot written back into the same tensor objects, and the step re-run:
+losses and final weights equal the uninterrupted run bit for bit; nothing is left behind.
+
+The default runs use a dp2 x tp2 mesh (4 workers); ``-m slow`` adds the dp2 x fsdp2 x tp2 sweep (8 workers).
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+import dtorch
+from dtorch.recovery import RecoveryError
+from dtorch.runtime.process import WorkerError
+from tests.llama_models import hf_model
+
+from .conftest import process_graph, using
+from .test_process_faults import alive, wait_gone
+
+HEARTBEAT_S = 2  # a stopped worker is named after this long (the fixture's Graphs)
+STEPS = 3
+
+
+def _shm_dirs() -> set:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"dtorch-{os.getpid()}-")}
+
+
+class Trainer:
+    """A small Llama trained with AdamW for STEPS steps under a snapshot; ``phases`` is the op count at the
+    end of forward, backward and optimizer step of one step (measured on the uninterrupted run)."""
+
+    def __init__(self, graph, dims=(("dp", 2), ("tp", 2)), every=1):
+        from dtorch.models.llama import LlamaForCausalLM
+
+        self.graph = graph
+        hf = hf_model()
+        names, sizes = zip(*dims)
+        with using(graph):
+            mesh = dtorch.init_device_mesh("cpu", sizes, mesh_dim_names=list(names))
+            self.model = LlamaForCausalLM(hf.config, mesh)
+            self.model.load_state_dict(hf.state_dict())
+            self.opt = dtorch.optim.AdamW(self.model.parameters(), lr=1e-2)
+            self.snap = dtorch.recovery.snapshot(self.model, self.opt, every=every)
+        gen = torch.Generator().manual_seed(5)
+        self.batches = [torch.randint(0, hf.config.vocab_size, (4, 6), generator=gen) for _ in range(STEPS)]
+        self.phases: list = []
+
+    def step(self, ids):
+        ops = self.first_op = self.graph.runtime.stats["ops"]
+        self.opt.zero_grad()
+        loss = self.model(ids, labels=ids).loss
+        marks = [self.graph.runtime.stats["ops"] - ops]
+        loss.backward()
+        marks.append(self.graph.runtime.stats["ops"] - ops)
+        self.opt.step()
+        marks.append(self.graph.runtime.stats["ops"] - ops)
+        self.phases = marks
+        return loss.item()
+
+    def kinds(self) -> list:
+        """What each op of the latest step was ("kernel", "step" (a redistribution step), "put", "get", ...)."""
+        ops = self.graph.runtime._ops
+        return [ops[seq][0] for seq in range(self.first_op + 1, self.first_op + self.phases[-1] + 1)]
+
+    def run(self, fault=None):
+        """(losses, {name: final weight}); ``fault``: (step index, device, op within the step, kind)."""
+        losses = []
+        with using(self.graph):
+            for i, ids in enumerate(self.batches):
+                if fault is not None and fault[0] == i:
+                    dtorch.recovery.inject_fault(fault[1], at_op=fault[2], kind=fault[3])
+                losses.append(self.snap.run_step(self.step, ids))
+            return losses, {n: p.to_torch() for n, p in self.model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def graph():
+    g = process_graph(workers=4, heartbeat_timeout_s=HEARTBEAT_S)
+    yield g
+    g.runtime.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(graph):
+    """The uninterrupted run: (losses, weights, op count at the end of forward / backward / optimizer step)."""
+    t = Trainer(graph)
+    losses, weights = t.run()
+    return losses, weights, t.phases
+
+
+def _same(got, reference):
+    losses, weights = got
+    assert losses == reference[0]
+    for name, w in reference[1].items():
+        assert torch.equal(weights[name], w), name
+
+
+def test_worker_pids_name_the_live_workers(graph, reference):
+    pids = graph.worker_pids()
+    assert sorted(pids) == [0, 1, 2, 3] and all(alive(p) for p in pids.values())
+    assert dtorch.Graph(backend="inprocess").worker_pids() == {}
+
+
+@pytest.mark.parametrize("phase", [pytest.param("forward", marks=pytest.mark.slow), "backward",
+                                   pytest.param("optimizer", marks=pytest.mark.slow)])
+def test_a_killed_worker_is_replaced_and_the_step_rerun_bit_for_bit(graph, reference, phase):
+    ends = reference[2]
+    start = {"forward": 0, "backward": ends[0], "optimizer": ends[1]}[phase]
+    end = {"forward": ends[0], "backward": ends[1], "optimizer": ends[2]}[phase]
+    t = Trainer(graph)
+    old = graph.worker_pids()
+    shm_before = _shm_dirs()
+    got = t.run(fault=(1, 1, (start + end) // 2, "kill"))
+    _same(got, reference)
+    (event,) = t.snap.events
+    assert event.step == 2 and event.devices == (1,) and event.rebuilt > 0
+    # nothing left behind: the old workers are gone (all of them: the group restarted), their /dev/shm too
+    assert wait_gone(list(old.values())) == []
+    new = graph.worker_pids()
+    assert sorted(new) == [0, 1, 2, 3] and not set(new.values()) & set(old.values())
+    assert len(_shm_dirs()) == len(shm_before) and _shm_dirs() != shm_before
+
+
+def test_a_stopped_worker_is_replaced_after_the_heartbeat_timeout(graph, reference):
+    t = Trainer(graph)
+    old = graph.worker_pids()
+    got = t.run(fault=(2, 3, reference[2][1] + 5, "stop"))  # in the optimizer step of the last step
+    _same(got, reference)
+    (event,) = t.snap.events
+    assert event.devices == (3,) and "stopped answering" in event.reason
+    assert event.seconds < 60
+    assert wait_gone(list(old.values())) == []  # the stopped one too
+
+
+def test_user_held_tensors_stay_valid_and_every_two_steps_replays_the_step_before(graph, reference):
+    """every=2: a fault in step 2 re-runs step 1 from the snapshot of step 0, then step 2. A parameter the user
+    holds, an optimizer state and a dtorch tensor passed to the step are the same objects afterwards, readable."""
+    t = Trainer(graph, every=2)
+    weight = t.model.model.embed_tokens.weight
+    held = []
+
+    def step(ids, scale):
+        held.append(scale)
+        return t.step(ids) * scale.to_torch().item()
+
+    with using(graph):
+        scale = dtorch.Tensor(torch.tensor([1.0]), device_mesh=weight.device_mesh)
+        losses = [t.snap.run_step(step, t.batches[0], scale)]
+        dtorch.recovery.inject_fault(2, at_op=reference[2][0] // 2, kind="kill")
+        losses += [t.snap.run_step(step, ids, scale) for ids in t.batches[1:]]
+        weights = {n: p.to_torch() for n, p in t.model.named_parameters()}
+        assert t.model.model.embed_tokens.weight is weight and torch.equal(weight.to_torch(), weights["model.embed_tokens.weight"])
+        assert scale.to_torch().item() == 1.0 and all(s is scale for s in held)
+        state = t.opt.state[weight]["exp_avg"]
+        assert state.to_torch().shape == weight.shape
+    _same((losses, weights), reference)
+    (event,) = t.snap.events
+    assert event.step == 2 and len(held) == STEPS + 2  # steps 1 and 2 ran again
+
+
+def test_two_faults_in_one_step_are_a_clear_error(graph, reference):
+    t = Trainer(graph)
+    first = reference[2][0] // 2
+
+    def step(ids):
+        if not t.snap.events:  # the second run of the step loses another device
+            return t.step(ids)
+        dtorch.recovery.inject_fault(0, at_op=first, kind="kill")
+        return t.step(ids)
+
+    with using(graph):
+        dtorch.recovery.inject_fault(1, at_op=first, kind="kill")
+        with pytest.raises(RecoveryError, match=r"(?s)step 1: 2 device losses in one step \(device ids 1, 0\).*worker 1.*worker 0"):
+            t.snap.run_step(step, t.batches[0])
+        # never a wrong value: the lost tensors say so; a restore brings back the snapshot, a step runs again
+        with pytest.raises(dtorch.RuntimeBackendError, match="blocks are gone"):
+            t.model.model.norm.weight.to_torch()
+        t.snap.restore()
+        assert t.snap.run_step(t.step, t.batches[0]) == reference[0][0]
+
+
+def test_a_worker_lost_while_the_snapshot_is_fetched_re_runs_from_the_one_before(graph, reference):
+    """The fault hits the 10th fetch of step 2's snapshot (collected while step 3 runs): step 2's snapshot never
+    counts, so the snapshot of step 1 is restored and steps 2 and 3 run again."""
+    t = Trainer(graph)
+    ends = reference[2]
+    got = t.run(fault=(1, 1, ends[-1] + 1 + 10, "kill"))  # after the step's ops and its loss.item()
+    _same(got, reference)
+    (event,) = t.snap.events
+    assert event.devices == (1,) and event.step == 3 and "worker 1 " in event.reason
+    t.snap.wait()  # the last step's snapshot, collected meanwhile
+    assert t.snap.taken_at == STEPS
+
+
+def test_off_and_op_errors_raise_as_without_recovery(graph, reference):
+    t = Trainer(graph)
+    try:
+        dtorch.recovery.configure("off")
+        with using(graph):
+            dtorch.recovery.inject_fault(1, at_op=3, kind="kill")
+            with pytest.raises(WorkerError, match="worker 1 .* died: killed by signal SIGKILL"):
+                t.snap.run_step(t.step, t.batches[0])
+    finally:
+        dtorch.recovery.configure("replace")
+    assert t.snap.events == [] and t.snap.steps == 0
+    # an op that raises on a worker loses no device: it would raise again, so it is not re-run
+    with using(graph):
+        t.snap.restore()
+        mesh = t.model.model.norm.weight.device_mesh
+
+        def bad_step():
+            ints = dtorch.Tensor(torch.arange(8), device_mesh=mesh)
+            return (ints // 0).to_torch()
+
+        with pytest.raises(WorkerError, match="ZeroDivisionError") as err:
+            t.snap.run_step(bad_step)
+        assert err.value.lost_devices == () and t.snap.events == []
+
+
+def test_dtorch_train_recover_replace_reports_the_event_and_keeps_the_loss_curve(graph, monkeypatch, capsys):
+    from dtorch.models import train_cli
+
+    small = ["--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--seq", "16", "--batch", "4",
+             "--pp", "1", "--ulysses-cp", "1", "--steps", "2", "--recover", "replace"]
+    args = train_cli.build_parser().parse_args(small)
+    with using(graph):
+        clean = train_cli.train(args, progress=False).losses
+        real_step, calls = dtorch.optim.AdamW.step, []
+
+        def step_losing_device_2(self, *a, **k):  # the second optimizer step loses worker 2 at its first op
+            calls.append(1)
+            if len(calls) == 2:
+                dtorch.recovery.inject_fault(2, at_op=1, kind="kill")
+            return real_step(self, *a, **k)
+
+        monkeypatch.setattr(dtorch.optim.AdamW, "step", step_losing_device_2)
+        capsys.readouterr()
+        faulty = train_cli.train(args, progress=False).losses
+    assert faulty == clean and len(calls) == 3  # the second step ran twice
+    out = capsys.readouterr().out
+    assert "dtorch train: recovered step 2: device 2 lost and replaced" in out and "s lost" in out
+
+
+@pytest.mark.slow
+def test_ray_backend_replaces_a_killed_actor_bit_for_bit(ray_cluster):
+    from .conftest import ray_graph
+
+    g = ray_graph(workers=4, heartbeat_timeout_s=HEARTBEAT_S)
+    try:
+        ref = Trainer(g)
+        want = ref.run()
+        t = Trainer(g)
+        old = g.worker_pids()
+        got = t.run(fault=(1, 2, (ref.phases[0] + ref.phases[1]) // 2, "kill"))
+        _same(got, want)
+        assert [(e.step, e.devices) for e in t.snap.events] == [(2, (2,))]
+        assert wait_gone(list(old.values())) == []
+    finally:
+        g.runtime.shutdown()
+
+
+# -- the acceptance sweep: dp2 x fsdp2 x tp2, 8 workers, a worker SIGKILLed at random ops -----------------------
+HSDP_TP = (("dp", 2), ("fsdp", 2), ("tp", 2))
+SWEEP = 20
+
+
+@pytest.fixture(scope="module")
+def graph8():
+    g = process_graph(workers=8, heartbeat_timeout_s=HEARTBEAT_S)
+    yield g
+    g.runtime.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference8(graph8):
+    t = Trainer(graph8, dims=HSDP_TP)
+    losses, weights = t.run()
+    kinds = t.kinds()
+    fwd, bwd, _ = t.phases
+    # the faults: (step, device, op within the step, where), placed in forward, backward, optimizer step and at
+    # redistribution steps, in turn
+    rng = random.Random(27)
+    where = {"forward": range(fwd), "backward": range(fwd, bwd), "optimizer": range(bwd, len(kinds)),
+             "redistribution": [i for i, k in enumerate(kinds) if k == "step"]}
+    faults = []
+    for n in range(SWEEP):
+        phase = list(where)[n % 4]
+        faults.append((rng.randrange(STEPS), rng.randrange(8), rng.choice(list(where[phase])) + 1, phase))
+    return losses, weights, faults
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", range(SWEEP))
+def test_hsdp_tp_training_survives_a_killed_worker_at_random_ops(graph8, reference8, run):
+    step, device, op, phase = reference8[2][run]
+    t = Trainer(graph8, dims=HSDP_TP)
+    got = t.run(fault=(step, device, op, "kill"))
+    _same(got, reference8)
+    assert [(e.step, e.devices) for e in t.snap.events] == [(step + 1, (device,))], phase
