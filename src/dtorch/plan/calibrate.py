@@ -118,11 +118,13 @@ def llama_config(hidden_size, num_hidden_layers, num_attention_heads, num_key_va
     return cfg
 
 
-def measure_step(cfg, layout, *, seq: int, rows: int, micro_batches: int = 1, steps: int = 5, warmup: int = 2) -> dict:
+def measure_step(cfg, layout, *, seq: int, rows: int, micro_batches: int = 1, steps: int = 5, warmup: int = 2,
+                 graph=None) -> dict:
     """One training step (forward with labels, backward, gradient clipping, AdamW; a pipelined layout runs
     ``dtorch.pipeline.train_step`` over ``micro_batches``) of ``cfg``'s Llama on the process backend in ``layout``
     (a ``trace.Layout``), float32: the median step's wall seconds, its busiest worker thread's CPU seconds and
-    run-queue wait, and the controller thread's CPU seconds."""
+    run-queue wait, and the controller thread's CPU seconds. ``graph``: a process-backend graph to run it in (its
+    workers stay up; default: a new one, shut down after)."""
     import statistics
 
     import dtorch
@@ -130,7 +132,8 @@ def measure_step(cfg, layout, *, seq: int, rows: int, micro_batches: int = 1, st
     from dtorch.pipeline import split_micro_batches, train_step
 
     ids = torch.randint(0, cfg.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(1))
-    graph = dtorch.Graph(backend="process")
+    own = graph is None
+    graph = dtorch.Graph(backend="process") if own else graph
     with graph:
         model = LlamaForCausalLM(cfg, layout.mesh())
         params = [p for p in model.parameters() if p.requires_grad]
@@ -156,7 +159,8 @@ def measure_step(cfg, layout, *, seq: int, rows: int, micro_batches: int = 1, st
             r = clock.time(step)
             r["controller"] = time.thread_time() - c
             runs.append(r)
-        graph.runtime.shutdown()
+        if own:
+            graph.runtime.shutdown()
     runs.sort(key=lambda r: r["wall"])
     return dict(runs[len(runs) // 2], cpu=statistics.median(r["cpu"] for r in runs),
                 controller=statistics.median(r["controller"] for r in runs))
@@ -205,7 +209,7 @@ def fit_nonnegative(rows, y) -> list:
     return [float(v) for v in best[1]]
 
 
-def measure(devices: int = 2, steps: int = 3) -> dict:
+def measure(devices: int = 2, steps: int = 5) -> dict:
     """Every rate of the profile, on ``devices`` process-backend workers."""
     import dtorch
     from dtorch import Partial, Replicate, Shard
@@ -269,20 +273,19 @@ def measure(devices: int = 2, steps: int = 3) -> dict:
                 "latency_us": times[0] / steps_ * 1e6,
                 # (noise that makes the large one no slower: its bytes over its whole time, a lower bound)
                 "gbps": (moved[1] - moved[0]) / extra / 1e9 if extra > 0.2 * times[1] else moved[1] / times[1] / 1e9}
+        # the op mix: a real step's kernels at three sizes; CPU seconds less its matmuls at the GEMM rate =
+        # kernels x cost + bytes / rate
+        lay = Layout(dp=devices)
+        rows, y, controller = [], [], []
+        for size in OP_MIX:
+            sizes = {k: v for k, v in size.items() if k not in ("seq", "rows")}
+            cfg = llama_config(seq=size["seq"], **sizes)
+            got = measure_step(cfg, lay, seq=size["seq"], rows=size["rows"], steps=steps, graph=g)
+            counts = step_counts(cfg, lay, seq=size["seq"], rows=size["rows"])
+            rows.append((counts["kernels"], counts["bytes"]))
+            y.append(got["cpu"] - counts["flops"] / (out["float32"] * 1e12))
+            controller.append(got["controller"] / counts["issued"])
         g.runtime.shutdown()
-
-    # the op mix: a real step's kernels at three sizes; CPU seconds less its matmuls at the GEMM rate =
-    # kernels x cost + bytes / rate
-    lay = Layout(dp=devices)
-    rows, y, controller = [], [], []
-    for size in OP_MIX:
-        sizes = {k: v for k, v in size.items() if k not in ("seq", "rows")}
-        cfg = llama_config(seq=size["seq"], **sizes)
-        got = measure_step(cfg, lay, seq=size["seq"], rows=size["rows"], steps=steps)
-        counts = step_counts(cfg, lay, seq=size["seq"], rows=size["rows"])
-        rows.append((counts["kernels"], counts["bytes"]))
-        y.append(got["cpu"] - counts["flops"] / (out["float32"] * 1e12))
-        controller.append(got["controller"] / counts["issued"])
     per_kernel, per_byte = fit_nonnegative(rows, y)
     out["op_us"] = per_kernel * 1e6
     out["elementwise_gbps"] = 1 / per_byte / 1e9 if per_byte else float("inf")
