@@ -1,17 +1,18 @@
 """``dtorch plan --calibrate OUT``: a hardware profile of this machine, measured on the process backend's workers
 (two worker processes, the workers' torch thread count), so the profile's efficiencies are 1:
 
-- the GEMM rate (float32 and bfloat16): a chain of row-sharded matmuls, FLOPs per device over the time;
+- the GEMM rate (float32 and bfloat16): a chain of row-sharded matmuls, FLOPs per device over the busiest worker
+  thread's CPU seconds;
 - the cost per kernel and the element-wise rate (the profile's "HBM" bandwidth), from the op mix of a real step:
-  a small Llama's training step (forward, backward, clipping, AdamW; ``OP_MIX``, two sizes) on two workers. Its
+  a small Llama's training step (forward, backward, clipping, AdamW; ``OP_MIX``, three sizes) on two workers. Its
   busiest worker's CPU seconds less its matmuls at the GEMM rate are ``kernels x cost + bytes / rate``, the
-  kernel count and the bytes of the non-matmul kernels from the cost model's own trace of the same step: two
-  sizes, two equations, two rates (a tiny multiply or a 4 MiB copy undercounted a real op: more arguments,
-  autograd bookkeeping, fresh allocations);
-- the controller's cost per op (the estimate's dispatch floor): its CPU seconds over the same steps per kernel
-  and collective issued;
+  kernel count and the bytes of the non-matmul kernels from the cost model's own trace of the same step: three
+  equations, two rates, a non-negative least squares (a tiny multiply or a 4 MiB copy undercounted a real op:
+  more arguments, autograd bookkeeping, allocations of many sizes);
+- the controller's cost per op (the estimate's dispatch floor): its CPU seconds over the tiny step per kernel
+  and collective it issued;
 - each collective's alpha and beta as the workers run it inside a stream of ops (all_reduce and all_gather
-  through shared memory, reduce_scatter and the ring's send_recv through gloo): chains of tiny and of 1 MiB ones,
+  through shared memory, reduce_scatter and the ring's send_recv through gloo): chains of 32 B and of 4 MiB ones,
   inverted through the cost model's own ring terms (``cost.collective_terms``); a worker runs them on the thread
   that runs its kernels, so the profile's ``overlap`` is 0.
 
@@ -323,7 +324,7 @@ def calibrate(out: str, threads: int | None = None, devices: int = 2) -> dict:
                            f"({time.strftime('%Y-%m-%d %H:%M')}, load average {load:.1f}): chains of 512^3 matmuls; "
                            "a small Llama's training step at two sizes (the cost per kernel, the element-wise rate "
                            "and the controller's cost per op, fitted to the cost model's counts of that step); "
-                           "chains of each collective at 32 B and 1 MiB; times less the workers' run-queue waits, "
+                           "chains of each collective at 32 B and 4 MiB; times less the workers' run-queue waits, "
                            "or the busiest worker thread's CPU time"],
                "op_mix": got["op_mix"]}
     with open(out, "w") as f:
