@@ -5,8 +5,9 @@ machine, against the same step run on the process backend (one worker process pe
     .venv/bin/python bench/plan_vs_measured.py --profile here.json   # reuse a profile from dtorch plan --calibrate
 
 The profile comes from ``dtorch plan --calibrate`` (``dtorch.plan.calibrate``: this machine's GEMM rate at the
-workers' thread count, a memory copy, the process backend's cost per op and its all-reduce's alpha and beta):
-nothing in it is fitted to these layouts. One step = forward with labels, backward, gradient clipping, AdamW
+workers' thread count; the cost per kernel, the element-wise rate and the controller's cost per op from a small
+Llama's step at three other sizes on dp2; each collective's alpha and beta in a stream of ops): nothing in it is
+fitted to these layouts or this model's size. One step = forward with labels, backward, gradient clipping, AdamW
 (float32, no activation checkpointing), as ``dtorch.plan.trace`` traces it; a pipelined layout runs
 ``dtorch.pipeline.train_step`` (1F1B) over ``--micro-batches``. Measured: the median of ``--steps`` steps after
 ``--warmup`` (each ends with ``graph.sync()``). Target: every ratio within 25%.
@@ -15,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 LAYOUTS = "dp2,fsdp2,tp2,pp2,ring_cp2"
 
@@ -53,52 +52,21 @@ def parse_layout(text: str) -> dict:
 
 
 def make_config(args):
-    import transformers
+    from dtorch.plan.calibrate import llama_config
 
-    cfg = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.6875) // 8 * 8,
-                                   num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                                   num_key_value_heads=args.heads // 2, vocab_size=args.vocab,
-                                   max_position_embeddings=max(args.seq, 64), rms_norm_eps=1e-6)
-    cfg._attn_implementation = "sdpa"
-    return cfg
+    return llama_config(args.hidden, args.layers, args.heads, args.heads // 2, args.vocab, args.seq)
 
 
 def measure(cfg, dims: dict, args) -> dict:
-    """One training step of ``cfg`` on the process backend in layout ``dims``: the median wall seconds, and per step
-    the busiest worker thread's CPU seconds and the seconds it waited, runnable, for a core (other jobs' load)."""
-    import torch
-
-    import dtorch
-    from dtorch.models.llama import LlamaForCausalLM
-    from dtorch.pipeline import split_micro_batches, train_step
-    from dtorch.plan.calibrate import WorkerClock
+    """One training step of ``cfg`` on the process backend in layout ``dims`` (``dtorch.plan.calibrate.measure_step``,
+    the code calibration times its op mix with): the median wall seconds, and per step the busiest worker thread's
+    CPU seconds, the seconds it waited, runnable, for a core (other jobs' load), and the controller's CPU seconds."""
+    from dtorch.plan.calibrate import measure_step
     from dtorch.plan.trace import Layout
 
     lay = Layout(**dims)
-    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
-    graph = dtorch.Graph(backend="process")
-    with graph:
-        model = LlamaForCausalLM(cfg, lay.mesh())
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = dtorch.optim.AdamW(params, lr=1e-4)
-        mbs = split_micro_batches(ids, ids, chunks=args.micro_batches) if lay.pp > 1 else None
-
-        def step():
-            if mbs is not None:
-                train_step(model, mbs)
-            else:
-                model(ids, labels=ids).loss.backward()
-            dtorch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad()
-            graph.sync()
-
-        for _ in range(args.warmup):
-            step()
-        clock = WorkerClock()
-        runs = sorted((clock.time(step) for _ in range(args.steps)), key=lambda r: r["wall"])
-        graph.runtime.shutdown()
-    return dict(runs[len(runs) // 2], cpu=statistics.median(r["cpu"] for r in runs))  # the median step
+    return measure_step(cfg, lay, seq=args.seq, rows=args.batch, micro_batches=args.micro_batches if lay.pp > 1 else 1,
+                        steps=args.steps, warmup=args.warmup)
 
 
 def predict(cfg, dims: dict, profile: str, args):
@@ -115,6 +83,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     profile = args.profile
     if profile is None:
         from dtorch.plan.calibrate import calibrate
@@ -131,19 +100,20 @@ def main(argv=None) -> int:
         rows.append((name, e, measured))
         print(f"  {name}: predicted {e.step_time:.3f} s, measured {measured}", file=sys.stderr, flush=True)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"\nLlama hidden {args.hidden}, {args.layers} layers, {args.heads} heads, vocab {args.vocab}; batch "
+    print(f"\nload average at the start {load0:.1f}, at the end {load:.1f}")
+    print(f"Llama hidden {args.hidden}, {args.layers} layers, {args.heads} heads, vocab {args.vocab}; batch "
           f"{args.batch} x seq {args.seq} (pipelined: {args.micro_batches} micro-batches); float32; "
-          f"{args.threads} thread(s) per worker; median of {args.steps} steps; load average {load:.1f}")
-    print("| layout | predicted s (compute / exposed comm / bubble) | measured wall s | predicted / wall | "
-          "less run-queue wait s | predicted / that | busiest worker CPU s | predicted compute / CPU |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+          f"{args.threads} thread(s) per worker; median of {args.steps} steps")
+    print("| layout | predicted s (compute / exposed comm / bubble; controller) | measured wall s | predicted / wall | "
+          "less run-queue wait s | predicted / that | busiest worker CPU s | predicted compute / CPU | controller CPU s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     worst = worst_unloaded = 0.0
     for name, e, got in rows:
         ratio, ratio_u, ratio_c = e.step_time / got["wall"], e.step_time / got["unloaded"], e.compute_time / got["cpu"]
         worst, worst_unloaded = max(worst, abs(ratio - 1)), max(worst_unloaded, abs(ratio_u - 1))
-        print(f"| {name} | {e.step_time:.3f} ({e.compute_time:.3f} / {e.exposed_comm_time:.3f} / {e.bubble_time:.3f}) "
-              f"| {got['wall']:.3f} | {ratio:.2f} | {got['unloaded']:.3f} | {ratio_u:.2f} | {got['cpu']:.3f} | "
-              f"{ratio_c:.2f} |")
+        print(f"| {name} | {e.step_time:.3f} ({e.compute_time:.3f} / {e.exposed_comm_time:.3f} / {e.bubble_time:.3f}; "
+              f"{e.controller_time:.3f}) | {got['wall']:.3f} | {ratio:.2f} | {got['unloaded']:.3f} | {ratio_u:.2f} | "
+              f"{got['cpu']:.3f} | {ratio_c:.2f} | {got['controller']:.3f} |")
     print(f"WORST |predicted / measured - 1| = {worst:.0%} on the wall clock, {worst_unloaded:.0%} less the run-queue "
           "wait (target <= 25%)")
     return 0 if worst <= 0.25 else 1

@@ -158,14 +158,3 @@ def _tiny_config():
            "num_key_value_heads": 4, "vocab_size": 1024, "max_position_embeddings": 4096}
     (d / "config.json").write_text(json.dumps(cfg))
     return d / "config.json"
-
-
-def test_calibrate_writes_a_profile_of_measured_rates(tmp_path):
-    from dtorch.plan.calibrate import calibrate
-
-    out = tmp_path / "here.json"
-    calibrate(str(out), threads=1)
-    hw = load_hardware(str(out))
-    assert hw.peak("float32") > 1e9 and hw.peak("bfloat16") > 1e9 and hw.hbm_gbps > 0.1
-    assert 0 < hw.efficiency["kernel_overhead_us"] < 1e5 and hw.intra.latency_us > 0 and hw.intra.gbps > 0
-    assert all(hw.efficiency[k] == 1.0 for k in ("matmul", "attention", "memory", "collective"))

@@ -1,16 +1,25 @@
 """``dtorch plan --calibrate OUT``: a hardware profile of this machine, measured on the process backend's workers
 (two worker processes, the workers' torch thread count), so the profile's efficiencies are 1:
 
-- the GEMM rate (float32 and bfloat16): a chain of row-sharded matmuls, FLOPs per device over the time;
-- the elementwise rate (the profile's "HBM" bandwidth): a chain of multiplies of activation-sized blocks, bytes
-  read and written per device over the time;
-- the cost per op (the cost model's per-kernel overhead): a chain of tiny multiplies (the controller's issue and
-  a worker's dispatch);
-- the all-reduce's alpha (a tiny one) and beta (a large one, less the tiny one).
+- the GEMM rate (float32 and bfloat16): a chain of row-sharded matmuls, FLOPs per device over the busiest worker
+  thread's CPU seconds;
+- the cost per kernel and the element-wise rate (the profile's "HBM" bandwidth), from the op mix of a real step:
+  a small Llama's training step (forward, backward, clipping, AdamW; ``OP_MIX``, three sizes) on two workers. Its
+  busiest worker's CPU seconds less its matmuls at the GEMM rate are ``kernels x cost + bytes / rate``, the
+  kernel count and the bytes of the non-matmul kernels from the cost model's own trace of the same step: three
+  equations, two rates, a non-negative least squares (a tiny multiply or a 4 MiB copy undercounted a real op:
+  more arguments, autograd bookkeeping, allocations of many sizes);
+- the controller's cost per op (the estimate's dispatch floor): its CPU seconds over the tiny step per kernel
+  and collective it issued;
+- each collective's alpha and beta as the workers run it inside a stream of ops (all_reduce and all_gather
+  through shared memory, reduce_scatter and the ring's send_recv through gloo): chains of 32 B and of 4 MiB ones,
+  inverted through the cost model's own ring terms (``cost.collective_terms``); a worker runs them on the thread
+  that runs its kernels, so the profile's ``overlap`` is 0.
 
 Every time is the wall time less what the workers' busiest thread spent runnable but waiting for a core
-(/proc/<pid>/task/<tid>/schedstat), so other jobs on a shared machine change the profile little. Every number is
-measured; none is fitted to a model.
+(/proc/<pid>/task/<tid>/schedstat), or that thread's CPU time, so other jobs on a shared machine change the
+profile less. Every number is measured on programs of its own, none on the layouts a profile is checked against
+(``bench/plan_vs_measured.py``).
 """
 from __future__ import annotations
 
@@ -78,23 +87,144 @@ class WorkerClock:
         return {"wall": wall, "cpu": cpu, "queued": queued, "unloaded": max(wall - queued, cpu)}
 
 
-def _best(clock: WorkerClock, fn, repeat: int = 3) -> float:
+def _best(clock: WorkerClock, fn, repeat: int = 3, key: str = "unloaded") -> float:
+    """The least of ``repeat`` timings of ``fn`` (after one to warm up): ``key`` "unloaded" (wall less the busiest
+    worker thread's run-queue wait: what includes waits on a peer) or "cpu" (that thread's CPU seconds: compute
+    alone, which other jobs' load moves least)."""
     fn()
-    return min(clock.time(fn)["unloaded"] for _ in range(repeat))
+    return min(clock.time(fn)[key] for _ in range(repeat))
 
 
 # -- the measurements ------------------------------------------------------------------------------------------
 
+# the op mix: a small Llama's step at three sizes, on two workers (dp2): per-kernel bound (tiny), then more and more
+# element-wise bytes (activations of many tokens; a wide model's AdamW)
+OP_MIX = ({"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "vocab_size": 256, "seq": 32, "rows": 4},
+          {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+           "vocab_size": 128, "seq": 256, "rows": 16},
+          {"hidden_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+           "vocab_size": 256, "seq": 32, "rows": 4})
 
-def measure(devices: int = 2) -> dict:
+
+def llama_config(hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, vocab_size, seq):
+    """A Llama config of these sizes (intermediate 2.6875 x hidden, Llama 3's ratio, a multiple of 8)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=hidden_size, intermediate_size=int(hidden_size * 2.6875) // 8 * 8,
+                                   num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+                                   num_key_value_heads=num_key_value_heads, vocab_size=vocab_size,
+                                   max_position_embeddings=max(seq, 64), rms_norm_eps=1e-6)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def measure_step(cfg, layout, *, seq: int, rows: int, micro_batches: int = 1, steps: int = 5, warmup: int = 2,
+                 graph=None) -> dict:
+    """One training step (forward with labels, backward, gradient clipping, AdamW; a pipelined layout runs
+    ``dtorch.pipeline.train_step`` over ``micro_batches``) of ``cfg``'s Llama on the process backend in ``layout``
+    (a ``trace.Layout``), float32: the median step's wall seconds, its busiest worker thread's CPU seconds and
+    run-queue wait, and the controller thread's CPU seconds. ``graph``: a process-backend graph to run it in (its
+    workers stay up; default: a new one, shut down after)."""
+    import statistics
+
+    import dtorch
+    from dtorch.models.llama import LlamaForCausalLM
+    from dtorch.pipeline import split_micro_batches, train_step
+
+    ids = torch.randint(0, cfg.vocab_size, (rows, seq), generator=torch.Generator().manual_seed(1))
+    own = graph is None
+    graph = dtorch.Graph(backend="process") if own else graph
+    with graph:
+        model = LlamaForCausalLM(cfg, layout.mesh())
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = dtorch.optim.AdamW(params, lr=1e-4)
+        mbs = split_micro_batches(ids, ids, chunks=micro_batches) if layout.pp > 1 else None
+
+        def step():
+            if mbs is not None:
+                train_step(model, mbs)
+            else:
+                model(ids, labels=ids).loss.backward()
+            dtorch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad()
+            graph.sync()
+
+        for _ in range(warmup):
+            step()
+        clock = WorkerClock()
+        runs = []
+        for _ in range(steps):
+            c = time.thread_time()
+            r = clock.time(step)
+            r["controller"] = time.thread_time() - c
+            runs.append(r)
+        if own:
+            graph.runtime.shutdown()
+    runs.sort(key=lambda r: r["wall"])
+    return dict(runs[len(runs) // 2], cpu=statistics.median(r["cpu"] for r in runs),
+                controller=statistics.median(r["controller"] for r in runs))
+
+
+def step_counts(cfg, layout, *, seq: int, rows: int) -> dict:
+    """What the cost model sees of that step (one micro-batch of ``rows``), on its busiest device: kernel calls, the
+    FLOPs of its matmuls and attention, the bytes of its other kernels; and the ops the controller issues (kernels
+    and collectives, every stage)."""
+    from ..commlog import CommRecord
+    from .cost import Options, kernel_work
+    from .trace import trace_step
+
+    tr = trace_step(cfg, layout, seq=seq, rows=rows, ac="none", param_dtype=torch.float32)
+    out = {"kernels": 0, "flops": 0.0, "bytes": 0.0, "issued": 0}
+    for _, _, stage, item in tr.events:
+        out["issued"] += 1
+        if isinstance(item, CommRecord) or stage != 0:
+            continue
+        flops, moved, _ = kernel_work(item, Options())
+        out["kernels"] += 1
+        out["flops" if flops else "bytes"] += flops or moved
+    return out
+
+
+def fit_nonnegative(rows, y) -> list:
+    """The least-squares ``x >= 0`` of ``rows @ x = y`` (few unknowns: the best of the unconstrained fits on every
+    subset of them whose solution is non-negative; an unknown the points cannot tell from 0 is 0)."""
+    import itertools
+
+    import numpy as np
+
+    a, y = np.asarray(rows, dtype=float), np.asarray(y, dtype=float)
+    n = a.shape[1]
+    best = (float(y @ y), np.zeros(n))
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            sol, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
+            if (sol < 0).any():
+                continue
+            x = np.zeros(n)
+            x[list(cols)] = sol
+            r = y - a @ x
+            if float(r @ r) < best[0] - 1e-18:
+                best = (float(r @ r), x)
+    return [float(v) for v in best[1]]
+
+
+def measure(devices: int = 2, steps: int = 5) -> dict:
     """Every rate of the profile, on ``devices`` process-backend workers."""
     import dtorch
     from dtorch import Partial, Replicate, Shard
 
+    from ..redistribute.executor import ring_shift
+    from .cost import collective_terms
+    from .trace import Layout
+
     out = {}
     with dtorch.Graph(backend="process") as g:
         mesh = dtorch.init_device_mesh("cpu", (devices,), mesh_dim_names=["dp"])
-        clock = None
+
+        def sharded(t):
+            return dtorch.Tensor(t, device_mesh=mesh, placements=[Shard(0)])
 
         def chain(x, op, n):
             def run():
@@ -104,38 +234,64 @@ def measure(devices: int = 2) -> dict:
                 g.sync()
             return run
 
-        def sharded(t):
-            return dtorch.Tensor(t, device_mesh=mesh, placements=[Shard(0)])
-
-        tiny = sharded(torch.ones(devices, 8))
-        g.sync()
+        sharded(torch.ones(devices, 8))
+        g.sync()  # the workers start with the first block
         clock = WorkerClock()
-        ops = 200
-        out["op_us"] = _best(clock, chain(tiny, lambda y: y * 1.0, ops)) / ops * 1e6
         for dtype in (torch.float32, torch.bfloat16):
             n, k = 512, 10
             x = sharded(torch.randn(devices * n, n, dtype=dtype))
             w = dtorch.Tensor(torch.randn(n, n, dtype=dtype) / n ** 0.5, device_mesh=mesh, placements=[Replicate()])
-            t = _best(clock, chain(x, lambda y: y @ w, k))
-            out[str(dtype).split(".")[1]] = 2 * n ** 3 * k / max(t - k * out["op_us"] * 1e-6, 1e-9) / 1e12
-        numel, k = 1 << 20, 10
-        x = sharded(torch.randn(devices * numel))
-        t = _best(clock, chain(x, lambda y: y * 1.0001, k))
-        out["elementwise_gbps"] = 2 * 4 * numel * k / max(t - k * out["op_us"] * 1e-6, 1e-9) / 1e9
+            t = _best(clock, chain(x, lambda y: y @ w, k), key="cpu")
+            out[str(dtype).split(".")[1]] = 2 * n ** 3 * k / max(t, 1e-9) / 1e12
 
-        def all_reduce(numel):
-            x = dtorch.Tensor(torch.ones(numel), device_mesh=mesh, placements=[Partial()])
-            g.sync()
-            return _best(clock, lambda: (x.redistribute(mesh, [Replicate()]), g.sync()))
+        # each kind of collective inside a stream: k of them, one wait at the end
+        def make(kind, numel):
+            if kind == "all_reduce":
+                x = dtorch.Tensor(torch.ones(numel), device_mesh=mesh, placements=[Partial()])
+                return lambda: x.redistribute(mesh, [Replicate()])
+            if kind == "reduce_scatter":
+                x = dtorch.Tensor(torch.ones(devices * numel), device_mesh=mesh, placements=[Partial()])
+                return lambda: x.redistribute(mesh, [Shard(0)])
+            x = sharded(torch.ones(devices * numel))
+            if kind == "all_gather":
+                return lambda: x.redistribute(mesh, [Replicate()])
+            return lambda: ring_shift(g.runtime, x._h, x._spec, 0, 1)
 
-        small = all_reduce(8)
-        numel = 1 << 22
-        large = all_reduce(numel)
-        size = numel * 4
-        moved = 2 * (devices - 1) / devices * size
-        out["link"] = {"name": f"process backend all-reduce ({devices} workers)",
-                       "latency_us": small / (2 * (devices - 1)) * 1e6, "gbps": moved / max(large - small, 1e-9) / 1e9}
+        small, large = 8, 1 << 20  # floats per device: 32 B (the latency), 4 MiB (the bandwidth)
+        out["collectives"] = {}
+        for kind in ("all_reduce", "all_gather", "reduce_scatter", "send_recv"):
+            times, moved = [], []
+            for numel, k in ((small, 20), (large, 5)):
+                op = make(kind, numel)
+                g.sync()
+                times.append(_best(clock, lambda: ([op() for _ in range(k)], g.sync())) / k)
+                block = 4 * numel * (devices if kind == "reduce_scatter" else 1)  # each device's input block
+                steps_, b = collective_terms(kind, devices, block)
+                moved.append(b)
+            extra = times[1] - times[0]
+            out["collectives"][kind] = {
+                "name": f"process backend {kind} in a stream ({devices} workers)",
+                "latency_us": times[0] / steps_ * 1e6,
+                # (noise that makes the large one no slower: its bytes over its whole time, a lower bound)
+                "gbps": (moved[1] - moved[0]) / extra / 1e9 if extra > 0.2 * times[1] else moved[1] / times[1] / 1e9}
+        # the op mix: a real step's kernels at three sizes; CPU seconds less its matmuls at the GEMM rate =
+        # kernels x cost + bytes / rate
+        lay = Layout(dp=devices)
+        rows, y, controller = [], [], []
+        for size in OP_MIX:
+            sizes = {k: v for k, v in size.items() if k not in ("seq", "rows")}
+            cfg = llama_config(seq=size["seq"], **sizes)
+            got = measure_step(cfg, lay, seq=size["seq"], rows=size["rows"], steps=steps, graph=g)
+            counts = step_counts(cfg, lay, seq=size["seq"], rows=size["rows"])
+            rows.append((counts["kernels"], counts["bytes"]))
+            y.append(got["cpu"] - counts["flops"] / (out["float32"] * 1e12))
+            controller.append(got["controller"] / counts["issued"])
         g.runtime.shutdown()
+    per_kernel, per_byte = fit_nonnegative(rows, y)
+    out["op_us"] = per_kernel * 1e6
+    out["elementwise_gbps"] = 1 / per_byte / 1e9 if per_byte else float("inf")
+    out["controller_op_us"] = max(controller) * 1e6  # the per-kernel-bound size's (a larger step's waits add none)
+    out["op_mix"] = [{"kernels": k, "bytes": b, "cpu_less_matmuls_s": t} for (k, b), t in zip(rows, y)]
     return out
 
 
@@ -152,23 +308,29 @@ def calibrate(out: str, threads: int | None = None, devices: int = 2) -> dict:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = before
-    link = got["link"]
+    link = got["collectives"]["all_reduce"]
     fp32, bf16 = got["float32"], got["bfloat16"]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     profile = {"name": f"this machine ({os.cpu_count()} CPUs, process backend, {threads} thread(s) per worker), measured",
                "memory_gib": 64, "usable_memory_gib": 64,
                "peak_tflops": {"float32": fp32, "bfloat16": bf16, "float16": bf16, "tf32": fp32},
                "hbm_gbps": got["elementwise_gbps"], "gpus_per_node": 1 << 20, "links": {"intra": link, "inter": link},
+               "collectives": got["collectives"],
                "efficiency": {"matmul": 1.0, "attention": 1.0, "memory": 1.0, "collective": 1.0,
-                              "kernel_overhead_us": got["op_us"]},
+                              "kernel_overhead_us": got["op_us"], "overlap": 0.0,
+                              "controller_op_us": got["controller_op_us"]},
                "memory_overhead_gib": 0.0, "threads_per_worker": threads,
                "sources": [f"measured by dtorch plan --calibrate on {devices} process-backend workers "
-                           f"({time.strftime('%Y-%m-%d %H:%M')}, load average {load:.1f}): chains of 512^3 matmuls, "
-                           "of multiplies of 4 MiB blocks, of tiny multiplies, and all-reduces of 32 B and 16 MiB; "
-                           "times less the workers' run-queue waits"]}
+                           f"({time.strftime('%Y-%m-%d %H:%M')}, load average {load:.1f}): chains of 512^3 matmuls; "
+                           "a small Llama's training step at two sizes (the cost per kernel, the element-wise rate "
+                           "and the controller's cost per op, fitted to the cost model's counts of that step); "
+                           "chains of each collective at 32 B and 4 MiB; times less the workers' run-queue waits, "
+                           "or the busiest worker thread's CPU time"],
+               "op_mix": got["op_mix"]}
     with open(out, "w") as f:
         json.dump(profile, f, indent=1)
     print(f"wrote {out}: GEMM {fp32 * 1e3:.0f} GFLOPS float32, {bf16 * 1e3:.0f} bfloat16 per worker; elementwise "
-          f"{profile['hbm_gbps']:.1f} GB/s; {got['op_us']:.0f} us per op; all-reduce alpha {link['latency_us']:.0f} us, "
-          f"{link['gbps']:.2f} GB/s")
+          f"{profile['hbm_gbps']:.1f} GB/s; {got['op_us']:.0f} us per kernel; controller {got['controller_op_us']:.0f} us "
+          "per op; " + ", ".join(f"{k} {v['latency_us']:.0f} us + {v['gbps']:.2f} GB/s"
+                                 for k, v in got["collectives"].items()))
     return profile

@@ -61,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "side by side")
     o.add_argument("--json", action="store_true", help="print JSON instead of a table")
     o.add_argument("--plot", metavar="PNG", help="draw memory and step time per layout (needs matplotlib)")
-    o.add_argument("--calibrate", metavar="OUT", help="measure this machine (GEMM rate, memory bandwidth, the process "
-                   "backend's collectives) and write a hardware profile to OUT, then exit")
+    o.add_argument("--calibrate", metavar="OUT", help="measure this machine (GEMM rate; cost per kernel, element-wise "
+                   "rate and the controller's cost per op from a small Llama step; the process backend's collectives) "
+                   "and write a hardware profile to OUT, then exit")
     return p
 
 
@@ -89,7 +90,8 @@ def describe(e) -> str:
              f"{e.micro_batches} micro-batch(es), activation checkpointing {e.activation_checkpointing}"
              f"{', float8' if e.float8 else ''}",
              f"step {e.step_time:.3f} s = compute {e.compute_time:.3f} s + exposed communication "
-             f"{e.exposed_comm_time:.3f} s + pipeline bubble {e.bubble_time:.3f} s",
+             f"{e.exposed_comm_time:.3f} s + pipeline bubble {e.bubble_time:.3f} s"
+             + (f" (the controller's issue of its ops: {e.controller_time:.3f} s)" if e.controller_time else ""),
              "communication per device per step:"]
     for dim in sorted(e.comm_bytes):
         lines.append(f"  {dim:10s} {e.comm_bytes[dim] / GIB:8.2f} GiB  {e.comm_time.get(dim, 0.0):7.3f} s")

@@ -7,7 +7,11 @@
   nodes; a group with several GPUs per node drives that many NICs), with NCCL's ring factors (all_gather and
   reduce_scatter move (m-1)/m of the full buffer, all_reduce twice that; tree latency for all_reduce across nodes);
 - overlap: fsdp gathers and reductions, dp gradient reductions and ring-attention block sends run beside the
-  compute (FSDP prefetch, async collectives); tp and Ulysses collectives and pipeline hand-offs are on the path.
+  compute (FSDP prefetch, async collectives) as far as the profile's ``overlap`` allows (1 on GPUs: their own
+  streams; 0 for the process backend, whose worker runs a collective on the thread that runs its kernels); tp and
+  Ulysses collectives and pipeline hand-offs are on the path;
+- counts: the kernels and collectives each phase issues (the single controller issues them one at a time: the
+  estimate's dispatch floor).
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ from ..runtime.kernels import VJP_PREFIX, get_kernel
 OVERLAPPED_DIMS = ("fsdp", "dp", "ring_cp")
 ATTENTION_KERNELS = ("sdpa", "sdpa_ring_step", "sdpa_ring_step_backward", "kv_cache")
 LINEAR_KERNELS = ("linear", "matmul")
+# torch views: a new shape and strides over the same storage, no bytes moved (reshape may copy: it stays counted)
+VIEW_KERNELS = ("view.permute", "view.index", "view.split", "view.expand")
 
 
 @dataclass
@@ -36,6 +42,8 @@ class Costs:
     flops: float = 0.0
     comm_bytes: dict = field(default_factory=dict)  # mesh dim -> bytes this device sends
     comm_time: dict = field(default_factory=dict)  # mesh dim -> seconds
+    kernels: float = 0.0  # kernel calls on the busiest device
+    collectives: float = 0.0  # collectives it takes part in
 
     def time(self, overlap: float = 1.0) -> float:
         """The phase's wall time: compute plus what cannot hide behind it."""
@@ -47,6 +55,8 @@ class Costs:
         self.exposed_comm += scale * other.exposed_comm
         self.overlapped_comm += scale * other.overlapped_comm
         self.flops += scale * other.flops
+        self.kernels += scale * other.kernels
+        self.collectives += scale * other.collectives
         for k, v in other.comm_bytes.items():
             self.comm_bytes[k] = self.comm_bytes.get(k, 0.0) + scale * v
         for k, v in other.comm_time.items():
@@ -164,6 +174,8 @@ def kernel_work(call, options: Options) -> tuple[float, float, str]:
         flops *= 0.5  # a causal flash kernel skips the masked half
     coord = coords[0]
     moved = sum(_prod(s.local_shape(coord)) * s.dtype.itemsize for s in call.in_specs + call.out_specs)
+    if call.kind == "forward" and name in VIEW_KERNELS:
+        moved = 0
     if call.kind == "backward" or name.startswith(VJP_PREFIX):
         moved *= 2
     cls = "attention" if any(base.startswith(a) for a in ATTENTION_KERNELS) else \
@@ -217,43 +229,54 @@ def group_span(layout, dim: str, gpus_per_node: int) -> tuple[int, int]:
     return m, max(1, m // len(nodes))
 
 
+def collective_terms(kind: str, m: int, size: float) -> tuple[float, float]:
+    """(latency steps, bytes each device moves) of one collective among ``m`` devices on ``size``-byte input blocks,
+    NCCL's ring algorithms: all_gather and reduce_scatter take m-1 steps (the gather moves every other block, the
+    scatter (m-1)/m of its buffer), all_reduce twice a reduce_scatter's, all_to_all (m-1)/m, a broadcast log2(m)
+    steps of the whole block, a send_recv one hop. ``calibrate`` inverts the same terms."""
+    if kind == "send_recv":
+        return 1.0, size
+    if kind == "all_gather":
+        return m - 1.0, (m - 1) * size
+    if kind in ("reduce_scatter", "all_to_all"):
+        return m - 1.0, (m - 1) / m * size
+    if kind == "all_reduce":
+        return 2.0 * (m - 1), 2 * (m - 1) / m * size
+    return float(math.ceil(math.log2(m))), size  # broadcast
+
+
 def collective_time(rec: CommRecord, layout, hw) -> tuple[float, float]:
-    """(seconds, bytes one device sends) of one CommLog record: alpha-beta on the mesh dim's link."""
+    """(seconds, bytes one device sends) of one CommLog record: alpha-beta on the mesh dim's link (or on the
+    profile's link for that kind of collective: a calibrated process backend moves each kind its own way)."""
     dim = rec.mesh_dim if isinstance(rec.mesh_dim, str) else "pp"
     m, per_node = group_span(layout, dim, hw.gpus_per_node)
     n_dev = max(1, len(rec.devices))
     eff = hw.efficiency["collective"]
+    own = hw.collectives.get(rec.kind)
     if rec.kind == "send_recv":
         senders = n_dev // 2 if dim == "pp" else n_dev
         size = rec.nbytes / max(1, senders)
         link = hw.intra if per_node == m and dim != "pp" else hw.inter
         if dim == "pp" and hw.gpus_per_node >= layout.devices:
             link = hw.intra
+        link = own or link
         return link.latency_us * 1e-6 + size / (link.gbps * 1e9 * eff), size
     size = rec.nbytes / n_dev  # each device's input block
     if m <= 1:
         return 0.0, 0.0
     within = per_node == m
-    if within:
+    if own is not None:
+        bw, alpha = own.gbps * 1e9, own.latency_us * 1e-6
+    elif within:
         bw, alpha = hw.intra.gbps * 1e9, hw.intra.latency_us * 1e-6
     else:  # across nodes: each of the group's GPUs in a node drives its own NIC; NVLink inside stays faster
         bw = min(hw.intra.gbps, per_node * hw.inter.gbps) * 1e9
         alpha = hw.inter.latency_us * 1e-6
     bw *= eff
-    if rec.kind == "all_gather":
-        moved = (m - 1) * size
-        t = (m - 1) * alpha + moved / bw
-    elif rec.kind in ("reduce_scatter", "all_to_all"):
-        moved = (m - 1) / m * size
-        t = (m - 1) * alpha + moved / bw
-    elif rec.kind == "all_reduce":
-        moved = 2 * (m - 1) / m * size
-        ring = 2 * (m - 1) * alpha + moved / bw
-        tree = 2 * math.ceil(math.log2(m)) * alpha + moved / bw
-        t = min(ring, tree) if not within else ring
-    else:  # broadcast
-        moved = size
-        t = math.ceil(math.log2(m)) * alpha + size / bw
+    steps, moved = collective_terms(rec.kind, m, size)
+    t = steps * alpha + moved / bw
+    if rec.kind == "all_reduce" and not within:  # NCCL's tree across nodes when its latency is lower
+        t = min(t, 2 * math.ceil(math.log2(m)) * alpha + moved / bw)
     return t, moved
 
 
@@ -276,6 +299,7 @@ def stage_costs(trace, hw, options: Options) -> list[dict]:
             dim = item.mesh_dim if isinstance(item.mesh_dim, str) else "pp"
             c.comm_bytes[dim] = c.comm_bytes.get(dim, 0.0) + moved
             c.comm_time[dim] = c.comm_time.get(dim, 0.0) + t
+            c.collectives += 1
             if dim in OVERLAPPED_DIMS and phase != "step":
                 c.overlapped_comm += t
             else:
@@ -284,6 +308,7 @@ def stage_costs(trace, hw, options: Options) -> list[dict]:
         t, flops = kernel_time(item, hw, options)
         c.compute += t
         c.flops += flops
+        c.kernels += 1
         if phase == "forward" and layer is not None:
             # torchtitan's per-op selective AC keeps each layer's input, the outputs of attention and of every
             # other matmul, and recomputes the rest in the backward

@@ -67,6 +67,7 @@ class Estimate:
     compute_time: float
     exposed_comm_time: float
     bubble_time: float
+    controller_time: float  # the controller's issue of the step's ops (a floor on step_time)
     tokens_per_second_per_device: float
     mfu: float
     notes: list = field(default_factory=list)
@@ -84,6 +85,7 @@ class Estimate:
                 "fits": self.fits, "comm_bytes_per_step": dict(self.comm_bytes),
                 "comm_seconds_per_step": dict(self.comm_time), "step_time_s": self.step_time,
                 "compute_s": self.compute_time, "exposed_comm_s": self.exposed_comm_time, "bubble_s": self.bubble_time,
+                "controller_s": self.controller_time,
                 "tokens_per_second_per_device": self.tokens_per_second_per_device, "mfu": self.mfu,
                 "notes": list(self.notes)}
 
@@ -228,17 +230,18 @@ def _affine(a: dict, b: dict, k: int) -> dict:
 def _split_dp(c: Costs) -> tuple[Costs, float]:
     """A backward's costs without its dp gradient reduction (reduced once per step), and that reduction's seconds."""
     dp = c.comm_time.get("dp", 0.0)
-    rest = Costs(c.compute, c.exposed_comm, c.overlapped_comm - dp, c.flops, dict(c.comm_bytes), dict(c.comm_time))
+    rest = replace(c, overlapped_comm=c.overlapped_comm - dp, comm_bytes=dict(c.comm_bytes), comm_time=dict(c.comm_time))
     return rest, dp
 
 
 def _compose(cfg, lay, hw, stages, *, seq, global_batch, m, ac, float8, schedule) -> Estimate:
     p = lay.pp
     notes = []
+    overlap = hw.efficiency["overlap"]
     fb, dp_times = [], []
     for st in stages:
         bwd, dp_t = _split_dp(st["bwd"])
-        t = st["fwd"].time() + bwd.time()
+        t = st["fwd"].time(overlap) + bwd.time(overlap)
         if ac == "selective":
             t += st["sac_recompute"]
         fb.append(t)
@@ -255,10 +258,19 @@ def _compose(cfg, lay, hw, stages, *, seq, global_batch, m, ac, float8, schedule
             fill = sum(fb) - slowest
         pipe = ideal + fill
         bubble = pipe - m * sum(fb) / p
-    step_tail = max(st["step"].time() + max(0.0, dp_t - b) for st, (dp_t, b) in zip(stages, dp_times))
+    step_tail = max(st["step"].time(overlap) + max(0.0, dp_t - overlap * b) for st, (dp_t, b) in zip(stages, dp_times))
     step_time = pipe + step_tail
     compute = m * max(st["fwd"].compute + st["bwd"].compute for st in stages) + max(st["step"].compute for st in stages)
     exposed = step_time - compute - max(0.0, bubble)
+    # the single controller issues every stage's kernels and collectives one at a time, each micro-batch's
+    # forward and backward and then the optimizer's: that many times its cost per op is a floor on the step
+    issued = sum(m * (st["fwd"].kernels + st["fwd"].collectives + st["bwd"].kernels + st["bwd"].collectives)
+                 + st["step"].kernels + st["step"].collectives for st in stages)
+    controller = issued * hw.efficiency["controller_op_us"] * 1e-6
+    if controller > step_time:
+        notes.append(f"the controller's dispatch bounds the step: {issued:.0f} ops at "
+                     f"{hw.efficiency['controller_op_us']:.0f} us each, {controller / step_time - 1:.0%} above the devices' time")
+        step_time = controller
     # communication of one device of the first stage (every stage's devices run the same collectives but
     # the pipeline hand-offs): fsdp, tp and cp per micro-batch, dp's gradient reduction once
     comm_bytes, comm_time = {}, {}
@@ -296,5 +308,5 @@ def _compose(cfg, lay, hw, stages, *, seq, global_batch, m, ac, float8, schedule
     return Estimate(layout=lay, hardware=hw.name, devices=lay.devices, seq=seq, global_batch=global_batch,
                     micro_batches=m, activation_checkpointing=ac, float8=float8, memory=memory, fits=fits,
                     comm_bytes=comm_bytes, comm_time=comm_time, step_time=step_time, compute_time=compute,
-                    exposed_comm_time=max(0.0, exposed), bubble_time=max(0.0, bubble),
+                    exposed_comm_time=max(0.0, exposed), bubble_time=max(0.0, bubble), controller_time=controller,
                     tokens_per_second_per_device=tps, mfu=mfu, notes=notes)

@@ -34,10 +34,15 @@ class Hardware:
     gpus_per_node: int
     intra: Link  # within a node
     inter: Link  # across nodes (per GPU)
-    efficiency: dict  # matmul, attention, memory, collective (fractions of peak), kernel_overhead_us
+    # matmul, attention, memory, collective (fractions of peak), kernel_overhead_us (per kernel, on the device),
+    # overlap (the fraction of compute that fsdp/dp/ring collectives can hide behind: 1 where they run on their
+    # own streams), controller_op_us (the single controller's cost to issue one kernel or collective: a floor
+    # on the step of count x cost; 0: not modelled)
+    efficiency: dict
     memory_overhead_gib: float  # CUDA context, NCCL and cuBLAS buffers, allocator slack: beyond the tensors
     sources: tuple = field(default_factory=tuple)
     key: str = ""
+    collectives: dict = field(default_factory=dict)  # kind -> Link, where a kind moves its own way (calibrated)
 
     def peak(self, dtype_name: str) -> float:
         """Dense FLOP/s for matmuls in ``dtype_name`` (float32 matmuls run as float32 unless a profile says tf32)."""
@@ -48,7 +53,8 @@ class Hardware:
         return {"name": self.name, "memory_gib": self.memory_gib, "usable_memory_gib": self.usable_memory_gib,
                 "peak_tflops": dict(self.peak_tflops), "hbm_gbps": self.hbm_gbps, "gpus_per_node": self.gpus_per_node,
                 "links": {"intra": vars(self.intra), "inter": vars(self.inter)}, "efficiency": dict(self.efficiency),
-                "memory_overhead_gib": self.memory_overhead_gib, "sources": list(self.sources)}
+                "memory_overhead_gib": self.memory_overhead_gib, "sources": list(self.sources),
+                **({"collectives": {k: vars(v) for k, v in self.collectives.items()}} if self.collectives else {})}
 
 
 def shipped() -> list[str]:
@@ -64,9 +70,11 @@ def from_dict(raw: dict, key: str = "") -> Hardware:
                         hbm_gbps=float(raw["hbm_gbps"]), gpus_per_node=int(raw.get("gpus_per_node", 8)),
                         intra=Link(**links["intra"]), inter=Link(**links["inter"]),
                         efficiency={"matmul": 0.7, "attention": 0.4, "memory": 0.75, "collective": 0.8,
-                                    "kernel_overhead_us": 4.0, **raw.get("efficiency", {})},
+                                    "kernel_overhead_us": 4.0, "overlap": 1.0, "controller_op_us": 0.0,
+                                    **raw.get("efficiency", {})},
                         memory_overhead_gib=float(raw.get("memory_overhead_gib", 2.5)),
-                        sources=tuple(raw.get("sources", ())), key=key)
+                        sources=tuple(raw.get("sources", ())), key=key,
+                        collectives={k: Link(**v) for k, v in raw.get("collectives", {}).items()})
     except (KeyError, TypeError, ValueError) as exc:
         raise HardwareError(f"hardware profile {key or raw.get('name', '?')}: {type(exc).__name__}: {exc}; a profile needs "
                             "name, memory_gib, peak_tflops {dtype: TFLOPS}, hbm_gbps and links {intra, inter: "
