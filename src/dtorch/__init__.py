@@ -58,11 +58,8 @@ from . import testing  # noqa: E402,F401
 from . import nn  # noqa: E402,F401
 from . import optim  # noqa: E402,F401
 from . import pipeline  # noqa: E402,F401
-<<<<<<< HEAD
 from .compile import compile  # noqa: E402,F401  (dtorch.compile: the function, with .explain)
-=======
 from . import recovery  # noqa: E402,F401
->>>>>>> recovery
 
 DTensor = Tensor
 

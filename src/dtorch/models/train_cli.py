@@ -52,14 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--selective-ac", type=int, metavar="N", default=None,
                    help="selective activation checkpointing: recompute only every N-th layer in the backward")
     t.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the batches")
-<<<<<<< HEAD
     t.add_argument("--eager", action="store_true", help="run every step eagerly (default: the step is traced once "
-                   "with dtorch.compile and replayed, with the same numbers)")
-=======
+                   "with dtorch.compile and replayed, with the same numbers; eager with --recover)")
     t.add_argument("--recover", choices=("off", "replace", "shrink"), default="off",
                    help="replace: a worker lost mid-step (process and ray backends) is replaced, the step re-run "
                         "from a snapshot kept after every step (docs/recovery.md); shrink: not implemented yet")
->>>>>>> recovery
     o = p.add_argument_group("output")
     o.add_argument("--save", metavar="DIR", help="write a Hugging Face checkpoint (safetensors, generation config and "
                    "a byte-level tokenizer.json) here, for dtorch generate --model DIR (default: none)")
@@ -199,7 +196,8 @@ def train(args, progress: bool = True) -> TrainResult:
     batches = byte_batches(data, args.batch, args.seq, gen)
     losses = []
     measured = None
-    step_fn = train_step if args.eager else dtorch.compile(train_step)
+    # (a recovery re-runs steps on new workers: the steps stay eager there, a replay's record names the old ones)
+    step_fn = train_step if args.eager or args.recover != "off" else dtorch.compile(train_step)
     bar = tqdm(range(args.steps), desc="training", unit="step", file=sys.stdout, dynamic_ncols=True,
                disable=not progress)
     t_start = time.perf_counter()
@@ -210,12 +208,7 @@ def train(args, progress: bool = True) -> TrainResult:
         snap = dtorch.recovery.snapshot(model, opt)
 
     def one_step(ids, labels):
-        loss = model(ids, labels=labels).loss
-        loss.backward()
-        if args.clip > 0:
-            dtorch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
-        return loss
+        return step_fn(model, opt, ids, labels, args.clip)
 
     for step in bar:
         ids, labels = next(batches)
@@ -223,17 +216,13 @@ def train(args, progress: bool = True) -> TrainResult:
         if last:  # the final step is the one measured: memory and communication
             graph.track_memory()
             log = dtorch.CommLog().__enter__()
-<<<<<<< HEAD
-        loss = step_fn(model, opt, ids, labels, args.clip)  # (the measured step runs eagerly: memory is tracked)
-=======
         if snap is None:
-            loss = one_step(ids, labels)
+            loss = one_step(ids, labels)  # (the measured step runs eagerly: memory is tracked)
         else:
             seen = len(snap.events)
             loss = snap.run_step(one_step, ids, labels)
             for event in snap.events[seen:]:
                 bar.write(f"dtorch train: {event}")
->>>>>>> recovery
         if last:
             log.__exit__(None, None, None)
             peaks = {dev: st["peak"] for (_, dev), st in graph.get_memory_stats(mesh).items()}
