@@ -11,6 +11,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
+from ._lru import LRU
 from .errors import MeshError
 
 _SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
@@ -36,7 +37,8 @@ def _to_id_array(mesh) -> np.ndarray:
 
 
 # sub-mesh key -> (parent mesh, its unbound dims, the sub-mesh's coordinate on them): the latest unbind that made it
-_UNBOUND: dict = {}
+# (bounded: a program that makes meshes in a loop must not grow it forever)
+_UNBOUND = LRU("mesh.unbound", 4096)
 
 
 class DeviceMesh:

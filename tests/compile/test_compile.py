@@ -352,6 +352,8 @@ def test_bad_arguments_are_clear():
         dtorch.compile(lambda: None, backend="xla")
     with pytest.raises(TypeError, match="function"):
         dtorch.compile(3)
+    with pytest.raises(ValueError, match="max_traces"):
+        dtorch.compile(lambda: None, max_traces=0)
     with pytest.raises(NotImplementedError, match="inductor"):
         dtorch.compile(lambda: None, backend="inductor")
 

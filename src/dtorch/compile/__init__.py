@@ -51,10 +51,12 @@ class Compiled:
                                       "torch.compile) is not built yet; use the default backend='eager' replay")
         if not callable(fn):
             raise TypeError(f"dtorch.compile expects a function, got {type(fn).__name__}")
+        if isinstance(max_traces, bool) or not isinstance(max_traces, int) or max_traces < 1:
+            raise ValueError(f"dtorch.compile: max_traces must be a positive int, got {max_traces!r}")
         self.fn = fn
         self.backend = backend
-        self._traces = LRU(f"dtorch.compile({getattr(fn, '__qualname__', fn)})", max_traces)
-        self._warmups: dict = {}
+        self._traces = LRU(f"dtorch.compile({getattr(fn, '__qualname__', fn)})", max(2, max_traces))  # (the LRU's least)
+        self._warmups = LRU("dtorch.compile warm-ups", 2 * max_traces)  # key -> warm-up traces in a row
         self.stats = {"traces": 0, "replays": 0, "eager": 0, "misses": 0}
         self.last_reason: str | None = None
         functools.update_wrapper(self, fn)
@@ -128,7 +130,7 @@ class Compiled:
             if n < _WARMUPS:
                 return out
             trace = Trace.eager(f"every call made new state ({n} traces in a row): the step is not steady")
-        self._warmups.pop(key, None)
+        self._warmups[key] = 0
         self.last_reason = trace.eager_reason
         self._traces[key] = trace
         return out

@@ -274,6 +274,14 @@ class RecordingRuntime:
         self._read("to_torch_async()")
         return self._real.to_global_async(handle, spec)
 
+    def to_global_many(self, handles, specs):
+        self._read("a fetch of many values (to_global_many: a snapshot?)")
+        return self._real.to_global_many(handles, specs)
+
+    def to_global_many_async(self, handles, specs):
+        self._read("a fetch of many values (to_global_many_async: a snapshot?)")
+        return self._real.to_global_many_async(handles, specs)
+
     def local_blocks(self, handle, spec):
         self._read("local_blocks()")
         return self._real.local_blocks(handle, spec)
