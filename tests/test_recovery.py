@@ -92,8 +92,9 @@ def test_run_step_counts_steps_and_snapshots_every_n(trained):
 def test_settings_and_the_injector_say_what_they_cannot_do():
     with pytest.raises(ValueError, match="choose one of 'replace', 'shrink', 'off'"):
         dtorch.recovery.configure("restart")
-    with pytest.raises(NotImplementedError, match="shrink.*not implemented yet; use mode='replace'"):
-        dtorch.recovery.configure("shrink")
+    dtorch.recovery.configure("shrink")
+    assert dtorch.recovery.mode() == "shrink"
+    dtorch.recovery.configure("replace")
     with pytest.raises(ValueError, match="max_faults_per_step=0"):
         dtorch.recovery.configure("replace", max_faults_per_step=0)
     assert dtorch.recovery.mode() == "replace"
