@@ -136,6 +136,22 @@ def test_the_lost_slice_of_dp_x_tp_goes_and_a_dtorch_argument_follows(graph, shr
     assert sorted(graph.worker_pids()) == [0, 1]
 
 
+def test_pp_stage_meshes_shrink_with_their_parent(graph, shrink_mode):
+    """pp2 x dp2 (4 workers) loses device 3 in the backward: dp's slice {1, 3} goes, and so does each pp stage
+    mesh's share of it (the model holds the stage meshes from mesh.unbind("pp")): pp2 x dp1 on 2 workers."""
+    dims, small = (("pp", 2), ("dp", 2)), (("pp", 2), ("dp", 1))
+    want = reference(graph, dims, small, switch_at=1)
+    fwd, bwd, _ = want[2]
+    t = Shrinking(graph, dims)
+    stages = list(t.model.model.stage_meshes)
+    got = t.run(fault=(1, 3, (fwd + bwd) // 2, "kill"))
+    _close(got, want)
+    assert [(e.step, e.devices, e.mesh) for e in t.snap.events] == [(2, (3,), "cpu[pp=2, dp=1]")]
+    assert t.mesh.device_ids == [0, 1] and [s.device_ids for s in stages] == [[0], [1]]
+    assert all(a is b for a, b in zip(stages, t.model.model.stage_meshes))
+    assert sorted(graph.worker_pids()) == [0, 1]
+
+
 def test_meshes_that_cannot_shrink_are_a_clear_error(graph, shrink_mode):
     """No dp dim (tp4), dp already 1 (dp1 x tp2 -> dp0), two faults in one step: a RecoveryError that says what
     was lost and to use replace; nothing re-run."""

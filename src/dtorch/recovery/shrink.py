@@ -11,8 +11,8 @@ spec on its (re-pointed) mesh with the same placements; ``Snapshot.restore`` the
 
 Why in place, not new mesh objects: tensors, modules and the user's code hold the mesh object itself; only
 an in-place change reaches all of them. A mesh's hash changes with it, so every process-global cache
-(``_lru.all_caches``: plans, executables, memos, keyed by meshes and specs) is cleared, and every spec
-the snapshot covers is made afresh (a spec caches its hash).
+(``_lru.all_caches``: plans, executables, memos, keyed by meshes and specs) is cleared (other Graphs recompute
+theirs), and every spec the snapshot covers is made afresh (a spec caches its hash).
 """
 from __future__ import annotations
 
@@ -90,6 +90,19 @@ def _new_array(m: DeviceMesh, gone: set) -> np.ndarray:
     return arr - np.searchsorted(gone_sorted, arr)  # each id moves down by the gone ids below it
 
 
+def layouts(meshes, lost) -> tuple:
+    """(the widest mesh holding a lost device or None, the device ids that go, {id(mesh): its new id array}) for
+    ``meshes`` after losing ``lost``; raises a RecoveryError where one cannot shrink. Changes nothing."""
+    holding = [m for m in meshes if set(lost) & set(m.device_ids)]
+    if not holding:  # no tensor lives on the lost device: nothing shrinks (the new pool is just smaller)
+        root, gone = None, set(lost)
+    else:
+        root = max(holding, key=lambda m: m.size())
+        _, gone = _dropped(root, list(lost))
+        gone |= set(lost)  # (a lost id no mesh holds goes too)
+    return root, gone, {id(m): _new_array(m, gone) for m in meshes}
+
+
 def shrink(snap, lost) -> str:
     """Re-point the meshes of ``snap``'s tensors (and the dtorch tensors its logged steps were given) onto the
     devices left after losing ``lost`` (device ids), before ``snap.restore`` places the values. Checks
@@ -102,13 +115,7 @@ def shrink(snap, lost) -> str:
                             f"{partial[0]._spec}); their per-device terms cannot be re-split over fewer devices; "
                             "use configure('replace')")
     meshes = _meshes(snap, tensors)
-    holding = [m for m in meshes if set(lost) & set(m.device_ids)]
-    if not holding:  # no tensor lives on the lost device: nothing shrinks (the new pool is just smaller)
-        root, gone = None, set(lost)
-    else:
-        root = max(holding, key=lambda m: m.size())
-        _, gone = _dropped(root, list(lost))
-    new = {id(m): _new_array(m, gone) for m in meshes}
+    root, gone, new = layouts(meshes, lost)
     # nothing raised: change the meshes, the specs, the caches
     for m in meshes:
         arr = new[id(m)]
@@ -116,8 +123,9 @@ def shrink(snap, lost) -> str:
         m._array, m._ids = arr, tuple(arr.reshape(-1).tolist())
         m._key = (m.device_type, tuple(arr.shape), m._ids, m._key[3])
         m._hash = hash(m._key)
-    for cache in all_caches():  # keyed by the old meshes' hashes: stale, and unreachable but held
-        cache.clear()
+    for cache in all_caches():  # keyed by the old meshes' hashes: stale (unreachable, but held)
+        if cache.on_evict is None:  # (one with on_evict stands for state held elsewhere: a live backend's plan
+            cache.clear()  # ids on its workers; ours was reset when the workers stopped, stale keys just age out)
     for m in meshes:
         if m._parent:
             _UNBOUND[m._key] = m._parent
