@@ -102,6 +102,11 @@ def test_dp4_loses_a_worker_and_goes_on_as_dp3(graph, shrink_mode):
     assert t.model.model.embed_tokens.weight is weight and weight.device_mesh is mesh
     exp_avg = t.opt.state[weight]["exp_avg"]
     assert exp_avg.device_mesh is mesh and torch.equal(weight.to_torch(), got[1]["model.embed_tokens.weight"])
+    # every tensor restored has a spec made on the new mesh (a spec caches its hash: one from before would
+    # not equal a new one of the same layout), the AdamW states of step 1's snapshot too (made after step 0's)
+    for x in [*t.model.parameters(), *(v for s in t.opt.state.values() for v in s.values()
+                                       if isinstance(v, dtorch.Tensor))]:
+        assert hash(x._spec) == hash((mesh, x._spec.placements, x._spec.shape, x._spec.dtype))
     # a pool of 3 workers; nothing left behind
     assert wait_gone(list(old.values())) == []
     assert sorted(graph.worker_pids()) == [0, 1, 2]

@@ -104,11 +104,9 @@ def layouts(meshes, lost) -> tuple:
 
 
 def shrink(snap, lost) -> str:
-    """Re-point the meshes of ``snap``'s tensors (and the dtorch tensors its logged steps were given) onto the
-    devices left after losing ``lost`` (device ids), before ``snap.restore`` places the values. Checks
+    """Re-point the meshes of the tensors ``snap`` restores (``Snapshot.tensors``) onto the devices left after losing ``lost`` (device ids), before ``snap.restore`` places the values. Checks
     everything before it changes anything. Returns the new mesh, as events print it."""
-    held = [t for entry in snap._log for t, _ in entry[4]]
-    tensors = [t for t, _ in snap._values] + held
+    tensors = snap.tensors()
     partial = [t for t in tensors if any(isinstance(p, Partial) for p in t.placements)]
     if partial:
         raise RecoveryError(f"recovery mode 'shrink': {len(partial)} snapshot tensor(s) are Partial (e.g. "

@@ -156,6 +156,13 @@ class Snapshot:
         step. A fault while collecting it raises here (the previous snapshot stands: ``restore`` puts it back)."""
         self._settle(wait=True)
 
+    def tensors(self) -> list:
+        """Every dtorch tensor ``restore`` (with a recovery's re-run) may write, each once: those of the snapshot,
+        of one still being collected (it may count at the restore) and the dtorch arguments of the logged steps."""
+        pending = self._pending[1].tensors if self._pending is not None else []
+        held = [t for entry in self._log for t, _ in entry[4]]
+        return list({id(t): t for t in [t for t, _ in self._values] + pending + held}.values())
+
     def restore(self) -> int:
         """Put every kept value back into its tensor (on the backend's current workers) and the optimizer's
         host state back; gradients are dropped (the step that made them is re-run). Returns the tensors rebuilt."""
