@@ -233,6 +233,21 @@ def test_dp4_tp2_shrinks_to_dp3_tp2(graph8, shrink_mode, phase, device):
 
 
 @pytest.mark.slow
+def test_hsdp_loses_its_replicate_slice(graph, shrink_mode):
+    """HSDP dp2 x fsdp2 (4 workers) loses device 0 in the optimizer step: dp (the replicate dim) shrinks, fsdp
+    keeps its 2 shards: dp1 x fsdp2 on 2 workers."""
+    dims, small = (("dp", 2), ("fsdp", 2)), (("dp", 1), ("fsdp", 2))
+    graph.runtime.min_workers = 4  # (an earlier shrink lowered it)
+    want = reference(graph, dims, small, switch_at=1)
+    _, bwd, end = want[2]
+    t = Shrinking(graph, dims)
+    got = t.run(fault=(1, 0, (bwd + end) // 2, "kill"))
+    _close(got, want)
+    assert [(e.step, e.devices, e.mesh) for e in t.snap.events] == [(2, (0,), "cpu[dp=1, fsdp=2]")]
+    assert sorted(graph.worker_pids()) == [0, 1]
+
+
+@pytest.mark.slow
 def test_ray_backend_shrinks_dp4_to_dp3(ray_cluster, shrink_mode):
     from .conftest import ray_graph
 
