@@ -104,8 +104,9 @@ def layouts(meshes, lost) -> tuple:
 
 
 def shrink(snap, lost) -> str:
-    """Re-point the meshes of the tensors ``snap`` restores (``Snapshot.tensors``) onto the devices left after losing ``lost`` (device ids), before ``snap.restore`` places the values. Checks
-    everything before it changes anything. Returns the new mesh, as events print it."""
+    """Re-point the meshes of the tensors ``snap`` restores (``Snapshot.tensors``) onto the devices left after
+    losing ``lost`` (device ids), before ``snap.restore`` places the values. Checks everything before it changes
+    anything. Returns the new mesh, as events print it."""
     tensors = snap.tensors()
     partial = [t for t in tensors if any(isinstance(p, Partial) for p in t.placements)]
     if partial:
