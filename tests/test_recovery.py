@@ -92,8 +92,9 @@ def test_run_step_counts_steps_and_snapshots_every_n(trained):
 def test_settings_and_the_injector_say_what_they_cannot_do():
     with pytest.raises(ValueError, match="choose one of 'replace', 'shrink', 'off'"):
         dtorch.recovery.configure("restart")
-    with pytest.raises(NotImplementedError, match="shrink.*not implemented yet; use mode='replace'"):
-        dtorch.recovery.configure("shrink")
+    dtorch.recovery.configure("shrink")
+    assert dtorch.recovery.mode() == "shrink"
+    dtorch.recovery.configure("replace")
     with pytest.raises(ValueError, match="max_faults_per_step=0"):
         dtorch.recovery.configure("replace", max_faults_per_step=0)
     assert dtorch.recovery.mode() == "replace"
@@ -113,3 +114,24 @@ def test_module_run_step_needs_a_live_snapshot():
         gc.collect()
         with pytest.raises(RuntimeError, match="needs a live snapshot"):
             dtorch.recovery.run_step(lambda: 7)
+
+
+def test_shrink_layouts_drop_the_lost_dp_slice_from_every_mesh():
+    """The mesh arithmetic of ``shrink`` (no workers): dp2 x pp2 x tp2 and its pp stage meshes lose device 5's dp
+    slice (devices 4..7), the other ids keep their order; meshes that cannot shrink say so."""
+    from dtorch.recovery.shrink import layouts
+
+    root = dtorch.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=["dp", "pp", "tp"])
+    stages = root.unbind("pp")
+    other = dtorch.DeviceMesh("cpu", [8, 9], mesh_dim_names=["tp"])  # no lost device: renumbered past 4..7
+    top, gone, new = layouts([root, *stages, other], [5])
+    assert top is root and gone == {4, 5, 6, 7}
+    assert new[id(root)].tolist() == [[[0, 1], [2, 3]]]
+    assert [new[id(s)].tolist() for s in stages] == [[[0, 1]], [[2, 3]]] and new[id(other)].tolist() == [4, 5]
+    with pytest.raises(RecoveryError, match="has no data-parallel dim to shrink"):
+        layouts([dtorch.init_device_mesh("cpu", (4,), mesh_dim_names=["tp"])], [1])
+    with pytest.raises(RecoveryError, match="has 1 device on 'dp': shrinking it would leave fewer than 1"):
+        layouts([dtorch.init_device_mesh("cpu", (1, 2), mesh_dim_names=["dp", "tp"])], [1])
+    tp_across = dtorch.DeviceMesh("cpu", [[0, 4]], mesh_dim_names=["dp", "tp"])  # holds 4 of the slice, not all
+    with pytest.raises(RecoveryError, match=r"holds devices \[4\] of the dropped dp slice, but not as whole slices"):
+        layouts([root, tp_across], [5])

@@ -43,8 +43,8 @@ def test_main_prints_the_memory_and_communication_tables(capsys):
     (["--seq", "15", "--ulysses-cp", "2"], "--seq 15 must be divisible by --ulysses-cp 2"),
     (["--text", "/nonexistent/file.txt"], "no such file"),
     (["--tp", "3"], "tp (3)"),
-    (["--recover", "shrink"], "--recover shrink (continue on a smaller mesh) is not implemented yet; use --recover "
-                              "replace"),
+    (["--recover", "shrink", "--dp", "1"], "--recover shrink drops the lost device's slice of the dp dim, so it needs "
+                                           "--dp 2 or more (got --dp 1); raise --dp or use --recover replace"),
 ])
 def test_bad_flags_say_what_to_change(flags, message, capsys):
     assert train_cli.main(SMALL + flags) == 2

@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "with dtorch.compile and replayed, with the same numbers; eager with --recover)")
     t.add_argument("--recover", choices=("off", "replace", "shrink"), default="off",
                    help="replace: a worker lost mid-step (process and ray backends) is replaced, the step re-run "
-                        "from a snapshot kept after every step (docs/recovery.md); shrink: not implemented yet")
+                        "from a snapshot kept after every step (docs/recovery.md); shrink: training goes on without "
+                        "it, on a mesh whose dp dim is one smaller (the batch re-split)")
     o = p.add_argument_group("output")
     o.add_argument("--save", metavar="DIR", help="write a Hugging Face checkpoint (safetensors, generation config and "
                    "a byte-level tokenizer.json) here, for dtorch generate --model DIR (default: none)")
@@ -75,8 +76,9 @@ def check_args(args) -> list[str]:
     problems += head_width_problems(args.hidden, args.heads)
     if args.heads % args.kv_heads:
         problems.append(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
-    if args.recover == "shrink":
-        problems.append("--recover shrink (continue on a smaller mesh) is not implemented yet; use --recover replace")
+    if args.recover == "shrink" and args.dp < 2:
+        problems.append(f"--recover shrink drops the lost device's slice of the dp dim, so it needs --dp 2 or more "
+                        f"(got --dp {args.dp}); raise --dp or use --recover replace")
     if args.seq % args.ulysses_cp:
         problems.append(f"--seq {args.seq} must be divisible by --ulysses-cp {args.ulysses_cp}")
     text = Path(args.text) if args.text else CORPUS

@@ -22,22 +22,22 @@ class RecoveryEvent:
     rebuilt: int
     seconds: float
     reason: str
+    mesh: str = ""  # shrink: the mesh after it ("cpu[dp=3]"); replace: ""
 
     def __str__(self) -> str:
         ids = ", ".join(map(str, self.devices))
-        return (f"recovered step {self.step}: device{'s' if len(self.devices) > 1 else ''} {ids} lost and replaced, "
+        what = f"lost, mesh shrunk to {self.mesh}" if self.mesh else "lost and replaced"
+        return (f"recovered step {self.step}: device{'s' if len(self.devices) > 1 else ''} {ids} {what}, "
                 f"{self.rebuilt} tensors rebuilt from the snapshot, {self.seconds:.1f} s lost")
 
 
 def configure(mode: str = "replace", *, max_faults_per_step: int = 1) -> None:
-    """How ``run_step`` answers a lost device: ``"replace"`` (new workers, same mesh) or ``"off"`` (raise, as
-    without recovery). ``max_faults_per_step``: device losses one step may see before it gives up with a
+    """How ``run_step`` answers a lost device: ``"replace"`` (new workers, same mesh), ``"shrink"`` (go on without
+    it: the mesh's "dp" dim loses the lost device's slice, docs/recovery.md) or ``"off"`` (raise, as without
+    recovery). ``max_faults_per_step``: device losses one step may see before it gives up with a
     ``RecoveryError`` (a fault that keeps coming back is not retried forever)."""
     if mode not in MODES:
         raise ValueError(f"dtorch.recovery.configure(mode={mode!r}): choose one of {', '.join(map(repr, MODES))}")
-    if mode == "shrink":
-        raise NotImplementedError("dtorch.recovery: mode='shrink' (continue on a smaller mesh) is not implemented "
-                                  "yet; use mode='replace' (a new worker for the lost device)")
     if not (isinstance(max_faults_per_step, int) and max_faults_per_step >= 1):
         raise ValueError(f"max_faults_per_step={max_faults_per_step!r} must be an integer >= 1")
     _config.update(mode=mode, max_faults_per_step=max_faults_per_step)

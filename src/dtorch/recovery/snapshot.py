@@ -156,6 +156,13 @@ class Snapshot:
         step. A fault while collecting it raises here (the previous snapshot stands: ``restore`` puts it back)."""
         self._settle(wait=True)
 
+    def tensors(self) -> list:
+        """Every dtorch tensor ``restore`` (with a recovery's re-run) may write, each once: those of the snapshot,
+        of one still being collected (it may count at the restore) and the dtorch arguments of the logged steps."""
+        pending = self._pending[1].tensors if self._pending is not None else []
+        held = [t for entry in self._log for t, _ in entry[4]]
+        return list({id(t): t for t in [t for t, _ in self._values] + pending + held}.values())
+
     def restore(self) -> int:
         """Put every kept value back into its tensor (on the backend's current workers) and the optimizer's
         host state back; gradients are dropped (the step that made them is re-run). Returns the tensors rebuilt."""
@@ -215,9 +222,9 @@ class Snapshot:
                     t0 = time.perf_counter()
                     lost += devices
                     reasons.append(str(fault).splitlines()[0])
-                    self._recover(lost, reasons, exc)
+                    shrunk = self._recover(lost, reasons, exc, devices)
                     self.events.append(RecoveryEvent(self.steps + 1, devices, len(self._values),
-                                                     time.perf_counter() - t0, reasons[-1]))
+                                                     time.perf_counter() - t0, reasons[-1], shrunk or ""))
                     replay = True
         except BaseException:
             self._log.pop()  # a step that did not finish is not re-run by a later recovery
@@ -225,9 +232,10 @@ class Snapshot:
         self.steps += 1
         return out
 
-    def _recover(self, lost: list, reasons: list, exc: BaseException) -> None:
+    def _recover(self, lost: list, reasons: list, exc: BaseException, devices=()):
         """The backend stopped every worker when it raised: rebuild on new workers (the first placement starts
-        them), unless this step lost more devices than ``max_faults_per_step`` allows."""
+        them), unless this step lost more devices than ``max_faults_per_step`` allows. ``shrink`` mode first
+        re-points the meshes onto the devices left (``devices``: this fault's); returns the new mesh then."""
         step = self.steps + 1
         ids = ", ".join(map(str, lost))
         if len(lost) > max_faults_per_step():
@@ -236,6 +244,14 @@ class Snapshot:
                 f"max_faults_per_step={max_faults_per_step()} (dtorch.recovery.configure); the step was not re-run "
                 "again. The faults:\n  " + "\n  ".join(reasons) + f"\nsnap.restore() puts back the state after step "
                 f"{self.taken_at} (the latest snapshot) once the devices work.") from exc
+        shrunk = None
+        if mode() == "shrink":
+            from .shrink import shrink  # (raises a RecoveryError, changing nothing, where the mesh cannot shrink)
+
+            try:
+                shrunk = shrink(self, devices)
+            except RecoveryError as why:
+                raise RecoveryError(f"step {step}: device ids {ids} were lost ({reasons[-1]}): {why}") from exc
         try:
             self.restore()
             for _, _, _, _, held in self._log:
@@ -244,3 +260,4 @@ class Snapshot:
         except RuntimeBackendError as again:
             raise RecoveryError(f"step {step}: device ids {ids} were lost ({reasons[-1]}) and rebuilding their "
                                 f"blocks on new workers failed: {again}") from again
+        return shrunk
