@@ -83,6 +83,31 @@ def test_plain_batch_and_head_shards_communicate_nothing(mesh, pl, causal):
     check(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True), **TOL)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_plain_batch_and_head_shards_give_torchs_fused_bits_per_device(causal):
+    """Devices that hold whole heads and keys run one fused SDPA call over their stacked blocks (forward and
+    backward): each device's block is bit for bit torch's fused kernel on that block alone."""
+    mesh = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["dp", "tp"])
+    q, k, v = _qkv(n=4, h=8, hk=4, l=16, e=8, ev=8)
+    ins = [distribute(x, mesh, [Shard(0), Shard(1)]).requires_grad_() for x in (q, k, v)]
+    out = dtorch.nn.functional.scaled_dot_product_attention(*ins, is_causal=causal, enable_gqa=True)
+    out.sum().backward()
+    want, grads = [], [[], [], []]
+    for rows in (slice(0, 2), slice(2, 4)):
+        blocks = []
+        for heads, kv in ((slice(0, 4), slice(0, 2)), (slice(4, 8), slice(2, 4))):
+            xs = [x[rows, h].clone().requires_grad_() for x, h in zip((q, k, v), (heads, kv, kv))]
+            o = F.scaled_dot_product_attention(*xs, is_causal=causal, enable_gqa=True)
+            o.sum().backward()
+            blocks.append((o.detach(), [x.grad for x in xs]))
+        want.append(torch.cat([b[0] for b in blocks], 1))
+        for i in range(3):
+            grads[i].append(torch.cat([b[1][i] for b in blocks], 1))
+    assert torch.equal(out.to_torch(), torch.cat(want))
+    for x, g in zip(ins, grads):
+        assert torch.equal(x.grad.to_torch(), torch.cat(g))
+
+
 @pytest.mark.parametrize("l", [6, 7])
 def test_plain_causal_query_sequence_shard_uses_global_positions(l):
     q, k, v = _qkv(h=4, hk=4, l=l)

@@ -15,6 +15,12 @@ sum, which leaves a Partial scalar. Every step is a dispatched op: autograd reco
 gradient of the logits comes out with the logits' own layout (dlogp -> dz is local; the reductions'
 transposes are broadcasts of [N, 1, d...] tensors).
 
+Class-index targets without label smoothing (a language model's loss) take shorter paths in float32/64:
+with the classes split, ``lse - x[i, t_i]`` with ``lse = m + log(sum(exp(x - m), C))`` (one fused kernel for
+the sum, so no logits-sized log-probabilities are made or differentiated); with whole classes on every
+device, torch's own fused loss on each device's rows (a sum per device, then the mean over the counted
+targets).
+
 The target weights ``weight[t_i]`` are an embedding lookup (vocab-parallel when the weight is
 sharded); ignored targets get weight 0 and pick 0. The formulas follow torch's
 ``cross_entropy_loss_label_smoothing`` / ``cross_entropy_loss_prob_target`` (ATen LossNLL.cpp).
@@ -137,6 +143,97 @@ def _log_softmax(x: Tensor, cd: int) -> Tensor:
     return logp if logp.dtype == dtype else logp.to(dtype)
 
 
+@kernel("loss.sum_exp")
+def _sum_exp_kernel(x, m, *, lead, cd: int):
+    return torch.exp(x - m).sum(cd, keepdim=True)  # one pass for the forward; torch derives the backward
+
+
+def _sum_exp_rule(specs, cd):
+    """sum(exp(x - m), C) for logits x and their row max m ([N, 1, d...], replicated over class shards): a
+    class shard's sum is a Partial(sum) term; the other dims keep x's layout."""
+    x, _ = specs
+    m_pl = tuple(Replicate() if isinstance(p, Shard) and p.dim == cd else p for p in x.placements)
+    out_pl = tuple(Partial("sum") if isinstance(p, Shard) and p.dim == cd else p for p in x.placements)
+    row = x.shape[:cd] + (1,) + x.shape[cd + 1:]
+    return OpPlan((x, DTensorSpec(x.mesh, m_pl, row, x.dtype)), (DTensorSpec(x.mesh, out_pl, row, x.dtype),),
+                  _sum_exp_kernel, {"cd": cd - x.ndim})
+
+
+def _nll_of_logits(x: Tensor, target: Tensor, weight, cd: int, ignore_index: int, reduction: str) -> Tensor:
+    """Cross entropy of class-index targets as logsumexp(x) - x[t], without the [N, C, d...] log-probabilities:
+    two passes over the logits forward (max, then the sum of exponentials) and the gradient
+    softmax(x) - onehot(t) from torch's derivatives of those kernels, where the log_softmax form makes and
+    differentiates four logits-sized tensors."""
+    m = _reduced(x.detach().amax(cd, keepdim=True))  # [N, 1, d...]: keeps exp in range, changes no gradient
+    se = _reduced(dispatch("loss.sum_exp", _sum_exp_rule, [x, m], (cd,)))
+    lse = (m + se.log()).squeeze(cd)  # [N, d...]
+    valid = target != ignore_index
+    picked = _pick(x, target, cd, ignore_index)  # x[i, t_i], 0 where ignored
+    nll = (lse - picked).masked_fill(~valid, 0.0)  # (a row of -inf logits must not leak NaN from 0 * nan)
+    if weight is None:
+        w_t = valid.to(x.dtype)
+    else:
+        w_t = F.embedding(target.masked_fill(~valid, 0), weight.unsqueeze(1)).squeeze(-1) * valid
+        nll = nll * w_t
+    if reduction == "sum":
+        return nll.sum()
+    if reduction == "mean":
+        return nll.sum() / w_t.sum()
+    return nll
+
+
+@kernel("loss.cross_entropy_rows")
+def _rows_ce_kernel(x, target, *weight, lead, ignore_index: int, reduction: str):
+    # x: lead + [n, C, d...] (whole classes), target: lead + [n, d...]. Every stacked device's positions are
+    # rows of one fused call on [rows, C] (classes last: a view of logits laid out [.., C], as a language
+    # model's are), their losses summed per device for "sum"
+    check_targets(target, x.shape[lead + 1], ignore_index)
+    grid = _broadcast_shape([x.shape[:lead], target.shape[:lead]])
+    x, target = x.expand(grid + tuple(x.shape[lead:])), target.expand(grid + tuple(target.shape[lead:]))
+    w = weight[0].reshape(-1, weight[0].shape[-1])[0] if weight else None  # (replicated: any copy)
+    out = F.cross_entropy(x.movedim(lead + 1, -1).reshape(-1, x.shape[lead + 1]), target.reshape(-1), w,
+                          ignore_index=ignore_index, reduction="none").reshape(target.shape)
+    return out.sum(tuple(range(lead, out.ndim))) if reduction == "sum" else out
+
+
+def _rows_ce_rule(specs, cd, ignore_index, reduction):
+    """Class-index cross entropy with whole classes on every device, per mesh dim (x [N, C, d...], target
+    [N, d...]): x S(k) -> target S(k'), the loss P(sum) ("sum") or S(k') ("none"); a sharded target cuts x
+    to its rows; otherwise replicated. The weight is replicated."""
+    x, t = specs[:2]
+    x_pl, t_pl, out_pl = [], [], []
+    for px, pt in zip(x.placements, t.placements):
+        if isinstance(px, Shard):
+            k = px.dim if px.dim < cd else px.dim - 1
+            row = Shard(k)
+        elif isinstance(pt, Shard):
+            k, row = pt.dim, pt
+            px = Shard(k if k < cd else k + 1)
+        else:
+            x_pl.append(Replicate()), t_pl.append(Replicate()), out_pl.append(Replicate())
+            continue
+        x_pl.append(px), t_pl.append(row), out_pl.append(Partial("sum") if reduction == "sum" else row)
+    in_specs = (spec_like(x, placements=x_pl), spec_like(t, placements=t_pl)) + \
+        tuple(spec_like(w, placements=(Replicate(),) * w.mesh.ndim) for w in specs[2:])
+    out = DTensorSpec(x.mesh, tuple(out_pl), () if reduction == "sum" else t.shape, x.dtype)
+    return OpPlan(in_specs, (out,), _rows_ce_kernel, {"ignore_index": ignore_index, "reduction": reduction})
+
+
+def _rows_nll(x: Tensor, target: Tensor, weight, cd: int, ignore_index: int, reduction: str) -> Tensor:
+    """Cross entropy of class-index targets when no device splits the classes: torch's fused loss on each
+    device's rows (its log_softmax and its derivative), a sum per device, then the mean over the targets
+    counted (weighted as torch weights them)."""
+    operands = [x, target] + ([weight] if weight is not None else [])
+    loss = dispatch("loss.cross_entropy_rows", _rows_ce_rule, operands,
+                    (cd, ignore_index, "none" if reduction == "none" else "sum"))
+    if reduction != "mean":
+        return loss
+    valid = target != ignore_index
+    if weight is None:
+        return loss / valid.to(x.dtype).sum()
+    return loss / (F.embedding(target.masked_fill(~valid, 0), weight.unsqueeze(1)).squeeze(-1) * valid).sum()
+
+
 def _check_ce(x: Tensor, target: Tensor, weight, cd: int, label_smoothing: float) -> bool:
     """Validate the arguments like torch; True when ``target`` holds class probabilities."""
     if not x.dtype.is_floating_point:
@@ -192,6 +289,11 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index: i
     n_classes = x.shape[cd]
     eps = float(label_smoothing)
     x = _reduced(x)  # Partial logits (a row-parallel output): their terms reduce once here
+    if not probs and eps == 0 and x.dtype in (torch.float32, torch.float64):
+        if any(isinstance(p, Shard) and p.dim == cd for p in x.placements):
+            return _nll_of_logits(x, target, weight, cd, ignore_index, reduction)
+        if x.ndim > 1:  # every device holds whole rows of classes: torch's fused loss on them
+            return _rows_nll(x, target, weight, cd, ignore_index, reduction)
     logp = _log_softmax(x, cd)
     w_b = None if weight is None else _class_view(weight, x.ndim, cd)
     if probs:

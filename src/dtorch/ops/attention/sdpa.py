@@ -198,6 +198,13 @@ def _sdpa_kernel(q, k, v, *extra, lead, scale, causal, mask_rank, has_noise, hea
                 out = F.scaled_dot_product_attention(xs[0], xs[1], xs[2], m, is_causal=causal, scale=scale,
                                                      enable_gqa=heads[1] > 1)
             return out.reshape((1,) * lead + tuple(out.shape)) if lead else out
+        if not has_noise and mask_rank is None and q.shape[:lead] == k.shape[:lead] == v.shape[:lead]:
+            # every device holds whole heads and keys and its queries start at 0: its blocks are batch rows of
+            # one fused call over the stacked devices (each (row, head) is computed alone: the per-device bits)
+            rows = tuple(q.shape[:lead + 1])
+            q, k, v = (x.reshape((prod(rows),) + tuple(x.shape[lead + 1:])) for x in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=heads[1] > 1)
+            return out.reshape(rows + tuple(out.shape[1:]))
     mask = rank4(extra[0], lead, mask_rank) if mask_rank is not None else None
     noise = extra[-1] if has_noise else None
     k, v = _match_heads(q, k, v, lead, heads, q_head_off)
