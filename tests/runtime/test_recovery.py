@@ -220,6 +220,20 @@ def test_off_and_op_errors_raise_as_without_recovery(graph, reference):
         assert err.value.lost_devices == () and t.snap.events == []
 
 
+def lose_device_at_second_optimizer_step(monkeypatch, device: int) -> list:
+    """Make AdamW's second step kill worker ``device`` at its first op; returns the list of step calls made."""
+    real_step, calls = dtorch.optim.AdamW.step, []
+
+    def step_losing_device(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            dtorch.recovery.inject_fault(device, at_op=1, kind="kill")
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(dtorch.optim.AdamW, "step", step_losing_device)
+    return calls
+
+
 def test_dtorch_train_recover_replace_reports_the_event_and_keeps_the_loss_curve(graph, monkeypatch, capsys):
     from dtorch.models import train_cli
 
@@ -228,15 +242,7 @@ def test_dtorch_train_recover_replace_reports_the_event_and_keeps_the_loss_curve
     args = train_cli.build_parser().parse_args(small)
     with using(graph):
         clean = train_cli.train(args, progress=False).losses
-        real_step, calls = dtorch.optim.AdamW.step, []
-
-        def step_losing_device_2(self, *a, **k):  # the second optimizer step loses worker 2 at its first op
-            calls.append(1)
-            if len(calls) == 2:
-                dtorch.recovery.inject_fault(2, at_op=1, kind="kill")
-            return real_step(self, *a, **k)
-
-        monkeypatch.setattr(dtorch.optim.AdamW, "step", step_losing_device_2)
+        calls = lose_device_at_second_optimizer_step(monkeypatch, 2)
         capsys.readouterr()
         faulty = train_cli.train(args, progress=False).losses
     assert faulty == clean and len(calls) == 3  # the second step ran twice

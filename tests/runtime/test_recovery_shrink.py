@@ -16,7 +16,7 @@ from dtorch.recovery import RecoveryError
 
 from .conftest import process_graph, using
 from .test_process_faults import wait_gone
-from .test_recovery import HEARTBEAT_S, STEPS, Trainer
+from .test_recovery import HEARTBEAT_S, STEPS, Trainer, lose_device_at_second_optimizer_step
 
 DP4 = (("dp", 4),)
 DP3 = (("dp", 3),)
@@ -189,15 +189,7 @@ def test_dtorch_train_recover_shrink_reports_the_new_mesh(graph, monkeypatch, ca
              "--dp", "4", "--tp", "1", "--pp", "1", "--ulysses-cp", "1", "--steps", "2", "--recover", "shrink"]
     args = train_cli.build_parser().parse_args(small)
     assert train_cli.check_args(args) == []
-    real_step, calls = dtorch.optim.AdamW.step, []
-
-    def step_losing_device_2(self, *a, **k):  # the second optimizer step loses worker 2 at its first op
-        calls.append(1)
-        if len(calls) == 2:
-            dtorch.recovery.inject_fault(2, at_op=1, kind="kill")
-        return real_step(self, *a, **k)
-
-    monkeypatch.setattr(dtorch.optim.AdamW, "step", step_losing_device_2)
+    calls = lose_device_at_second_optimizer_step(monkeypatch, 2)
     try:
         with using(graph):
             capsys.readouterr()

@@ -162,11 +162,13 @@ class LlamaRotaryEmbedding(nn.Module):
         # each stage builds its own copy rather than receiving one over "pp"
         if self.inv_freq.device_mesh == mesh:
             return self.inv_freq
-        source, copy = self._per_mesh.get(mesh, (None, None))
-        if source is not self.inv_freq:  # first use, or the buffer was replaced (.to(mesh), a new rope length)
+        source, version, copy = self._per_mesh.get(mesh, (None, None, None))
+        # first use, the buffer replaced (.to(mesh), a new rope length) or written (a recovery puts it back on
+        # new workers, where the old copy's blocks are gone)
+        if source is not self.inv_freq or version != self.inv_freq._version:
             value = self._in_use if self.inv_freq is self._made else self.inv_freq.to_torch()
             copy = Tensor(value, device_mesh=mesh)
-            self._per_mesh[mesh] = (self.inv_freq, copy)
+            self._per_mesh[mesh] = (self.inv_freq, self.inv_freq._version, copy)
         return copy
 
     def forward(self, positions: Tensor, dtype: torch.dtype = torch.float32, seq_len: int | None = None):

@@ -143,6 +143,12 @@ def _log_softmax(x: Tensor, cd: int) -> Tensor:
     return logp if logp.dtype == dtype else logp.to(dtype)
 
 
+def _target_weights(target: Tensor, valid: Tensor, weight: Tensor) -> Tensor:
+    """``weight[t_i]`` per target, 0 where it is ignored (an embedding lookup: vocab-parallel when the weight is
+    sharded)."""
+    return F.embedding(target.masked_fill(~valid, 0), weight.unsqueeze(1)).squeeze(-1) * valid
+
+
 @kernel("loss.sum_exp")
 def _sum_exp_kernel(x, m, *, lead, cd: int):
     return torch.exp(x - m).sum(cd, keepdim=True)  # one pass for the forward; torch derives the backward
@@ -173,7 +179,7 @@ def _nll_of_logits(x: Tensor, target: Tensor, weight, cd: int, ignore_index: int
     if weight is None:
         w_t = valid.to(x.dtype)
     else:
-        w_t = F.embedding(target.masked_fill(~valid, 0), weight.unsqueeze(1)).squeeze(-1) * valid
+        w_t = _target_weights(target, valid, weight)
         nll = nll * w_t
     if reduction == "sum":
         return nll.sum()
@@ -231,7 +237,7 @@ def _rows_nll(x: Tensor, target: Tensor, weight, cd: int, ignore_index: int, red
     valid = target != ignore_index
     if weight is None:
         return loss / valid.to(x.dtype).sum()
-    return loss / (F.embedding(target.masked_fill(~valid, 0), weight.unsqueeze(1)).squeeze(-1) * valid).sum()
+    return loss / _target_weights(target, valid, weight).sum()
 
 
 def _check_ce(x: Tensor, target: Tensor, weight, cd: int, label_smoothing: float) -> bool:
@@ -312,8 +318,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index: i
         w_t = valid.to(x.dtype)
         nll = -picked
     else:
-        safe = target.masked_fill(~valid, 0)
-        w_t = F.embedding(safe, weight.unsqueeze(1)).squeeze(-1) * valid
+        w_t = _target_weights(target, valid, weight)
         nll = -(w_t * picked)
     if reduction == "sum":
         nll = nll.sum()
