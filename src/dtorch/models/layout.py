@@ -1,5 +1,5 @@
-"""The Llama's layout by mesh dim name: the one place models read the names of mesh dims (a leaf: it imports
-no other module of models/).
+"""The Llama's layout by mesh dim name: the one place models read the names of mesh dims, and the check that a
+config fits a mesh (a leaf: it imports no other module of models/).
 
     dp, fsdp      the batch: activations and the KV cache Shard(0)
     tp            heads (attention) and the MLP's hidden dim; the KV cache's kv heads Shard(1)
@@ -12,6 +12,7 @@ Attention itself reads no names: the model passes ``context_parallel(mesh)`` to 
 """
 from __future__ import annotations
 
+from ..errors import DTorchError
 from ..mesh import DeviceMesh
 from ..ops.attention import ContextParallel
 from ..placement import Replicate, Shard
@@ -79,3 +80,42 @@ def mask_placements(mesh: DeviceMesh, slots_split: bool) -> list:
     """An attention mask [B, 1, L, S]: batch over dp; ``slots_split``: S (the cache's slots) over the cp dims."""
     return [Shard(0) if name in BATCH_DIMS else Shard(3) if slots_split and name in CP_DIMS else Replicate()
             for name in _names(mesh)]
+
+
+class LlamaLayoutError(DTorchError, ValueError):
+    """The config and the mesh do not fit together (head counts, layer counts, mesh dim names)."""
+
+
+def check_layout(config, mesh: DeviceMesh) -> None:
+    """Raise one error naming every way ``mesh`` cannot serve ``config``."""
+    if mesh.dim_names is None and mesh.size() > 1:
+        raise LlamaLayoutError(f"the mesh {mesh!r} has unnamed dims; name them with mesh_dim_names from "
+                               f"{list(SUPPORTED_MESH_DIMS[:3]) + ['ulysess_cp', 'ring_cp', 'fsdp']}")
+    mesh.check_all_dim_names_in_set(SUPPORTED_MESH_DIMS)
+    nh, nkv = config.num_attention_heads, _num_kv_heads(config)
+    tp, ulysses, pp = dim_size(mesh, "tp"), dim_size(mesh, "ulysess_cp"), dim_size(mesh, "pp")
+    problems = []
+    if nh % nkv:
+        problems.append(f"num_attention_heads ({nh}) is not a multiple of num_key_value_heads ({nkv})")
+    if nh % tp:
+        problems.append(f"num_attention_heads ({nh}) is not divisible by tp ({tp})")
+    if (nkv % tp if nkv >= tp else tp % nkv):
+        problems.append(f"num_key_value_heads ({nkv}) and tp ({tp}) do not divide one another (kv heads are split "
+                        f"over tp, or, when fewer than tp, each is replicated on the tp / num_key_value_heads devices "
+                        f"whose query heads use it)")
+    if nh % tp == 0 and (nh // tp) % ulysses:
+        problems.append(f"the {nh // tp} query heads per tp shard (num_attention_heads {nh} / tp {tp}) are not "
+                        f"divisible by ulysess_cp ({ulysses})")
+    if config.num_hidden_layers < pp:
+        problems.append(f"num_hidden_layers ({config.num_hidden_layers}) is smaller than pp ({pp}); every stage needs a layer")
+    if problems:
+        raise LlamaLayoutError(f"mesh {mesh} cannot serve this Llama config: " + "; ".join(problems)
+                               + ". Choose tp / ulysess_cp / pp sizes that divide these counts.")
+
+
+def _num_kv_heads(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
