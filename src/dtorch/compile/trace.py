@@ -140,12 +140,13 @@ class Trace:
 
 
 def _fingerprint(opt) -> tuple:
-    """What an optimizer's step depends on besides its lr (a live value): its state count, other options and
-    which parameters it holds."""
+    """What an optimizer's step depends on besides its lr (a live value): its state count, other options,
+    which parameters it holds, and which state dicts (a replay's effects count steps in the dicts of the trace:
+    a restored snapshot puts new ones in their place)."""
     groups = tuple(tuple(sorted((k, v) for k, v in g.items() if k not in ("params", "lr", "initial_lr")
                                 and isinstance(v, (int, float, bool, tuple, type(None)))))
                    + (tuple(map(id, g["params"])),) for g in opt.param_groups)
-    return len(opt.state), groups
+    return len(opt.state), groups, tuple(map(id, opt.state.values()))
 
 
 def _module_fingerprint(m) -> tuple:

@@ -223,7 +223,7 @@ class ProgramControl:
             seq0 = next(self._seq)
             self._seq = itertools.count(seq0 + low.seq_span)
             ops = self._ops
-            ops[seq0] = ("program", low)
+            ops[seq0] = ("program", low.whats, low.seq_span)  # (not ``low``: it must die with its trace)
             if len(ops) > 20000:
                 for k in list(itertools.islice(ops, 10000)):
                     del ops[k]
@@ -243,8 +243,8 @@ class ProgramControl:
     def _program_what(self, seq):
         """What op ``seq`` of a program run was (error messages)."""
         for k, what in itertools.islice(reversed(self._ops.items()), 2000):
-            if k <= seq and type(what) is tuple and what[0] == "program" and seq - k < what[1].seq_span:
-                return what[1].whats.get(seq - k)
+            if k <= seq and type(what) is tuple and what[0] == "program" and seq - k < what[2]:
+                return what[1].get(seq - k)
         return None
 
     def _queue_drops(self) -> None:
