@@ -273,7 +273,7 @@ class ProgramWorker:
 
     @rec.handles(rec.RunProgram)
     def on_run_program(self, r):
-        _, seq0, pgid, base, ins, params = r
+        _, seq, pgid, base, ins, params = r
         got = self.programs.get(pgid)
         if got is None:
             raise RuntimeBackendError(f"program {pgid} is not on this worker (dropped, or sent to another pool)")
@@ -291,7 +291,7 @@ class ProgramWorker:
             for pos, how in fields:
                 v = x[pos]
                 if how == "seq":
-                    y[pos] = v + seq0
+                    y[pos] = v + seq
                 elif how == "id":
                     y[pos] = block(v)
                 elif how == "ids":
