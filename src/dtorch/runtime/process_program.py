@@ -169,7 +169,7 @@ class ProgramControl:
                     made.update(out[4])
                 elif kind in (rec.Step, rec.RingShift):
                     made.add(out[4])
-                elif kind is rec.Alias:
+                elif kind in (rec.Alias, rec.Zeros, rec.Put, rec.FileRead):
                     made.add(out[2])
                 if kind in PLANNED:
                     planned.add(record[2])
