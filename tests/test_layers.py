@@ -50,7 +50,7 @@ PROCESS_BACKEND = ("dtorch.runtime.process", "dtorch.runtime.process_plan", "dto
                    "dtorch.runtime.process_ops", "dtorch.runtime.transport", "dtorch.runtime.protocol",
                    "dtorch.runtime.worker", "dtorch.runtime.worker_loop", "dtorch.runtime.worker_comm",
                    "dtorch.runtime.ray_backend", "dtorch.runtime.ray_worker",
-                   "dtorch.runtime.process_recovery")
+                   "dtorch.runtime.process_recovery", "dtorch.runtime.process_program")
 OTHER_BACKENDS = ("dtorch.runtime.inprocess", "dtorch.runtime.reference") + PROCESS_BACKEND
 
 

@@ -71,10 +71,10 @@ class _Source:
         return f"{f}({args})"
 
 
-def build(entries: list[Entry], inputs: list[Slot], results: list[Slot]):
-    """The replay function ``run(X) -> results``: ``X`` holds the values of ``inputs`` (bound by the caller)."""
-    # host entries that need only the inputs and each other run first (their guards before any device work);
-    # those that read a live value (a KV cache's slot order) stay where they were, after the live entry
+def ordered(entries: list[Entry], inputs: list[Slot], results: list[Slot]) -> list[Entry]:
+    """The entries in replay order: host entries that need only the inputs and each other first (their guards
+    before any device work); those that read a live value (a KV cache's slot order) stay where they were, after
+    the live entry."""
     early = {s.k for s in inputs}
     host, rest = [], []
     for e in entries:
@@ -86,8 +86,14 @@ def build(entries: list[Entry], inputs: list[Slot], results: list[Slot]):
                                "replay could only check after it changed state)")
         else:
             rest.append(e)
-    host = _live_host(host, rest, results)
-    order = host + rest
+    return _live_host(host, rest, results) + rest
+
+
+def build(entries: list[Entry], inputs: list[Slot], results: list[Slot], tap=None):
+    """The replay function ``run(X) -> results``: ``X`` holds the values of ``inputs`` (bound by the caller).
+    ``tap`` (compile/program.py): every placement's handle goes through ``tap.placed`` and every kwargs that
+    carries a live value through ``tap.param``, so the records they reach can be found."""
+    order = ordered(entries, inputs, results)
     last: dict = {}  # slot -> index of the entry that reads it last
     last_lowered: dict = {}  # slot -> index of the last lowered call reading it (its grid local dies there)
     for n, e in enumerate(order):
@@ -138,6 +144,13 @@ def build(entries: list[Entry], inputs: list[Slot], results: list[Slot]):
                             f"raise _Miss({src.const(_describe(e))})")
             elif e.kind == "log":
                 body.append(f"    if _commlog.is_recording(): {src.call(e)}")
+            elif tap is not None and tap.placement(e):
+                body.append(f"    {src.target(e.out)} = {src.const(tap)}.placed({src.call(e)})")
+            elif tap is not None and tap.kwargs_at(e) is not None:
+                n = tap.kwargs_at(e)
+                args = [src.expr(a) for a in e.args]
+                args[n] = f"{src.const(tap)}.param({args[n]})"
+                body.append(f"    {src.target(e.out)} = {src.const(e.target)}.{e.method}({', '.join(args)})")
             else:
                 body.append(f"    {src.target(e.out)} = {src.call(e)}")
         dead = [k for k in _slots((e.args, e.kwargs), []) if last.get(k) == n and k not in keep]

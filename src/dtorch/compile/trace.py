@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ..tensor import Tensor
 from .record import Recorder, Slot
+from .program import on_workers
 from .replay import build
 from .state import Found, at, roots, walk, writes
 
@@ -34,6 +35,7 @@ class Trace:
     def __init__(self):
         self.eager_reason = None
         self.program = None
+        self.on_workers = None  # the replay as worker programs (compile/program.py), where the backend has them
         self.inputs: list[Slot] = []
         self.bindings: list = []  # per input: ("arg" | "torch", path) | ("obj", tensor) | ("grad", owner)
         self.results: list[Slot] = []
@@ -77,6 +79,7 @@ class Trace:
             # built again once the executables have seen their kwargs twice (trace, first replay) and bound their
             # kernels: the bound ones then run as bare calls on grids (replay.build)
             self.program = build(self.entries, self.inputs, self.results)
+            self.on_workers = on_workers(graph.runtime, self.entries, self.inputs, self.results, self.bindings)
             self.entries = None
         self.replays += 1
         both = (args, kwargs)
@@ -85,7 +88,7 @@ class Trace:
             v = _resolve((kind, where), both)
             xs.append(v if kind == "torch" else v._h)
         targets = [_resolve(b, both) for _, b, _ in self.effects]
-        res = self.program(xs)
+        res = self.program(xs) if self.on_workers is None else self.on_workers.run(self.program, xs)
         del xs
         index = self._index
         for (kind, _, detail), t in zip(self.effects, targets):
@@ -137,12 +140,13 @@ class Trace:
 
 
 def _fingerprint(opt) -> tuple:
-    """What an optimizer's step depends on besides its lr (a live value): its state count, other options and
-    which parameters it holds."""
+    """What an optimizer's step depends on besides its lr (a live value): its state count, other options,
+    which parameters it holds, and which state dicts (a replay's effects count steps in the dicts of the trace:
+    a restored snapshot puts new ones in their place)."""
     groups = tuple(tuple(sorted((k, v) for k, v in g.items() if k not in ("params", "lr", "initial_lr")
                                 and isinstance(v, (int, float, bool, tuple, type(None)))))
                    + (tuple(map(id, g["params"])),) for g in opt.param_groups)
-    return len(opt.state), groups
+    return len(opt.state), groups, tuple(map(id, opt.state.values()))
 
 
 def _module_fingerprint(m) -> tuple:

@@ -58,6 +58,7 @@ from .devices import mesh_problems, read_device_config, simulation_device
 from .._lru import LRU
 from .interface import Runtime
 from .process_ops import Handle, Operations
+from .process_program import ProgramControl
 from .process_recovery import Recovery
 from .process_pool import Pool, WorkerError, heartbeat_timeout
 from .transport import StoreTransport, Transport, _TAG_SPAN
@@ -81,7 +82,7 @@ def _env_int(name: str, default):
         raise ValueError(f"{name}={raw!r} must be an integer") from None
 
 
-class ProcessRuntime(Operations, Recovery, Runtime):
+class ProcessRuntime(Operations, Recovery, ProgramControl, Runtime):
     """The controller of one worker per device; ``transport`` reaches the workers (default: the process
     backend's store transport, configured by the arguments and the environment above)."""
 
@@ -114,11 +115,13 @@ class ProcessRuntime(Operations, Recovery, Runtime):
         # bytes_pushed: op records (inline blocks included); bytes_put: larger blocks placed through torch.distributed
         # bytes_shm: blocks moved through shared memory (both ways); bytes_fetched: fetched through torch.distributed
         self.stats = {"ops": 0, "records": 0, "flushes": 0, "bytes_pushed": 0, "bytes_put": 0, "bytes_shm": 0,
-                      "bytes_fetched": 0}
+                      "bytes_fetched": 0, "program_runs": 0}
         transport.stats = self.stats
         self._sink: list = []  # (id, ranks, epoch) of dead handles, appended by Handle.__del__
         self._executables = LRU("process.executables", 4096)  # (kernel, in specs, out specs) -> _Executable
         self._pid_seq = itertools.count(1)  # plan ids are never reused (a worker may still hold a forgotten one)
+        self._tap = None  # while a compiled step is recorded as a program: rank -> the records pushed to it
+        self._dropped_programs: list = []  # (program id, epoch, ranks) of dropped programs (process_program)
         self._reset()
         _LIVE.add(self)
 
@@ -293,6 +296,8 @@ class ProcessRuntime(Operations, Recovery, Runtime):
             del sink[:n]
             for r, ids in frees.items():
                 self._buf[r].append(rec.Free(tuple(ids)))
+        if self._dropped_programs:
+            self._queue_drops()
 
     def flush(self) -> None:
         """Push every buffered record to its worker (one store message per worker)."""
@@ -304,6 +309,8 @@ class ProcessRuntime(Operations, Recovery, Runtime):
             for r, recs in self._buf.items():
                 if not recs:
                     continue
+                if self._tap is not None:
+                    self._tap.setdefault(r, []).extend(recs)
                 try:
                     blob = pickle.dumps(recs, protocol=5)
                 except Exception as exc:  # noqa: BLE001  (the queued work can no longer run in order)
@@ -498,8 +505,8 @@ class ProcessRuntime(Operations, Recovery, Runtime):
         return next(reversed(self._ops), None)
 
     def _describe(self, seq, kind) -> str:
-        what = self._ops.get(seq)
-        if what is None:
+        what = self._ops.get(seq) or self._program_what(seq)
+        if what is None or what[0] == "program":
             return f"record {kind}"
         if what[0] == "kernel":
             _, name, kwargs, in_specs = what

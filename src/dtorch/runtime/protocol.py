@@ -219,6 +219,28 @@ class RingShift(Record):
     tag: int
 
 
+# -- compiled steps (``process_program``) ------------------------------------------------------------------
+class Program(Record):
+    """Keep program ``pgid``: a compiled step's records for this worker, its block ids as slots (``process_program``)."""
+    pgid: int
+    records: tuple
+
+
+class RunProgram(Record):
+    """Run program ``pgid`` with op numbers from ``seq``, the blocks it makes numbered from ``base``, inputs
+    ``ins`` and this worker's parameters ``params`` (live kwargs)."""
+    seq: int
+    pgid: int
+    base: int
+    ins: tuple
+    params: tuple
+
+
+class DropProgram(Record):
+    """The controller dropped program ``pgid`` (its trace was dropped); no later record runs it."""
+    pgid: int
+
+
 NUMBERED = frozenset(t for t in RECORD_TYPES if "seq" in t.fields)  # records that carry an op number
 
 

@@ -26,6 +26,7 @@ from . import protocol as rec
 from .cow import private_copy, writable
 from .interface import read_file_block
 from .kernels import get_kernel
+from .process_program import ProgramWorker
 from .protocol import handler_table, handles
 from .worker_comm import Collectives, _Blocks
 
@@ -70,7 +71,7 @@ class Exiting(Exception):
     """The exit record: the link leaves."""
 
 
-class Worker(Collectives):
+class Worker(Collectives, ProgramWorker):
     HANDLERS: dict = {}  # record type -> handler (filled below, from the @handles marks)
 
     def __init__(self, link: Link, rank: int, device_index: int):
@@ -83,6 +84,7 @@ class Worker(Collectives):
         # their blocks' storage shared, so an in-place write meanwhile copies first (cow.writable)
         self.sends: list = []
         self.defs: dict = {}  # plan id -> what this rank does for it (until a forget record drops it)
+        self.programs: dict = {}  # program id -> (its records, the plans they use): compiled steps (process_program)
         self.groups: dict = {}  # sorted ranks -> process group
         self.calls: Counter = Counter()  # torch.distributed calls by kind (worker_stats(collectives=True))
         self.kernels_run = 0  # kernel records run (a posted collective notes whether kernels ran behind it)
@@ -140,7 +142,7 @@ class Worker(Collectives):
         """What ``worker_stats`` reports, after the posted transfers completed."""
         self.settle()
         stats = {"blocks": len(self.t), "bytes": sum(x.numel() * x.element_size() for x in self.t.values()),
-                 "defs": len(self.defs), **memory_usage()}
+                 "defs": len(self.defs), "programs": len(self.programs), **memory_usage()}
         if collectives:
             stats["collectives"] = dict(self.calls)
         return stats
