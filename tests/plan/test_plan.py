@@ -37,10 +37,10 @@ def test_a_gemm_counts_2mnk_flops_per_device():
     w = DTensorSpec(mesh, (Shard(0),), (256, 128), torch.bfloat16)  # y = x @ w.T, columns over tp
     y = DTensorSpec(mesh, (Shard(1),), (64, 256), torch.bfloat16)
     call = KernelCall("forward", get_kernel("linear"), (x, w), (y,), {"nx": 2})
-    flops, moved, cls = kernel_work(call, Options())
+    flops, moved, cls, _ = kernel_work(call, Options())
     assert flops == 2 * 64 * (256 // 4) * 128 and cls == "linear"
     assert moved == (64 * 128 + 64 * 128 + 64 * 64) * 2
-    back, _, _ = kernel_work(KernelCall("backward", get_kernel("linear"), (x, w), (y,), {"nx": 2}), Options())
+    back, _, _, _ = kernel_work(KernelCall("backward", get_kernel("linear"), (x, w), (y,), {"nx": 2}), Options())
     assert back == 2 * flops  # the input's and the weight's gradients
 
 
