@@ -200,7 +200,7 @@ def kernel_work(call, options: Options) -> tuple[float, float, str, Work]:
     hit = _KERNEL_CACHE.get(key)
     if hit is not None:
         return hit
-    work = Work()
+    work, ran = Work(), True
     for coord in coords:  # the slowest of the first and last device (uneven shards, causal ring steps)
         try:
             if call.kind == "backward":
@@ -213,8 +213,8 @@ def kernel_work(call, options: Options) -> tuple[float, float, str, Work]:
                     n_in = len(call.kwargs.get("vjp", ((),))[0])
                     kw = {k: v for k, v in call.kwargs.items() if k != "vjp"}
                     w = w.add(_forward_work(get_kernel(base), call.in_specs[:n_in], kw, call.device_args, coord), -1.0)
-        except Exception:  # noqa: BLE001  (a kernel meta tensors cannot run: count its bytes only)
-            w = Work()
+        except Exception:  # noqa: BLE001  (a kernel meta tensors cannot run: count its blocks' bytes only)
+            w, ran = Work(), False
         if w.flops >= work.flops:
             work = w
     if base == "sdpa" and call.kwargs.get("causal"):
@@ -226,7 +226,7 @@ def kernel_work(call, options: Options) -> tuple[float, float, str, Work]:
         work = replace(work, eager_bytes=0.0)
     if call.kind == "backward" or name.startswith(VJP_PREFIX):
         moved *= 3 if recompute else 2
-    if call.kind == "write" and not work.eager_bytes:
+    if (call.kind == "write" or not ran) and not work.eager_bytes:
         work = replace(work, eager_bytes=float(moved))
     cls = "ring" if base.startswith(RING_KERNELS) else "attention" if base.startswith(ATTENTION_KERNELS) else \
         "linear" if base in LINEAR_KERNELS else "other"
