@@ -135,6 +135,8 @@ def test_cli_table_and_json(capsys):
     (["--devices", "0"], "--devices 0: must be at least 1"),
     (["--search"], "--search needs --devices N"),
     (["--search", "--devices", "8", "--tp", "2"], "--search chooses the layout itself: drop --tp"),
+    (["--devices", "8", "--pp-virtual-stages", "0"], "--pp-virtual-stages 0: must be at least 1"),
+    (["--devices", "4", "--pp", "4", "--pp-virtual-stages", "2"], "is for --pp-schedule interleaved"),
 ])
 def test_cli_bad_flags_say_what_to_change(argv, message, capsys):
     assert plan_main(argv) == 2
