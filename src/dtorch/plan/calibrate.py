@@ -167,23 +167,42 @@ def measure_step(cfg, layout, *, seq: int, rows: int, micro_batches: int = 1, st
                 controller=statistics.median(r["controller"] for r in runs))
 
 
-def step_counts(cfg, layout, *, seq: int, rows: int) -> dict:
-    """What the cost model sees of that step (one micro-batch of ``rows``), on its busiest device: kernel calls, the
-    FLOPs of its matmuls and attention, the bytes of its other kernels; and the ops the controller issues (kernels
-    and collectives, every stage)."""
+def step_counts(cfg, layout, *, seq: int, rows: int, collectives: dict | None = None) -> dict:
+    """What the cost model sees of that step (one micro-batch of ``rows``), on its busiest device, as the process
+    backend runs it (every backward a recomputing VJP): kernel calls, recomputing VJPs among them, the FLOPs of
+    its matmuls (fused attention kernels apart: "attention_flops") and the bytes of its eager torch ops that do
+    no matmul (fused attention kernels apart); the ops the controller issues (kernels and collectives, every stage);
+    and, given ``collectives`` (kind -> {gbps, latency_us}, as measured), the seconds of its collectives
+    ("comm_s": a worker runs them on the thread that runs its kernels, so they are in its CPU time too)."""
     from ..commlog import CommRecord
-    from .cost import Options, kernel_work
+    from .cost import Options, collective_time, is_recomputing_vjp, kernel_work
+    from .hardware import Link
     from .trace import trace_step
 
     tr = trace_step(cfg, layout, seq=seq, rows=rows, ac="none", param_dtype=torch.float32)
-    out = {"kernels": 0, "flops": 0.0, "bytes": 0.0, "issued": 0}
+    options = Options(native_backward=False)
+    out = {"kernels": 0, "vjps": 0, "flops": 0.0, "attention_flops": 0.0, "bytes": 0.0, "issued": 0, "comm_s": 0.0}
+    links = None
+    if collectives:
+        from types import SimpleNamespace
+
+        any_link = Link(**next(iter(collectives.values())))
+        links = SimpleNamespace(gpus_per_node=1 << 20, intra=any_link, inter=any_link, efficiency={"collective": 1.0},
+                                collectives={k: Link(**v) for k, v in collectives.items()})
     for _, _, stage, item in tr.events:
         out["issued"] += 1
-        if isinstance(item, CommRecord) or stage != 0:
+        if isinstance(item, CommRecord):
+            if links is not None and stage == 0:
+                out["comm_s"] += collective_time(item, tr.layout, links)[0]
             continue
-        flops, moved, _ = kernel_work(item, Options())
+        if stage != 0:
+            continue
+        flops, _, cls, work = kernel_work(item, options)
         out["kernels"] += 1
-        out["flops" if flops else "bytes"] += flops or moved
+        out["vjps"] += is_recomputing_vjp(item, options)
+        out["attention_flops" if cls == "attention" else "flops"] += flops
+        if cls != "attention":
+            out["bytes"] += work.eager_bytes
     return out
 
 
@@ -244,6 +263,31 @@ def measure(devices: int = 2, steps: int = 5) -> dict:
             t = _best(clock, chain(x, lambda y: y @ w, k), key="cpu")
             out[str(dtype).split(".")[1]] = 2 * n ** 3 * k / max(t, 1e-9) / 1e12
 
+        # fused attention (torch's SDPA, causal, a Llama's head size) at its own rate: FLOPs as the cost model
+        # counts them (two matmuls of the scores, half of them masked)
+        from ..nn import functional as F
+
+        b, h, sq, d, k = 2, 8, 256, 32, 10
+        q = dtorch.Tensor(torch.randn(devices * b, h, sq, d), device_mesh=mesh, placements=[Shard(0)])
+        t = _best(clock, chain(q, lambda y: F.scaled_dot_product_attention(y, q, q, is_causal=True), k), key="cpu")
+        out["attention"] = 0.5 * 4 * b * h * sq * sq * d * k / max(t, 1e-9) / 1e12
+        # what a recomputing VJP costs beyond its forward's work: the backward of a chain of reshapes (each a
+        # VJP kernel that builds the forward's graph again and calls autograd on it; the forward reshapes are
+        # views the workers do not run), at two lengths, so the backward's fixed work (the sum, the gradient's
+        # accumulation) cancels
+        per_vjp = []
+        for n in (8, 32):
+            leaf = sharded(torch.randn(devices * 4, 6)).requires_grad_()
+
+            def backward(n=n, leaf=leaf):
+                y = leaf
+                for i in range(n):
+                    y = y.reshape(-1, 6 if i % 2 else 4)
+                y.sum().backward()
+                g.sync()
+            per_vjp.append(_best(clock, backward, key="cpu"))
+        out["vjp_us"] = max(0.0, (per_vjp[1] - per_vjp[0]) / 24 * 1e6)  # per VJP kernel, its own cost included
+
         # each kind of collective inside a stream: k of them, one wait at the end
         def make(kind, numel):
             if kind == "all_reduce":
@@ -274,24 +318,30 @@ def measure(devices: int = 2, steps: int = 5) -> dict:
                 "latency_us": times[0] / steps_ * 1e6,
                 # (noise that makes the large one no slower: its bytes over its whole time, a lower bound)
                 "gbps": (moved[1] - moved[0]) / extra / 1e9 if extra > 0.2 * times[1] else moved[1] / times[1] / 1e9}
-        # the op mix: a real step's kernels at three sizes; CPU seconds less its matmuls at the GEMM rate =
-        # kernels x cost + bytes / rate
+        # the op mix: a real step's kernels at three sizes; CPU seconds less its matmuls at the GEMM rate, its
+        # attention at the attention rate, its collectives (the gradients' all-reduce) and its VJPs' fixed cost = other kernels x cost + bytes / rate (a VJP's
+        # fixed cost is the kernel's plus vjp_overhead_us)
         lay = Layout(dp=devices)
         rows, y, controller = [], [], []
         for size in OP_MIX:
             sizes = {k: v for k, v in size.items() if k not in ("seq", "rows")}
             cfg = llama_config(seq=size["seq"], **sizes)
             got = measure_step(cfg, lay, seq=size["seq"], rows=size["rows"], steps=steps, graph=g)
-            counts = step_counts(cfg, lay, seq=size["seq"], rows=size["rows"])
-            rows.append((counts["kernels"], counts["bytes"]))
-            y.append(got["cpu"] - counts["flops"] / (out["float32"] * 1e12))
+            counts = step_counts(cfg, lay, seq=size["seq"], rows=size["rows"], collectives=out["collectives"])
+            rows.append((counts["kernels"] - counts["vjps"], counts["bytes"]))
+            y.append(got["cpu"] - counts["flops"] / (out["float32"] * 1e12)
+                     - counts["attention_flops"] / (out["attention"] * 1e12) - counts["vjps"] * out["vjp_us"] * 1e-6
+                     - counts["comm_s"])
             controller.append(got["controller"] / counts["issued"])
         g.runtime.shutdown()
-    per_kernel, per_byte = fit_nonnegative(rows, y)
-    out["op_us"] = per_kernel * 1e6
+    # each size's equation relative to its time, so that the largest step does not decide both rates alone
+    per_kernel, per_byte = fit_nonnegative([(k / t, b / t) for (k, b), t in zip(rows, y)], [1.0] * len(y))
+    out["kernel_us"] = per_kernel * 1e6
+    out["vjp_overhead_us"] = max(0.0, out["vjp_us"] - out["kernel_us"])
     out["elementwise_gbps"] = 1 / per_byte / 1e9 if per_byte else float("inf")
     out["controller_op_us"] = max(controller) * 1e6  # the per-kernel-bound size's (a larger step's waits add none)
-    out["op_mix"] = [{"kernels": k, "bytes": b, "cpu_less_matmuls_s": t} for (k, b), t in zip(rows, y)]
+    out["op_mix"] = [{"kernels_less_vjps": k, "bytes": b, "cpu_less_matmuls_attention_vjps_s": t}
+                     for (k, b), t in zip(rows, y)]
     return out
 
 
@@ -316,8 +366,13 @@ def calibrate(out: str, threads: int | None = None, devices: int = 2) -> dict:
                "peak_tflops": {"float32": fp32, "bfloat16": bf16, "float16": bf16, "tf32": fp32},
                "hbm_gbps": got["elementwise_gbps"], "gpus_per_node": 1 << 20, "links": {"intra": link, "inter": link},
                "collectives": got["collectives"],
-               "efficiency": {"matmul": 1.0, "attention": 1.0, "memory": 1.0, "collective": 1.0,
-                              "kernel_overhead_us": got["op_us"], "overlap": 0.0,
+               # torch's fused attention on the CPU runs at its own rate, a fraction of the GEMM rate's; every
+               # backward recomputes its forward (the workers keep no local graphs); every kernel runs its torch
+               # ops eagerly (ring attention's block steps too)
+               "efficiency": {"matmul": 1.0, "attention": got["attention"] / fp32, "memory": 1.0, "collective": 1.0,
+                              "kernel_overhead_us": got["kernel_us"],
+                              "vjp_recompute": 1, "vjp_overhead_us": got["vjp_overhead_us"],
+                              "eager_kernels": 1, "overlap": 0.0,
                               "controller_op_us": got["controller_op_us"]},
                "memory_overhead_gib": 0.0, "threads_per_worker": threads,
                "sources": [f"measured by dtorch plan --calibrate on {devices} process-backend workers "
@@ -330,7 +385,8 @@ def calibrate(out: str, threads: int | None = None, devices: int = 2) -> dict:
     with open(out, "w") as f:
         json.dump(profile, f, indent=1)
     print(f"wrote {out}: GEMM {fp32 * 1e3:.0f} GFLOPS float32, {bf16 * 1e3:.0f} bfloat16 per worker; elementwise "
-          f"{profile['hbm_gbps']:.1f} GB/s; {got['op_us']:.0f} us per kernel; controller {got['controller_op_us']:.0f} us "
+          f"{profile['hbm_gbps']:.1f} GB/s; attention {got['attention'] * 1e3:.0f} GFLOPS; {got['kernel_us']:.0f} us per kernel, "
+          f"{got['vjp_overhead_us']:.0f} more per recomputing VJP; controller {got['controller_op_us']:.0f} us "
           "per op; " + ", ".join(f"{k} {v['latency_us']:.0f} us + {v['gbps']:.2f} GB/s"
                                  for k, v in got["collectives"].items()))
     return profile

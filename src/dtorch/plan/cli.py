@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bf16: FSDP2's policy (bf16 compute, float32 master weights, reductions and AdamW states)")
     t.add_argument("--float8", action="store_true", help="linear layers' matmuls in float8 (torchtitan's Float8Linear)")
     t.add_argument("--pp-schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
+    t.add_argument("--pp-virtual-stages", type=int, default=None, help="interleaved schedule: model chunks per "
+                   "device (default 2; at most the layers per stage); the bubble is 1/v of 1F1B's")
     t.add_argument("--exact", action="store_true", help="trace every layer (default: 1 and 2 per stage, extrapolated)")
     o = p.add_argument_group("output")
     o.add_argument("--search", action="store_true", help="cost every valid layout of --devices; print the best")
@@ -121,7 +123,7 @@ def plot(results, path: str) -> None:
 def check_args(args) -> None:
     """Flags that describe no plan: a PlanError saying what to change."""
     for flag in ("devices", "top", "workers", "seq", "global_batch", "micro_batches", "dp", "tp", "pp", "ulysses_cp",
-                 "ring_cp", "fsdp"):
+                 "ring_cp", "fsdp", "pp_virtual_stages"):
         v = getattr(args, flag)
         if v is not None and v < 1:
             raise PlanError(f"--{flag.replace('_', '-')} {v}: must be at least 1")
@@ -153,7 +155,8 @@ def main(argv=None) -> int:
         return 0
     kw = dict(seq=args.seq, global_batch=args.global_batch, micro_batches=args.micro_batches,
               activation_checkpointing=args.activation_checkpointing, mixed_precision=args.mixed_precision,
-              float8=args.float8, pp_schedule=args.pp_schedule, exact=args.exact)
+              float8=args.float8, pp_schedule=args.pp_schedule, pp_virtual_stages=args.pp_virtual_stages,
+              exact=args.exact)
     t0 = time.perf_counter()
     try:
         check_args(args)

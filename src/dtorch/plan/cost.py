@@ -16,10 +16,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..commlog import CommRecord
@@ -27,7 +29,8 @@ from ..runtime.kernels import VJP_PREFIX, get_kernel
 
 # collectives that can run beside the compute (their kernels on another stream): keyed by mesh dim name
 OVERLAPPED_DIMS = ("fsdp", "dp", "ring_cp")
-ATTENTION_KERNELS = ("sdpa", "sdpa_ring_step", "sdpa_ring_step_backward", "kv_cache")
+ATTENTION_KERNELS = ("sdpa", "kv_cache")  # fused attention kernels (torch's SDPA: flash on the GPU and the CPU)
+RING_KERNELS = ("sdpa_ring_step",)  # ring attention's block steps (and their backward): dtorch's own torch ops
 LINEAR_KERNELS = ("linear", "matmul")
 # torch views: a new shape and strides over the same storage, no bytes moved (reshape may copy: it stays counted)
 VIEW_KERNELS = ("view.permute", "view.index", "view.split", "view.expand")
@@ -66,7 +69,14 @@ class Costs:
 @dataclass
 class Options:
     float8: bool = False  # linear layers' matmuls in float8 (torchtitan's Float8Linear): twice the rate
-    native_backward: bool = True  # cost a recomputing VJP as torch's backward alone (the GPU runs' eager autograd)
+    # True: cost a backward as torch's backward alone (GPU runs' eager autograd keeps each forward's graph); False:
+    # the backend keeps no local graphs (the process backend's workers) and recomputes the forward in every VJP
+    native_backward: bool = True
+
+    @classmethod
+    def of(cls, hw, float8: bool = False) -> "Options":
+        """The options a profile implies (``vjp_recompute``: the backend recomputes each forward in its VJP)."""
+        return cls(float8=float8, native_backward=not hw.efficiency["vjp_recompute"])
 
 
 # -- kernels -------------------------------------------------------------------------------------------------
@@ -112,35 +122,72 @@ def _kwargs(kernel, kwargs, device_args, coord) -> dict:
     return kw
 
 
-def _flops(fn) -> float:
-    with FlopCounterMode(display=False) as counter:
+class _EagerTally(TorchDispatchMode):
+    """The bytes read and written by the eager torch ops a kernel runs that do no matmul (their time is their memory
+    traffic; views: new strides over the same storage, none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and func.overloadpacket not in _MATMUL_OPS:
+            self.bytes += sum(t.numel() * t.element_size() for t in tree_flatten((args, kwargs, out))[0]
+                                  if isinstance(t, torch.Tensor))
+        return out
+
+
+_MATMUL_OPS = frozenset(FlopCounterMode(display=False).flop_registry)
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one kernel call does on one device, before a profile's rates: its FLOPs, and the bytes its eager torch
+    ops that do no matmul read and write (``Work.add``: a recomputing VJP adds its forward's)."""
+    flops: float = 0.0
+    eager_bytes: float = 0.0
+
+    def add(self, other: "Work", sign: float = 1.0) -> "Work":
+        return Work(max(0.0, self.flops + sign * other.flops), max(0.0, self.eager_bytes + sign * other.eager_bytes))
+
+
+def _count(fn) -> Work:
+    with FlopCounterMode(display=False) as counter, _EagerTally() as tally:
         fn()
-    return float(counter.get_total_flops())
+    return Work(float(counter.get_total_flops()), float(tally.bytes))
 
 
-def _forward_flops(kernel, in_specs, kwargs, device_args, coord) -> float:
+def _forward_work(kernel, in_specs, kwargs, device_args, coord) -> Work:
     xs = _local(in_specs, coord)
     kw = _kwargs(kernel, kwargs, device_args, coord)
-    return _flops(lambda: kernel.fn(*xs, **kw))
+    return _count(lambda: kernel.fn(*xs, **kw))
 
 
-def _backward_flops(kernel, in_specs, kwargs, device_args, coord) -> float:
+def _backward_work(kernel, in_specs, kwargs, device_args, coord, recompute: bool = False) -> Work:
+    """A kept graph's backward (``recompute``: as a backend without kept graphs runs it, the forward again first)."""
     xs = _local(in_specs, coord, grad=True)
     kw = _kwargs(kernel, kwargs, device_args, coord)
     with torch.enable_grad():
         out = kernel.fn(*xs, **kw)
+        fwd = _forward_work(kernel, in_specs, kwargs, device_args, coord) if recompute else Work()
     outs = [y for y in (out if isinstance(out, tuple) else (out,)) if y.requires_grad]
     leaves = [x for x in xs if x.requires_grad]
     if not outs or not leaves:
-        return 0.0
-    return _flops(lambda: torch.autograd.grad(outs, leaves, [torch.ones_like(y) for y in outs], allow_unused=True))
+        return fwd
+    return fwd.add(_count(lambda: torch.autograd.grad(outs, leaves, [torch.ones_like(y) for y in outs],
+                                                      allow_unused=True)))
 
 
-def kernel_work(call, options: Options) -> tuple[float, float, str]:
-    """(FLOPs, bytes moved, class) on the busiest device for one ``KernelCall``; class: "linear", "attention",
-    "other" (which efficiency applies)."""
+def kernel_work(call, options: Options) -> tuple[float, float, str, Work]:
+    """(FLOPs, bytes moved, class, eager work) on the busiest device for one ``KernelCall``. Class: "linear",
+    "attention" (a fused attention kernel: FLOPs at the attention rate, its inputs' and outputs' bytes), "ring" (a
+    ring-attention block step: fused on GPUs as torchtitan runs it, else its torch ops) or "other". Bytes moved:
+    the blocks the kernel reads and writes (twice that for a backward, three times with the forward recomputed);
+    the eager work: FLOPs and the bytes of the torch ops that do no matmul, as the kernel runs them eagerly."""
     name = call.kernel.name
     base = name[len(VJP_PREFIX):] if name.startswith(VJP_PREFIX) else name
+    recompute = not options.native_backward
     mesh = (call.in_specs or call.out_specs)[0].mesh
     coords = [(0,) * mesh.ndim]
     if call.device_args or not all(sp.is_even() for sp in call.in_specs + call.out_specs):
@@ -153,34 +200,37 @@ def kernel_work(call, options: Options) -> tuple[float, float, str]:
     hit = _KERNEL_CACHE.get(key)
     if hit is not None:
         return hit
-    flops = 0.0
+    work, ran = Work(), True
     for coord in coords:  # the slowest of the first and last device (uneven shards, causal ring steps)
         try:
             if call.kind == "backward":
-                f = _backward_flops(call.kernel, call.in_specs, call.kwargs, call.device_args, coord)
+                w = _backward_work(call.kernel, call.in_specs, call.kwargs, call.device_args, coord, recompute)
             elif call.kind == "write":
-                f = 0.0
+                w = Work()
             else:
-                f = _forward_flops(call.kernel, call.in_specs, call.kwargs, call.device_args, coord)
+                w = _forward_work(call.kernel, call.in_specs, call.kwargs, call.device_args, coord)
                 if name.startswith(VJP_PREFIX) and options.native_backward:
                     n_in = len(call.kwargs.get("vjp", ((),))[0])
-                    fwd = get_kernel(base)
                     kw = {k: v for k, v in call.kwargs.items() if k != "vjp"}
-                    f = max(0.0, f - _forward_flops(fwd, call.in_specs[:n_in], kw, call.device_args, coord))
-        except Exception:  # noqa: BLE001  (a kernel meta tensors cannot run: count its bytes only)
-            f = 0.0
-        flops = max(flops, f)
+                    w = w.add(_forward_work(get_kernel(base), call.in_specs[:n_in], kw, call.device_args, coord), -1.0)
+        except Exception:  # noqa: BLE001  (a kernel meta tensors cannot run: count its blocks' bytes only)
+            w, ran = Work(), False
+        if w.flops >= work.flops:
+            work = w
     if base == "sdpa" and call.kwargs.get("causal"):
-        flops *= 0.5  # a causal flash kernel skips the masked half
+        work = replace(work, flops=0.5 * work.flops)  # a causal flash kernel skips the masked half
     coord = coords[0]
     moved = sum(_prod(s.local_shape(coord)) * s.dtype.itemsize for s in call.in_specs + call.out_specs)
     if call.kind == "forward" and name in VIEW_KERNELS:
         moved = 0
+        work = replace(work, eager_bytes=0.0)
     if call.kind == "backward" or name.startswith(VJP_PREFIX):
-        moved *= 2
-    cls = "attention" if any(base.startswith(a) for a in ATTENTION_KERNELS) else \
+        moved *= 3 if recompute else 2
+    if (call.kind == "write" or not ran) and not work.eager_bytes:
+        work = replace(work, eager_bytes=float(moved))
+    cls = "ring" if base.startswith(RING_KERNELS) else "attention" if base.startswith(ATTENTION_KERNELS) else \
         "linear" if base in LINEAR_KERNELS else "other"
-    out = _KERNEL_CACHE[key] = (flops, float(moved), cls)
+    out = _KERNEL_CACHE[key] = (work.flops, float(moved), cls, work)
     return out
 
 
@@ -192,16 +242,37 @@ def _prod(shape) -> int:
 
 
 def kernel_time(call, hw, options: Options) -> tuple[float, float]:
-    """(seconds, FLOPs) of one kernel call on ``hw``."""
-    flops, moved, cls = kernel_work(call, options)
+    """(seconds, FLOPs) of one kernel call on ``hw``. Where the profile's kernels are fused (``eager_kernels`` 0,
+    the GPU profiles: the published runs' stacks fuse norms and element-wise ops, and run each ring-attention
+    block as one flash-attention kernel, as torchtitan's context parallelism does), a kernel is a roofline on the
+    blocks it reads and writes: ``max(FLOPs / rate, bytes / memory rate)``, at the attention rate for attention.
+    Where they run eagerly (``eager_kernels`` 1: the process backend's workers), a kernel runs its torch ops one
+    after the other: its FLOPs at the matmul rate plus the bytes of its other ops at the memory rate (a fused
+    attention kernel stays a roofline). Then the cost per kernel (``kernel_overhead_us``) and per recomputing VJP
+    (``vjp_overhead_us``: the forward's graph built again and autograd run on it)."""
+    flops, moved, cls, work = kernel_work(call, options)
+    eff = hw.efficiency
     dtype = _matmul_dtype(call)
     peak = hw.peak(dtype)
     if cls == "linear" and options.float8 and dtype == "bfloat16":
         peak = hw.peak("float8")
-    eff = hw.efficiency["attention"] if cls == "attention" else hw.efficiency["matmul"]
-    t_compute = flops / (peak * eff) if flops else 0.0
-    t_memory = moved / (hw.hbm_gbps * 1e9 * hw.efficiency["memory"])
-    return max(t_compute, t_memory) + hw.efficiency["kernel_overhead_us"] * 1e-6, flops
+    bandwidth = hw.hbm_gbps * 1e9 * eff["memory"]
+    if cls == "attention" or (cls == "ring" and not eff["eager_kernels"]):
+        t = max(flops / (peak * eff["attention"]) if flops else 0.0, moved / bandwidth)
+    elif eff["eager_kernels"]:
+        t = (flops / (peak * eff["matmul"]) if flops else 0.0) + work.eager_bytes / bandwidth
+    else:
+        t = max(flops / (peak * eff["matmul"]) if flops else 0.0, moved / bandwidth)
+    t += eff["kernel_overhead_us"] * 1e-6
+    if is_recomputing_vjp(call, options):
+        t += eff["vjp_overhead_us"] * 1e-6
+    return t, flops
+
+
+def is_recomputing_vjp(call, options: Options) -> bool:
+    """Does this call run a forward again and autograd on it (a ``vjp:`` kernel, or any backward on a backend
+    that keeps no local graphs)?"""
+    return call.kernel.name.startswith(VJP_PREFIX) or (call.kind == "backward" and not options.native_backward)
 
 
 def _matmul_dtype(call) -> str:
@@ -280,6 +351,15 @@ def collective_time(rec: CommRecord, layout, hw) -> tuple[float, float]:
     return t, moved
 
 
+def accumulation_time(grad_bytes, hw) -> float:
+    """Seconds to add one more micro-batch's gradients into the accumulated ones (``grad_bytes``: each gradient's
+    bytes on a device): one in-place add per gradient, reading both and writing one (dtorch's ``_accumulate``, as
+    torch's AccumulateGrad). Costed where kernels run eagerly (``eager_kernels``); a fused stack accumulates in the
+    weight-gradient GEMM itself (Megatron-LM's gradient_accumulation_fusion), at no extra pass."""
+    bandwidth = hw.hbm_gbps * 1e9 * hw.efficiency["memory"]
+    return sum(hw.efficiency["kernel_overhead_us"] * 1e-6 + 3 * b / bandwidth for b in grad_bytes)
+
+
 # -- a traced step -------------------------------------------------------------------------------------------
 
 
@@ -317,8 +397,8 @@ def stage_costs(trace, hw, options: Options) -> list[dict]:
                 mm_count[layer] = 0
                 s0 = item.in_specs[0]
                 out[stage]["sac_keep"] += _prod(s0.local_shape((0,) * s0.mesh.ndim)) * s0.dtype.itemsize
-            _, _, cls = kernel_work(item, options)
-            keep = cls == "attention"
+            cls = kernel_work(item, options)[2]
+            keep = cls in ("attention", "ring")
             if cls == "linear":
                 k = mm_count[layer] = mm_count.get(layer, 0) + 1
                 keep = k % 2 == 1

@@ -11,7 +11,7 @@ import torch
 from ..models.llama import LlamaLayoutError, check_layout
 from ..mesh import assign_layers_to_stages
 from . import hardware as hw_mod
-from .cost import Costs, Options, stage_costs
+from .cost import Costs, Options, accumulation_time, stage_costs
 from .trace import Layout, trace_step
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -126,13 +126,14 @@ def estimate(config="llama3-8b", devices: int | None = None, hardware="h100-sxm-
              fsdp: int | None = None, tp: int = 1, pp: int = 1, ulysses_cp: int = 1, ring_cp: int = 1, seq: int = 8192,
              global_batch: int | None = None, micro_batches: int | None = None,
              activation_checkpointing: str = "selective", mixed_precision: str = "bf16", float8: bool = False,
-             pp_schedule: str = "1f1b", exact: bool = False) -> Estimate:
+             pp_schedule: str = "1f1b", pp_virtual_stages: int | None = None, exact: bool = False) -> Estimate:
     """Predict one training step of a Llama (``config``: llama3-8b/70b/405b or a config.json) on ``devices`` GPUs of
     ``hardware`` (a shipped profile name or a profile file) in the layout ``dp x fsdp x tp x pp x ulysses_cp x
     ring_cp`` (fsdp takes the devices the others leave). ``global_batch`` sequences of ``seq`` tokens per step, in
     ``micro_batches`` (default: the pipeline stage count); ``activation_checkpointing`` none/full/selective
     (torchtitan's per-op policy); ``mixed_precision`` "bf16" (FSDP2's: bf16 compute, float32 master weights,
     gradient reductions and AdamW states) or "fp32"; ``float8``: linear layers' matmuls in float8.
+    ``pp_virtual_stages``: the interleaved schedule's model chunks per device (default 2).
     ``exact``: trace every layer of every stage (default: trace 1 and 2 layers per stage, and at most 3 stages,
     and extrapolate: exact for identical layers and identical middle stages, ``tests/plan``)."""
     cfg = load_config(config)
@@ -142,6 +143,9 @@ def estimate(config="llama3-8b", devices: int | None = None, hardware="h100-sxm-
         raise PlanError(f"--activation-checkpointing {activation_checkpointing!r}: choose one of {', '.join(AC_MODES)}")
     if pp_schedule not in SCHEDULES:
         raise PlanError(f"--pp-schedule {pp_schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    if pp_virtual_stages is not None and pp_schedule != "interleaved":
+        raise PlanError(f"--pp-virtual-stages {pp_virtual_stages} is for --pp-schedule interleaved (got {pp_schedule})")
+    virtual = pp_virtual_stages or 2
     if mixed_precision not in ("bf16", "fp32"):
         raise PlanError(f"--mixed-precision {mixed_precision!r}: choose bf16 or fp32")
     m = micro_batches or max(1, lay.pp)
@@ -164,10 +168,13 @@ def estimate(config="llama3-8b", devices: int | None = None, hardware="h100-sxm-
         raise PlanError("; ".join(problems))
     rows = global_batch // m
     param_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
-    options = Options(float8=float8)
+    options = Options.of(hw, float8)
     ac_traced = "full" if activation_checkpointing == "full" else "none"
     L = cfg.num_hidden_layers
     stage_counts = [assign_layers_to_stages(L, lay.pp).count(s) for s in range(lay.pp)]
+    if pp_schedule == "interleaved" and not 1 <= virtual <= min(stage_counts):
+        raise PlanError(f"--pp-virtual-stages {virtual}: each of the {lay.pp} stages splits into at most "
+                        f"{min(stage_counts)} chunks (its layers); choose 1 to {min(stage_counts)}")
     if exact:
         tr = trace_step(cfg, lay, seq=seq, rows=rows, ac=ac_traced, param_dtype=param_dtype)
         per_stage = _stage_summaries(tr, hw, options)
@@ -175,7 +182,7 @@ def estimate(config="llama3-8b", devices: int | None = None, hardware="h100-sxm-
         per_stage = _extrapolated_stages(cfg, lay, hw, options, stage_counts, seq=seq, rows=rows, ac=ac_traced,
                                          param_dtype=param_dtype)
     return _compose(cfg, lay, hw, per_stage, seq=seq, global_batch=global_batch, m=m, ac=activation_checkpointing,
-                    float8=float8, schedule=pp_schedule)
+                    float8=float8, schedule=pp_schedule, virtual=virtual)
 
 
 def _extrapolated_stages(cfg, lay: Layout, hw, options, stage_counts, **trace_kw) -> list[dict]:
@@ -204,6 +211,7 @@ def _stage_summaries(tr, hw, options) -> list[dict]:
     for s, (costs, mem) in enumerate(zip(stage_costs(tr, hw, options), tr.memory)):
         d = {"fwd": costs["forward"], "bwd": costs["backward"], "step": costs["step"],
              "sac_recompute": costs["sac_recompute"], "sac_keep": costs["sac_keep"],
+             "accumulate": accumulation_time(tr.grad_bytes[s], hw) if hw.efficiency["eager_kernels"] else 0.0,
              "peak": float(mem.peak), "held": float(mem.held), "layer_held": float(sum(mem.layer_held))}
         for kind in ("params", "grads", "optimizer", "gathered", "activations"):
             d["at_peak_" + kind] = float(mem.at_peak.get(kind, 0))
@@ -234,7 +242,7 @@ def _split_dp(c: Costs) -> tuple[Costs, float]:
     return rest, dp
 
 
-def _compose(cfg, lay, hw, stages, *, seq, global_batch, m, ac, float8, schedule) -> Estimate:
+def _compose(cfg, lay, hw, stages, *, seq, global_batch, m, ac, float8, schedule, virtual=2) -> Estimate:
     p = lay.pp
     notes = []
     overlap = hw.efficiency["overlap"]
@@ -244,6 +252,7 @@ def _compose(cfg, lay, hw, stages, *, seq, global_batch, m, ac, float8, schedule
         t = st["fwd"].time(overlap) + bwd.time(overlap)
         if ac == "selective":
             t += st["sac_recompute"]
+        t += (m - 1) / m * st["accumulate"]  # every micro-batch's gradients after the first are added to the sum
         fb.append(t)
         dp_times.append((dp_t, bwd.time()))
     if p == 1:
@@ -252,15 +261,16 @@ def _compose(cfg, lay, hw, stages, *, seq, global_batch, m, ac, float8, schedule
     else:
         slowest = max(fb)
         ideal = m * slowest
-        if schedule == "interleaved":  # Megatron's interleaved 1F1B, 2 virtual stages per device
-            fill = sum(fb) / 2
+        if schedule == "interleaved":  # Megatron's interleaved 1F1B: v chunks per device, a 1/v bubble
+            fill = (sum(fb) - slowest) / virtual
         else:
             fill = sum(fb) - slowest
         pipe = ideal + fill
         bubble = pipe - m * sum(fb) / p
     step_tail = max(st["step"].time(overlap) + max(0.0, dp_t - overlap * b) for st, (dp_t, b) in zip(stages, dp_times))
     step_time = pipe + step_tail
-    compute = m * max(st["fwd"].compute + st["bwd"].compute for st in stages) + max(st["step"].compute for st in stages)
+    compute = max(m * (st["fwd"].compute + st["bwd"].compute) + (m - 1) * st["accumulate"] for st in stages) + \
+        max(st["step"].compute for st in stages)
     exposed = step_time - compute - max(0.0, bubble)
     # the single controller issues every stage's kernels and collectives one at a time, each micro-batch's
     # forward and backward and then the optimizer's: that many times its cost per op is a floor on the step
@@ -304,7 +314,7 @@ def _compose(cfg, lay, hw, stages, *, seq, global_batch, m, ac, float8, schedule
     tps = tokens / step_time / lay.devices
     mfu = tps * model_flops_per_token(cfg, seq) / hw.peak("bfloat16")
     if p > 1:
-        notes.append(f"pipeline: {schedule}, {m} micro-batches, bubble {bubble / step_time:.0%} of the step")
+        notes.append(f"pipeline: {schedule}{f' ({virtual} virtual stages)' if schedule == 'interleaved' else ''}, {m} micro-batches, bubble {bubble / step_time:.0%} of the step")
     return Estimate(layout=lay, hardware=hw.name, devices=lay.devices, seq=seq, global_batch=global_batch,
                     micro_batches=m, activation_checkpointing=ac, float8=float8, memory=memory, fits=fits,
                     comm_bytes=comm_bytes, comm_time=comm_time, step_time=step_time, compute_time=compute,

@@ -37,7 +37,11 @@ class Hardware:
     # matmul, attention, memory, collective (fractions of peak), kernel_overhead_us (per kernel, on the device),
     # overlap (the fraction of compute that fsdp/dp/ring collectives can hide behind: 1 where they run on their
     # own streams), controller_op_us (the single controller's cost to issue one kernel or collective: a floor
-    # on the step of count x cost; 0: not modelled)
+    # on the step of count x cost; 0: not modelled), vjp_recompute (1: the backend keeps no local autograd graphs and recomputes
+    # each forward in its backward, as the process backend's workers do), vjp_overhead_us (per such recomputing
+    # VJP: its graph built again and autograd's call), eager_kernels (0: kernels fused, a roofline on their blocks,
+    # ring attention blocks as flash attention, as the published GPU runs; 1: each kernel's torch ops one by one,
+    # as the process backend's workers run them)
     efficiency: dict
     memory_overhead_gib: float  # CUDA context, NCCL and cuBLAS buffers, allocator slack: beyond the tensors
     sources: tuple = field(default_factory=tuple)
@@ -71,6 +75,8 @@ def from_dict(raw: dict, key: str = "") -> Hardware:
                         intra=Link(**links["intra"]), inter=Link(**links["inter"]),
                         efficiency={"matmul": 0.7, "attention": 0.4, "memory": 0.75, "collective": 0.8,
                                     "kernel_overhead_us": 4.0, "overlap": 1.0, "controller_op_us": 0.0,
+                                    "vjp_overhead_us": 0.0, "vjp_recompute": 0,
+                                    "eager_kernels": 0,
                                     **raw.get("efficiency", {})},
                         memory_overhead_gib=float(raw.get("memory_overhead_gib", 2.5)),
                         sources=tuple(raw.get("sources", ())), key=key,

@@ -75,6 +75,7 @@ class StepTrace:
     memory: list  # StageMemory per stage
     stage_layers: list  # decoder layer indices on each stage
     ac: str
+    grad_bytes: list = field(default_factory=list)  # per stage: bytes of each parameter's gradient on its first device
 
 
 class _Tee(list):
@@ -181,7 +182,19 @@ def _trace_step(config, layout, *, seq, rows, ac, param_dtype, clip) -> StepTrac
                                       kind_peak={k: v["peak"] for k, v in kinds.items()}, held=after[s] - before[s],
                                       layer_held=per_layer))
         graph.track_memory(False)
-    return StepTrace(layout, cfg, rows, seq, events, memory, stage_layers, ac)
+        grad_bytes = [[] for _ in stage_meshes]
+        for p in params:
+            spec = p._spec
+            first = spec.mesh.device_ids[0]
+            grad_bytes[stage_of[first]].append(_prod(spec.local_shape((0,) * spec.mesh.ndim)) * spec.dtype.itemsize)
+    return StepTrace(layout, cfg, rows, seq, events, memory, stage_layers, ac, grad_bytes)
+
+
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def _live(graph: Graph, mesh) -> int:
