@@ -287,6 +287,68 @@ def test_data_and_detach_share_storage_without_history():
     torch.testing.assert_close(p.grad.to_torch(), tp.grad)
 
 
+VIEWS_OF_A_LEAF = {
+    "reshape": lambda t: t.reshape(2, 10), "view": lambda t: t.view(-1), "t": lambda t: t.t(),
+    "slice": lambda t: t[1:, 2:], "unsqueeze": lambda t: t.unsqueeze(0), "chain": lambda t: t.t()[1:].reshape(-1),
+    "split": lambda t: t.split(3, dim=0)[1], "select": lambda t: t[2],
+}
+
+
+@pytest.mark.parametrize("mesh, placements", LAYOUTS[:3] + LAYOUTS[4:6], ids=lambda v: str(v))
+@pytest.mark.parametrize("make", ["detach", "no_grad view"])
+def test_a_view_of_a_leaf_made_from_a_view_carries_its_gradient(mesh, placements, make):
+    """``w.detach().requires_grad_()`` (and a view made under no_grad, then requires_grad_) is a leaf of its own,
+    as in torch: its views have history to it, their gradients reach its ``.grad`` (they were silently lost)."""
+    x, tx = distribute(X, mesh, placements), X.clone()
+    weights = torch.randn(20, generator=torch.Generator().manual_seed(2))
+    for name, view_of in VIEWS_OF_A_LEAF.items():
+        leaves = []
+        for t in (x, tx):
+            if make == "detach":
+                leaf = t.detach().requires_grad_()
+            else:
+                with (dtorch.no_grad() if t is x else torch.no_grad()):
+                    leaf = t[:].requires_grad_(False)
+                leaf.requires_grad_()
+            v = view_of(leaf)
+            assert v.requires_grad and not v.is_leaf, name
+            w = weights[:v.numel()].reshape(tuple(v.shape))
+            (v * v * (w if t is tx else distribute(w, mesh, [Replicate()] * mesh.ndim))).sum().backward()
+            leaves.append(leaf)
+        torch.testing.assert_close(leaves[0].grad.to_torch(), leaves[1].grad, msg=name)
+    torch.testing.assert_close(x.to_torch(), X)
+
+
+def test_identity_views_are_new_tensors_as_in_torch():
+    """``x[:]``, ``x[...]``, ``x.permute(0, 1)`` are views, not ``x``: a leaf made of one is not ``x``."""
+    x, tx = distribute(X, DP, [Shard(0)]), X.clone()
+    for make in (lambda t: t[:], lambda t: t[...], lambda t: t[:, :], lambda t: t.permute(0, 1)):
+        v, tv = make(x), make(tx)
+        assert (v is x) == (tv is tx) == False  # noqa: E712
+        with dtorch.no_grad():
+            v[0].add_(1)
+        with torch.no_grad():
+            tv[0].add_(1)
+    torch.testing.assert_close(x.to_torch(), tx)
+    leaf = x[:].requires_grad_()
+    assert leaf.requires_grad and not x.requires_grad
+
+
+def test_an_in_place_write_into_a_view_of_such_a_leaf_is_refused_as_torch_does():
+    x = distribute(X, DP, [Shard(0)])
+    leaf, tleaf = x.detach().requires_grad_(), X.clone().detach().requires_grad_()
+    with pytest.raises(RuntimeError, match="view of a leaf Variable that requires grad"):
+        tleaf.reshape(2, 10).mul_(2)
+    with pytest.raises(RuntimeError, match="view of a leaf Variable that requires grad"):
+        leaf.reshape(2, 10).mul_(2)
+    torch.testing.assert_close(x.to_torch(), X)
+    with dtorch.no_grad():
+        leaf.view(-1)[:3].fill_(7.0)  # the write reaches the storage it shares with x
+    expected = X.clone()
+    expected.view(-1)[:3] = 7.0
+    torch.testing.assert_close(x.to_torch(), expected)
+
+
 def test_data_set_replaces_the_value_keeping_the_object():
     p = dtorch.nn.Parameter(distribute(X, DP, [Shard(0)]))
     ident, ag = id(p), p._ag

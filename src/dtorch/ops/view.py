@@ -224,16 +224,11 @@ def _reshape(name, x, shape):
 
 
 def _permute(name, x, perm):
-    for k, p in enumerate(perm):
-        if k != p:
-            return view_op(name, _permute_rule, x, (perm,))
-    return x  # the identity permutation: the tensor itself, as torch gives a view of the same data
+    return view_op(name, _permute_rule, x, (perm,))  # (the identity too: torch's is a new view, not x itself)
 
 
 def _index(name, x, items):
-    if all(it[0] == "all" for it in items):
-        return x
-    return view_op(name, _index_rule, x, (items,))
+    return view_op(name, _index_rule, x, (items,))  # (x[:] too: torch's is a new view, not x itself)
 
 
 # ------------------------------------------------------------------------------------------------

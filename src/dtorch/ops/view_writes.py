@@ -124,6 +124,10 @@ def _check_writable(view: View, lay, name: str) -> None:
     if own is not None and own.requires_grad and own.grad_fn is None:
         raise ip.InplaceError("dtorch: a leaf Variable that requires grad is being used in an in-place operation; "
                               "write it inside `with dtorch.no_grad():` or use the out-of-place op")
+    src = view._vsrc
+    if src is not None and view._vgrad:
+        raise ViewError("dtorch: a view of a leaf Variable that requires grad is being used in an in-place "
+                        "operation; write it inside `with dtorch.no_grad():` (as optimizers and initializers do)")
     if detached(view):
         return
     ag = view._vroot._ag

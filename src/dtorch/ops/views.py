@@ -73,7 +73,9 @@ class View(Tensor):
     """A tensor showing part of its root's storage (module docstring)."""
 
     # _vgrad: its value is recomputed with autograd recording (False: made under no_grad or through a marker)
-    __slots__ = ("_vroot", "_vsteps", "_vat", "_vgrad")
+    # _vsrc: where its autograd history starts when that is not the root: a view along the chain that became a
+    # leaf of its own (``w.detach().requires_grad_()``: torch's detach is a new leaf on the same storage), else None
+    __slots__ = ("_vroot", "_vsteps", "_vat", "_vgrad", "_vsrc")
 
     _h = property(_view_h, _set_h)
     _ag = property(_view_ag, _set_ag)
@@ -130,16 +132,17 @@ def view_op(name: str, rule, x: Tensor, static: tuple, n_out: int = 0):
     else:
         c = plan_of(name, rule, spec, static)
     if type(x) is View:
-        root, steps, grad = x._vroot, x._vsteps, x._vgrad and _grad_enabled()
+        root, steps, src = x._vroot, x._vsteps, history_source(x)
+        grad = (x._vgrad or src is not None) and _grad_enabled()
     else:
-        root, steps, grad = x, (), _grad_enabled()
+        root, steps, grad, src = x, (), _grad_enabled(), None
     try:
         at = -1 - _get_writes(root)
     except AttributeError:
         root._writes = root._quiet = 0
         at = -1
     if n_out:
-        return tuple(_new_view(s, x._graph, root, steps + ((name, rule, static, k),), at, grad)
+        return tuple(_new_view(s, x._graph, root, steps + ((name, rule, static, k),), at, grad, src)
                      for k, s in enumerate(c.plan.out_specs))
     v = _new_object(View)
     v._spec = c.out_spec
@@ -149,7 +152,18 @@ def view_op(name: str, rule, x: Tensor, static: tuple, n_out: int = 0):
     v._vsteps = steps + ((name, rule, static, None),)
     v._vat = at
     v._vgrad = grad
+    v._vsrc = src if grad else None
     return v
+
+
+def history_source(x: View):
+    """Where the autograd history of a view of ``x`` starts, when not at the root: ``x`` itself when it is a
+    leaf of its own that requires grad (a detached view, or one made under no_grad, then ``requires_grad_()``),
+    else the view ``x`` takes its history from (None: the root)."""
+    if not x._vgrad:
+        own = _get_ag(x)  # (the slot: a view without history keeps the leaf's metadata there)
+        return x if own is not None and own.requires_grad and own.grad_fn is None else None
+    return x._vsrc
 
 
 def marker_view(x: Tensor, step) -> View:
@@ -167,7 +181,7 @@ def _writes_of(root: Tensor) -> int:
         return 0
 
 
-def _new_view(spec, graph, root, steps, at, grad) -> View:
+def _new_view(spec, graph, root, steps, at, grad, src=None) -> View:
     v = _new_object(View)
     v._spec = spec
     v._graph = graph
@@ -176,6 +190,7 @@ def _new_view(spec, graph, root, steps, at, grad) -> View:
     v._vsteps = steps
     v._vat = at
     v._vgrad = grad
+    v._vsrc = src if grad else None
     return v
 
 
@@ -199,7 +214,11 @@ def _sync(v: View) -> None:
         return
     steps = v._vsteps
     grad = v._vgrad
-    if len(steps) == 1 and steps[0][3] is None:  # (the usual view: one op on the root)
+    src = v._vsrc
+    if src is not None:  # the steps after the leaf the history starts at, run on it (it reads its own value)
+        with torch.set_grad_enabled(grad):
+            value = value_of(src, steps[len(src._vsteps):])
+    elif len(steps) == 1 and steps[0][3] is None:  # (the usual view: one op on the root)
         name, rule, static, _ = steps[0]
         if rule is None:  # detach() / .data of the root: its blocks, no op runs
             value = value_of(root, steps)
@@ -249,7 +268,7 @@ def _own_root(v: View) -> None:
     """Make ``v`` a view of a new root holding its current value (its base's storage went elsewhere)."""
     root = Tensor._make(v._spec, v._graph.runtime.alias(_get_h(v), v._spec), v._graph)
     root._writes, root._quiet = 0, 0
-    v._vroot, v._vsteps, v._vat = root, (), 0
+    v._vroot, v._vsteps, v._vat, v._vsrc = root, (), 0, None
 
 
 def replace_storage(t: Tensor, value: Tensor) -> None:
