@@ -100,6 +100,25 @@ def test_cross_entropy_spatial_dims():
             _check(mesh, pl, x, t, **kw)
 
 
+@pytest.mark.parametrize("kw", [{}, {"reduction": "none"}, {"reduction": "sum", "label_smoothing": 0.2},
+                                {"weight": "w", "ignore_index": 3}])
+def test_cross_entropy_of_transposed_language_model_logits(kw):
+    # logits [N, S, C] passed as [N, C, S] (the Llama's loss): replicated, the loss runs on rows; any layout
+    # gives torch's values and gradients
+    x, t, w = _data(shape=(3, 11, 5), ignore_index=kw.get("ignore_index", -100))  # [N, C, S] targets and weights, for logits laid out [N, S, C]:
+    x_nsc = x.transpose(1, 2).contiguous()
+    kw = dict(kw, weight=w) if kw.get("weight") == "w" else kw
+    xt = x_nsc.clone().requires_grad_()
+    ref = F.cross_entropy(xt.transpose(1, 2), t, **kw)
+    (ref.sum() if ref.ndim else ref).backward()
+    for mesh, pl in [(MESH_3, (R,)), (MESH_22, (R, R)), (MESH_3, (Shard(1),)), (MESH_22, (Shard(0), Shard(2)))]:
+        dx = distribute(x_nsc, mesh, pl).requires_grad_()
+        out = F.cross_entropy(dx.transpose(1, 2), t, **kw)
+        (out.sum() if out.ndim else out).backward()
+        torch.testing.assert_close(out.to_torch(), ref.detach(), **TOL)
+        torch.testing.assert_close(dx.grad.to_torch(), xt.grad, **TOL)
+
+
 def test_cross_entropy_single_sample_and_empty_class_shard():
     x, t, w = _data(shape=(C,))
     _check(MESH_3, (Shard(0),), x, t, label_smoothing=0.1)

@@ -340,8 +340,15 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index: i
 def _whole_ce_kernel(x, target, *weight, lead=0, ignore_index, reduction, label_smoothing):
     grid = x.shape[:lead]
     x, target, *weight = [t.reshape(t.shape[lead:]) for t in (x, target, *weight)]  # (every grid dim is 1)
-    out = F.cross_entropy(x, target, weight[0] if weight else None, ignore_index=ignore_index, reduction=reduction,
-                          label_smoothing=label_smoothing)
+    kw = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+    if x.ndim > 2 and not target.dtype.is_floating_point and x.movedim(1, -1).is_contiguous():
+        # logits laid out [N, d.., C] and passed transposed (a language model's): rows of one call, as Hugging
+        # Face's loss flattens them (torch's class-dim-1 kernel on this layout is 4x slower)
+        out = F.cross_entropy(x.movedim(1, -1).reshape(-1, x.shape[1]), target.reshape(-1),
+                              weight[0] if weight else None, **kw)
+        out = out.reshape(target.shape) if reduction == "none" else out
+    else:
+        out = F.cross_entropy(x, target, weight[0] if weight else None, **kw)
     return out.reshape(tuple(grid) + tuple(out.shape))
 
 
