@@ -98,6 +98,15 @@ class Stats(Record):
     world: int
 
 
+class Mirror(Record):
+    """Write these blocks ((handle id, byte offset), ...) into the file ``path`` (shared memory, ``size`` bytes
+    of blocks), then ``token`` after them: a snapshot's copy the worker keeps (``process_recovery.mirror_many``)."""
+    path: str
+    items: tuple
+    size: int
+    token: int
+
+
 class Get(Record):
     """Send block ``hid`` to the controller. ``how``: False (the link's default), True (a shared-memory
     file of its own), or (path, offset) into the controller's file of the global value; ``tag`` for the
