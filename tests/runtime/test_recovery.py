@@ -217,6 +217,31 @@ def test_the_workers_keep_the_snapshot_in_files_that_close_removes(graph, refere
     assert mine() == []
 
 
+def test_the_mirror_gives_back_uneven_shards_replicas_and_partial_terms_bit_for_bit(graph):
+    from dtorch import Partial, Replicate, Shard
+
+    with using(graph):
+        mesh = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["dp", "tp"])
+        full = torch.randn(3, 5, generator=torch.Generator().manual_seed(3))
+        tensors = [dtorch.Tensor(full, device_mesh=mesh, placements=p) for p in
+                   ([Replicate(), Shard(0)], [Shard(1), Replicate()], [Replicate(), Replicate()])]
+        tensors.append(dtorch.Tensor(full[:1], device_mesh=mesh, placements=[Shard(0), Shard(0)]))  # empty blocks
+        tensors.append(dtorch.Tensor(full, device_mesh=mesh, placements=[Replicate(), Replicate()])
+                       .redistribute(mesh, [Partial(), Replicate()]))  # terms: not a global value
+        copy = graph.runtime.mirror_many([t._h for t in tensors], [t._spec for t in tensors], "test-mirror")
+        try:
+            copy.wait()
+            got = copy.values()
+            for t, (how, value) in zip(tensors[:-1], got):
+                assert how == "global" and torch.equal(value, t.to_torch()), t.placements
+            how, blocks = got[-1]
+            assert how == "blocks" and all(torch.equal(a, b) for a, b in zip(blocks, tensors[-1].local_blocks()))
+            assert copy.nbytes == 3 * full.numel() * 4 + 5 * 4 + 4 * full.numel() * 4  # the terms: 4 blocks
+        finally:
+            graph.runtime.mirror_drop("test-mirror")
+        assert not [f for f in os.listdir(graph.runtime._mirror_dir[0]) if f.startswith("test-mirror")]
+
+
 def test_off_and_op_errors_raise_as_without_recovery(graph, reference):
     t = Trainer(graph)
     try:

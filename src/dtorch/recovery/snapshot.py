@@ -68,11 +68,19 @@ class Fetch:
             return None
         return None if exc is None else _lost_device(exc)
 
-    def values(self) -> list:
-        """(tensor, host copy) of each tensor; waits for them (the backend's own waits have timeouts)."""
+    def values(self, only=None) -> list:
+        """(tensor, host copy) of each tensor (``only``: of these); waits for them (the backend's waits have
+        timeouts)."""
         got = iter(self.future.result() if self.future is not None else [])
-        return [(t, self.blocks[i] if p else ("global", next(got)))
-                for i, (t, p) in enumerate(zip(self.tensors, self.partial))]
+        out = [(t, self.blocks[i] if p else ("global", next(got)))
+               for i, (t, p) in enumerate(zip(self.tensors, self.partial))]
+        if only is None:
+            return out
+        value = {id(t): v for t, v in out}
+        return [(t, value[id(t)]) for t in only]
+
+    def place_direct(self, tensors) -> list:
+        return list(tensors)  # (host copies: every tensor takes its value through ``place``)
 
     def wait(self) -> None:
         self.values()
@@ -176,10 +184,10 @@ class Snapshot:
         held = [t for entry in self._log for t, _ in entry[4]]
         return list({id(t): t for t in self._kept.tensors + pending + held}.values())
 
-    def global_values(self) -> list:
-        """(tensor, host copy) of every tensor of the latest snapshot (``place`` writes one back): read from the
-        workers' mirror files, or the values fetched. The one accessor of the kept values."""
-        return self._kept.values()
+    def global_values(self, only=None) -> list:
+        """(tensor, host copy) of every tensor of the latest snapshot (``only``: of these; ``place`` writes one
+        back): read from the workers' mirror files, or the values fetched. The one accessor of the kept values."""
+        return self._kept.values(only)
 
     def close(self) -> None:
         """Remove the snapshot's mirror files now (else when it is garbage collected or the backend shuts down)."""
@@ -192,8 +200,9 @@ class Snapshot:
             self._settle(wait=False)
             self._pending = None
         # the widest mesh first: the new workers start once, not once and then again to grow
-        order = sorted(self.global_values(), key=lambda tv: -max(tv[0].device_mesh.device_ids))
-        for t, value in order:
+        order = sorted(self._kept.tensors, key=lambda t: -max(t.device_mesh.device_ids))
+        # straight from the workers' mirror files where the layout is unchanged (replace), else global values
+        for t, value in self.global_values(self._kept.place_direct(order)):
             place(t, value)
         for p in self.model.parameters():
             p.grad = None

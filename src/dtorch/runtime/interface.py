@@ -281,6 +281,11 @@ class Runtime(ABC):
         overwrites it); None where the backend keeps none (the caller fetches the values instead)."""
         return None
 
+    def mirror_place(self, copy, n: int, spec: DTensorSpec):
+        """A handle of tensor ``n`` of a ``mirror_many`` copy, placed as ``spec`` from the copy itself; None where
+        it cannot (the caller places the global value)."""
+        return None
+
     def mirror_drop(self, name: str) -> None:
         """Remove the copy ``mirror_many`` wrote under ``name``."""
 

@@ -102,8 +102,8 @@ class Recovery:
                     offset = sizes[r]
                     sizes[r] += -(-pp.nbytes(shape, spec.dtype) // _ALIGN) * _ALIGN  # (views of any dtype)
                     items[r].append((hid, offset))
-                    blocks.append((r, offset, shape, spec.local_box(coord)))
-                layout.append((spec.dtype, tuple(spec.shape), spec.partial_dims() != [], blocks))
+                    blocks.append((r, offset, shape, spec.local_box(coord), coord))
+                layout.append((spec.dtype, tuple(spec.shape), spec.partial_dims() != [], blocks, _layout_key(spec), n))
             token = next(self._ids)
             self._note(("mirror", f"{len(layout)} tensors"))  # one op: a test's fault may hit the mirror's write
             paths = {r: os.path.join(self._mirror_dir[0], f"{name}-{r}") for r in ranks}
@@ -111,6 +111,29 @@ class Recovery:
                 self._buf[r].append(rec.Mirror(paths[r], tuple(items[r]), sizes[r], token))
             self.flush()
             return MirrorCopy(pool, paths, sizes, token, layout)
+
+    def mirror_place(self, copy, n: int, spec):
+        """A handle of the ``n``-th tensor of ``copy`` (a ``MirrorCopy``) laid out as ``spec``, each worker reading
+        its block straight from the mirror file that holds it (nothing passes through the controller); None when
+        ``spec`` is not the layout the copy was written in (a shrink changed the mesh: place the global value)."""
+        dtype, _, partial, blocks, key, k = copy.layout[n]
+        if key != _layout_key(spec):
+            return None
+        mesh = spec.mesh
+        self._ensure(mesh)
+        with self._lock:
+            ranks = tuple(mesh.device_ids)
+            h = self._new(ranks)
+            seq = self._note(("put", spec))
+            where = {coord: (r, offset) for r, offset, _, _, coord in blocks}
+            rep = [i for i, p in enumerate(spec.placements) if p.is_replicate()]
+            for r, coord in zip(ranks, mesh.coordinates()):
+                src = coord if partial else tuple(k % mesh.shape[i] if i in rep else x for i, x in enumerate(coord))
+                holder, offset = where[src]
+                self._buf[r].append(rec.MirrorRead(seq, h.id, dtype, spec.local_shape(coord), mesh.device_type,
+                                                   copy.paths[holder], offset))
+            self._counted(len(ranks))
+        return h
 
     def mirror_drop(self, name: str) -> None:
         """Remove the mirror files ``name-*`` (a snapshot's, when it is dropped)."""
@@ -126,6 +149,13 @@ class Recovery:
 
 
 _ALIGN = 64  # blocks start at multiples of this in a mirror file
+
+
+def _layout_key(spec) -> tuple:
+    """What a mirrored tensor's layout was (values, not the mesh object: a shrink changes meshes in place)."""
+    mesh = spec.mesh
+    return mesh.device_type, tuple(mesh.device_ids), tuple(mesh.shape), tuple(spec.placements), tuple(spec.shape), \
+        spec.dtype
 _TRAILER = struct.Struct("<q")  # after the blocks: the token of the write that completed them
 
 
@@ -146,7 +176,7 @@ class MirrorCopy:
 
     def __init__(self, pool, paths: dict, sizes: dict, token: int, layout: list):
         self.pool, self.paths, self.sizes, self.token, self.layout = pool, paths, sizes, token, layout
-        self.nbytes = sum(pp.nbytes(shape, dtype) for dtype, _, _, blocks in layout for _, _, shape, _ in blocks)
+        self.nbytes = sum(pp.nbytes(block[2], entry[0]) for entry in layout for block in entry[3])
 
     def done(self) -> bool:
         for r, path in self.paths.items():
@@ -168,20 +198,23 @@ class MirrorCopy:
                                           "finished it")
             self.pool.wait(self.done, "the workers to write the snapshot's blocks to shared memory")
 
-    def values(self) -> list:
-        files = {r: torch.from_file(p, shared=False, size=self.sizes[r], dtype=torch.uint8) if self.sizes[r] else None
-                 for r, p in self.paths.items()}
-
+    def values(self, only=None) -> list:
+        """Each tensor's host copy (``only``: of the tensors at these indices)."""
         def block(r, offset, shape, dtype):
-            return pp.from_bytes(files[r][offset: offset + pp.nbytes(shape, dtype)], dtype, shape)
+            buf = torch.empty(pp.nbytes(shape, dtype), dtype=torch.uint8)
+            if buf.numel():  # (an empty shard: its worker's file may hold nothing at all)
+                with open(self.paths[r], "rb") as f:
+                    f.seek(offset)
+                    f.readinto(memoryview(buf.numpy()))
+            return pp.from_bytes(buf, dtype, shape)
 
         out = []
-        for dtype, shape, partial, blocks in self.layout:
+        for dtype, shape, partial, blocks, _, _ in (self.layout if only is None else [self.layout[i] for i in only]):
             if partial:
-                out.append(("blocks", [block(r, o, s, dtype).clone() for r, o, s, _ in blocks]))
+                out.append(("blocks", [block(r, o, s, dtype) for r, o, s, _, _ in blocks]))
                 continue
             full = torch.empty(shape, dtype=dtype)
-            for r, o, s, box in blocks:
+            for r, o, s, box, _ in blocks:
                 full[tuple(slice(a, a + n) for a, n in box)] = block(r, o, s, dtype)
             out.append(("global", full))
         return out

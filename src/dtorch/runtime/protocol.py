@@ -98,6 +98,17 @@ class Stats(Record):
     world: int
 
 
+class MirrorRead(Record):
+    """Place block ``hid`` read from ``path`` at byte ``offset`` (a snapshot's mirror file, ``Mirror``)."""
+    seq: int
+    hid: int
+    dtype: Any
+    shape: tuple
+    device_type: str
+    path: str
+    offset: int
+
+
 class Mirror(Record):
     """Write these blocks ((handle id, byte offset), ...) into the file ``path`` (shared memory, ``size`` bytes
     of blocks), then ``token`` after them: a snapshot's copy the worker keeps (``process_recovery.mirror_many``)."""

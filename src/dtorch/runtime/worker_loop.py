@@ -197,6 +197,16 @@ class Worker(Collectives):
         _, req, collectives, world = r
         self.link.answer(self, "st", req, self.statistics(collectives), world)
 
+    @handles(rec.MirrorRead)
+    def on_mirror_read(self, r: rec.MirrorRead):
+        _, seq, hid, dtype, shape, device_type, path, offset = r
+        buf = torch.empty(pp.nbytes(shape, dtype), dtype=torch.uint8)
+        with open(path, "rb") as f:
+            f.seek(offset)
+            if f.readinto(memoryview(buf.numpy())) != buf.numel():
+                raise OSError(f"{path}: the snapshot's mirror file ends before byte {offset + buf.numel()}")
+        self.t[hid] = pp.from_bytes(buf, dtype, shape).to(self.device(device_type))
+
     @handles(rec.Mirror)
     def on_mirror(self, r: rec.Mirror):
         _, path, items, size, token = r
