@@ -12,7 +12,14 @@ Model: the issue's 32 M Llama (8 layers, hidden 512, 8 heads / 4 kv heads, MLP 1
 - fault to next step: a worker is SIGKILLed halfway through a step (a timer, by its pid); the seconds from the
   kill to the start of the step's re-run (detection, stopping the workers, new workers, the snapshot placed).
 
-    .venv/bin/python bench/recovery.py [--steps 3] [--block 3] [--mesh dp2xtp2] [--layers 8]
+Before / after in one command: ``--fetch`` keeps the snapshot as before (values fetched to the controller each
+snapshot) instead of the workers' mirror files; ``DTORCH_PROCESS_ZYGOTE=0`` starts each worker as its own Python
+process instead of forking it from the zygote:
+
+    DTORCH_PROCESS_ZYGOTE=0 .venv/bin/python bench/recovery.py --fetch --mesh dp2xfsdp2xtp2 && \
+        .venv/bin/python bench/recovery.py --mesh dp2xfsdp2xtp2
+
+    .venv/bin/python bench/recovery.py [--steps 3] [--block 3] [--mesh dp2xtp2] [--layers 8] [--fetch]
 """
 from __future__ import annotations
 
@@ -42,14 +49,19 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--fetch", action="store_true",
+                    help="snapshots fetched to the controller (before the workers' mirror files)")
     args = ap.parse_args()
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
                       num_attention_heads=8, num_key_value_heads=4, vocab_size=args.vocab, max_position_embeddings=128)
     cfg._attn_implementation = "sdpa"
+    t_start = time.perf_counter()
     graph = dtorch.Graph(backend="process")
     dtorch.Graph.set_default_graph(graph)
+    if args.fetch:
+        graph.runtime.mirror_many = lambda *a, **k: None  # (the runtime then says it keeps no mirror)
     names, sizes = zip(*MESHES[args.mesh])
     mesh = dtorch.init_device_mesh("cpu", sizes, mesh_dim_names=list(names))
     torch.manual_seed(0)
@@ -73,10 +85,11 @@ def main() -> None:
         t0 = time.perf_counter()
         for _ in range(n):
             snap.run_step(step, ids)
-        snap._settle(wait=True)
+        snap.wait()
         return (time.perf_counter() - t0) / n
 
     step(ids)  # warm: the optimizer's states exist, plans are cached
+    first_s = time.perf_counter() - t_start
     plain = dtorch.recovery.snapshot(model, opt, every=10 ** 9)  # no snapshot after the first
     snap = dtorch.recovery.snapshot(model, opt, every=1)
     t0 = time.perf_counter()
@@ -85,12 +98,16 @@ def main() -> None:
     # blocks of steps without and with snapshots, alternately (the machine's load moves between rounds)
     rounds = [(block(plain, args.block), block(snap, args.block)) for _ in range(args.steps)]
     bare, with_snap = (statistics.median(r[i] for r in rounds) for i in (0, 1))
+    zygote = os.environ.get("DTORCH_PROCESS_ZYGOTE", "1") not in ("0", "false")
     print(f"{n_params / 1e6:.1f} M parameters, {args.mesh} ({mesh.size()} workers), AdamW, batch {args.batch} x seq "
-          f"{args.seq}, {os.cpu_count()} cores")
+          f"{args.seq}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; workers "
+          f"{'forked from the zygote' if zygote else 'spawned (DTORCH_PROCESS_ZYGOTE=0)'}, snapshot "
+          f"{'fetched to the controller (--fetch)' if args.fetch else 'in the workers mirror files'}")
+    print(f"first step      {first_s:.2f} s from the Graph's creation (workers started, model placed, one step)")
     print(f"step            {bare:.3f} s without snapshots, {with_snap:.3f} s with every=1 (medians of {args.steps} blocks of {args.block}): "
           f"overhead {with_snap / bare - 1:+.2f}")
-    print(f"snapshot        {take_s:.3f} s alone (snap.take(), not overlapped), {snap.nbytes / 2 ** 20:.0f} MiB kept on "
-          f"the host: {take_s / bare:.2f} of a step")
+    print(f"snapshot        {take_s:.3f} s alone (snap.take(), not overlapped), {snap.nbytes / 2 ** 20:.0f} MiB kept: "
+          f"{take_s / bare:.2f} of a step")
 
     victim = graph.worker_pids()[1]
     killed: list = []

@@ -43,3 +43,11 @@ def no_room_in_dev_shm(x):
 
     pp.shm_write = pp.shm_write_at = full
     return x.clone()
+
+
+@kernel("test_num_threads")
+def num_threads(x):
+    """The worker's torch thread count, in every element (a forked worker must have set its own)."""
+    import torch
+
+    return torch.full_like(x, torch.get_num_threads())

@@ -31,6 +31,8 @@ from . import process_kernels
 from .conftest import process_graph, using
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# subprocesses import this checkout's dtorch (and tests.*), not whichever one the environment installed
+PYTHONPATH = os.pathsep.join([os.path.join(REPO, "src"), REPO])
 PAIR = DeviceMesh("cpu", [0, 1], mesh_dim_names=["a"])
 
 
@@ -232,7 +234,8 @@ assert g.backend == "process", g.backend
 mesh = DeviceMesh("cpu", [0, 1])
 x = dtorch.Tensor(torch.arange(6.0), device_mesh=mesh, placements=[Shard(0)])
 assert torch.equal(x.redistribute(mesh, [Replicate()]).to_torch(), torch.arange(6.0))
-print(json.dumps([p.pid for p in g.runtime._pool.procs.values()]), flush=True)
+zygote = g.runtime.transport.zygote  # (forks the workers: it must not outlive the controller either)
+print(json.dumps([p.pid for p in g.runtime._pool.procs.values()] + ([zygote.pid] if zygote else [])), flush=True)
 """
 
 
@@ -240,7 +243,7 @@ def run_controller(tmp_path, body: str, env=None):
     script = tmp_path / "controller.py"
     script.write_text(textwrap.dedent(CONTROLLER) + textwrap.dedent(body))
     # TMPDIR: a controller killed outright cannot remove its workers' log directory
-    full_env = dict(os.environ, DTORCH_BACKEND="process", PYTHONPATH=REPO, TMPDIR=str(tmp_path), **(env or {}))
+    full_env = dict(os.environ, DTORCH_BACKEND="process", PYTHONPATH=PYTHONPATH, TMPDIR=str(tmp_path), **(env or {}))
     return subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
@@ -296,7 +299,7 @@ def free_port() -> int:
 
 def launch_node(address: str, ranks: str):
     return subprocess.Popen([sys.executable, "-m", "dtorch.cli", "worker", "--controller", address, "--ranks", ranks,
-                             "--connect-timeout", "60"], cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
+                             "--connect-timeout", "60"], cwd=REPO, env=dict(os.environ, PYTHONPATH=PYTHONPATH),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -330,7 +333,7 @@ def test_workers_launched_separately_join_the_controller(tmp_path):
     address = f"127.0.0.1:{port}"
     script = tmp_path / "separate.py"
     script.write_text(SEPARATE)
-    env = dict(os.environ, PYTHONPATH=REPO, DTORCH_BACKEND="process", DTORCH_PROCESS_SPAWN="0",
+    env = dict(os.environ, PYTHONPATH=PYTHONPATH, DTORCH_BACKEND="process", DTORCH_PROCESS_SPAWN="0",
                DTORCH_PROCESS_WORKERS="4", DTORCH_PROCESS_LISTEN=address)
     ctl = subprocess.Popen([sys.executable, str(script)], cwd=REPO, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, start_new_session=True)

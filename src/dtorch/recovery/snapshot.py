@@ -1,14 +1,14 @@
-"""What a training step needs to restart, kept on the controller's host: ``Snapshot``.
+"""What a training step needs to restart: ``Snapshot``.
 
-The first version is the simplest correct one: after every ``every``-th step the snapshot fetches the global
-value of every parameter, buffer and optimizer-state tensor (and copies the optimizer's host-side state: step
-counters, group options; the controller's RNG state), so a lost device loses nothing the snapshot cannot
-give back, whatever held it. Restoring writes each value back into the *same* tensor object (a new storage
-handle on the new workers: ``Tensor._written``, as an in-place copy would), so tensors the user holds stay
-valid. Within ``run_step`` the fetch overlaps the next step: its requests are queued right after the step
-(so the values are the step's), one thread collects them while the next step is issued, and the snapshot
-counts once they are all in (until then the previous one stands, and a fault re-runs from it). Its cost: one
-fetch of model + optimizer state per snapshot, and up to twice that much host memory (docs/benchmarks.md).
+After every ``every``-th step the snapshot keeps the value of every parameter, buffer and optimizer-state tensor
+(and copies the optimizer's host-side state: step counters, group options; the controller's RNG state), so a
+lost device loses nothing the snapshot cannot give back, whatever held it. Where the values are kept: by the
+workers, each writing its own blocks into a file in shared memory (``mirror.py``: the process backend on one
+host), else fetched to the controller's host (``Fetch``). Restoring writes each value back into the *same*
+tensor object (a new storage handle on the new workers: ``Tensor._written``, as an in-place copy would), so
+tensors the user holds stay valid. Within ``run_step`` the copy overlaps the next step: it is asked for right
+after the step (so the values are the step's), and the snapshot counts once it is complete (until then the
+previous one stands, and a fault re-runs from it). Costs: docs/recovery.md, docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from ..errors import RuntimeBackendError
 from ..placement import Partial
 from ..tensor import Tensor
 from .config import RecoveryError, RecoveryEvent, max_faults_per_step, mode
+from .mirror import Mirror
 
 
 def _owned_tensors(model, optimizer) -> list:
@@ -41,7 +42,7 @@ class Fetch:
     """Host copies of ``tensors`` that ``place`` lays out again with the same bits, asked for now (their values
     after the work issued so far) and collected meanwhile: each tensor's global value (all in one pass:
     ``Runtime.to_global_many_async``), or, for a Partial tensor (whose terms a global value would not give back
-    bit for bit), every device's block (fetched at once)."""
+    bit for bit), every device's block (fetched at once). (``mirror.Mirrored`` has the same interface.)"""
 
     def __init__(self, tensors):
         self.tensors = list(tensors)
@@ -67,11 +68,25 @@ class Fetch:
             return None
         return None if exc is None else _lost_device(exc)
 
-    def values(self) -> list:
-        """(tensor, host copy) of each tensor; waits for them (the backend's own waits have timeouts)."""
+    def values(self, only=None) -> list:
+        """(tensor, host copy) of each tensor (``only``: of these); waits for them (the backend's waits have
+        timeouts)."""
         got = iter(self.future.result() if self.future is not None else [])
-        return [(t, self.blocks[i] if p else ("global", next(got)))
-                for i, (t, p) in enumerate(zip(self.tensors, self.partial))]
+        out = [(t, self.blocks[i] if p else ("global", next(got)))
+               for i, (t, p) in enumerate(zip(self.tensors, self.partial))]
+        if only is None:
+            return out
+        value = {id(t): v for t, v in out}
+        return [(t, value[id(t)]) for t in only]
+
+    def place_direct(self, tensors) -> list:
+        return list(tensors)  # (host copies: every tensor takes its value through ``place``)
+
+    def wait(self) -> None:
+        self.values()
+
+    def nbytes(self) -> int:
+        return sum(nbytes(v) for _, v in self.values())
 
 
 def place(t: Tensor, value) -> None:
@@ -113,9 +128,12 @@ class Snapshot:
         self.steps = 0  # steps run to completion under this snapshot
         self.taken_at = 0  # ... at the latest snapshot
         self.nbytes = 0
-        self._values: list = []  # (tensor, host copy)
+        # the values of the latest snapshot (``global_values``): a ``Mirrored`` copy the workers keep where the
+        # backend can (``mirror.py``), else a ``Fetch`` (host copies)
+        self._kept = None
+        self._mirror = Mirror(self.graph.runtime)
         self._host: tuple = ({}, [], None)  # optimizer state {param: {key: tensor or host value}}, groups, RNG
-        self._pending = None  # (step, Fetch, host state) of a snapshot being collected
+        self._pending = None  # (step, Fetch or Mirrored, host state) of a snapshot being collected
         # (step number, fn, args, kwargs, dtorch tensor arguments with host copies) of the steps since the snapshot
         self._log: list = []
         self.events: list = []  # RecoveryEvent of every recovery
@@ -136,19 +154,22 @@ class Snapshot:
             state = {p: {k: v if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in s.items()}
                      for p, s in opt.state.items()}
             groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
-        self._pending = (step, Fetch(_owned_tensors(self.model, opt)), (state, groups, torch.random.get_rng_state()))
+        tensors = _owned_tensors(self.model, opt)
+        values = self._mirror.begin(tensors, self._kept) or Fetch(tensors)
+        self._pending = (step, values, (state, groups, torch.random.get_rng_state()))
 
     def _settle(self, wait: bool) -> None:
         """The pending snapshot becomes the snapshot once all its values are in (``wait``: wait for them; else
         only if they are); a fault while fetching it leaves the previous one whole."""
         if self._pending is None:
             return
-        step, fetch, host = self._pending
-        if not wait and not fetch.succeeded():
+        step, values, host = self._pending
+        if not wait and not values.succeeded():
             return
         self._pending = None
-        self._values, self._host, self.taken_at = fetch.values(), host, step
-        self.nbytes = sum(nbytes(v) for _, v in self._values)
+        values.wait()
+        self._kept, self._host, self.taken_at = values, host, step
+        self.nbytes = values.nbytes()
         self._log = [entry for entry in self._log if entry[0] > step]
 
     def wait(self) -> None:
@@ -161,7 +182,16 @@ class Snapshot:
         of one still being collected (it may count at the restore) and the dtorch arguments of the logged steps."""
         pending = self._pending[1].tensors if self._pending is not None else []
         held = [t for entry in self._log for t, _ in entry[4]]
-        return list({id(t): t for t in [t for t, _ in self._values] + pending + held}.values())
+        return list({id(t): t for t in self._kept.tensors + pending + held}.values())
+
+    def global_values(self, only=None) -> list:
+        """(tensor, host copy) of every tensor of the latest snapshot (``only``: of these; ``place`` writes one
+        back): read from the workers' mirror files, or the values fetched. The one accessor of the kept values."""
+        return self._kept.values(only)
+
+    def close(self) -> None:
+        """Remove the snapshot's mirror files now (else when it is garbage collected or the backend shuts down)."""
+        self._mirror.close()
 
     def restore(self) -> int:
         """Put every kept value back into its tensor (on the backend's current workers) and the optimizer's
@@ -170,8 +200,9 @@ class Snapshot:
             self._settle(wait=False)
             self._pending = None
         # the widest mesh first: the new workers start once, not once and then again to grow
-        order = sorted(self._values, key=lambda tv: -max(tv[0].device_mesh.device_ids))
-        for t, value in order:
+        order = sorted(self._kept.tensors, key=lambda t: -max(t.device_mesh.device_ids))
+        # straight from the workers' mirror files where the layout is unchanged (replace), else global values
+        for t, value in self.global_values(self._kept.place_direct(order)):
             place(t, value)
         for p in self.model.parameters():
             p.grad = None
@@ -223,7 +254,7 @@ class Snapshot:
                     lost += devices
                     reasons.append(str(fault).splitlines()[0])
                     shrunk = self._recover(lost, reasons, exc, devices)
-                    self.events.append(RecoveryEvent(self.steps + 1, devices, len(self._values),
+                    self.events.append(RecoveryEvent(self.steps + 1, devices, len(self._kept.tensors),
                                                      time.perf_counter() - t0, reasons[-1], shrunk or ""))
                     replay = True
         except BaseException:

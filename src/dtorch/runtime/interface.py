@@ -275,6 +275,20 @@ class Runtime(ABC):
         """Device id -> the process id of its worker; {} where the devices live in this process."""
         return {}
 
+    def mirror_many(self, handles: Sequence, specs: Sequence[DTensorSpec], name: str):
+        """A snapshot's copy of these tensors kept by the workers themselves (``process_recovery.MirrorCopy``:
+        ``done()``, ``wait()``, ``values()``, ``nbytes``), written under ``name`` (a later call with the same name
+        overwrites it); None where the backend keeps none (the caller fetches the values instead)."""
+        return None
+
+    def mirror_place(self, copy, n: int, spec: DTensorSpec):
+        """A handle of tensor ``n`` of a ``mirror_many`` copy, placed as ``spec`` from the copy itself; None where
+        it cannot (the caller places the global value)."""
+        return None
+
+    def mirror_drop(self, name: str) -> None:
+        """Remove the copy ``mirror_many`` wrote under ``name``."""
+
     def inject_fault(self, device: int, at_op: int, kind: str = "kill") -> None:
         """Tests of recovery: lose ``device``'s worker just before the ``at_op``-th op issued from now."""
         from ..errors import RuntimeBackendError

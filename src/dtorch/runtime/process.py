@@ -31,6 +31,8 @@ Configuration (environment):
                           0: through torch.distributed (the path of workers on other hosts)
   DTORCH_PROCESS_HEARTBEAT_TIMEOUT  seconds a worker's heartbeat may stand still before it counts as
                           hung and the workers are stopped (default 15)
+  DTORCH_PROCESS_ZYGOTE   1 (default): workers on this host are forks of one pre-imported process
+                          (``zygote.py``); 0: each starts as its own Python process
 """
 from __future__ import annotations
 
@@ -122,6 +124,7 @@ class ProcessRuntime(Operations, Recovery, ProgramControl, Runtime):
         self._pid_seq = itertools.count(1)  # plan ids are never reused (a worker may still hold a forgotten one)
         self._tap = None  # while a compiled step is recorded as a program: rank -> the records pushed to it
         self._dropped_programs: list = []  # (program id, epoch, ranks) of dropped programs (process_program)
+        self._mirror_dir = None  # snapshots' mirror files (``Recovery.mirror_many``): outlives pools, not shutdown
         self._reset()
         _LIVE.add(self)
 
@@ -518,7 +521,8 @@ class ProcessRuntime(Operations, Recovery, ProgramControl, Runtime):
             return f"redistribute step '{what[1]}' of {what[2]}"
         if what[0] == "ring_shift":
             return f"ring_shift on mesh dim {what[1]} of {what[2]}"
-        return {"put": "placing", "get": "fetching", "read": "reading from files"}[what[0]] + f" {what[1]}"
+        return {"put": "placing", "get": "fetching", "read": "reading from files",
+                "mirror": "writing the snapshot's blocks of"}[what[0]] + f" {what[1]}"
 
     def _unpicklable(self, recs, exc) -> str:
         for record in recs:
@@ -556,6 +560,7 @@ class ProcessRuntime(Operations, Recovery, ProgramControl, Runtime):
                 self._lost = "the backend was shut down"
                 self._epoch += 1
                 self._reset()
+            self._drop_mirror_dir()
         self.transport.close()  # (also after a fault stopped the workers: the ray transport may stop Ray)
 
     def _farewell(self, pool) -> None:

@@ -235,14 +235,21 @@ def shm_write_at(path: str, offset: int, t: torch.Tensor) -> None:
     """Write ``t``'s bytes into the existing file ``path`` at byte ``offset``."""
     import os
 
-    view = memoryview(as_bytes(t.detach().cpu()).numpy())
     fd = os.open(path, os.O_WRONLY)
     try:
-        while view:
-            n = os.pwrite(fd, view, offset)
-            view, offset = view[n:], offset + n
+        write_at(fd, offset, t)
     finally:
         os.close(fd)
+
+
+def write_at(fd: int, offset: int, t: torch.Tensor) -> None:
+    """Write ``t``'s bytes into the open file ``fd`` at byte ``offset``."""
+    import os
+
+    view = memoryview(as_bytes(t.detach().cpu()).numpy())
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def contiguous_offset(spec: DTensorSpec, coord) -> int | None:

@@ -93,7 +93,7 @@ class WorkerError(RuntimeBackendError):
 
 class Pool:
     def __init__(self, listen: str, spawn: bool, timeout: float, start_timeout: float,
-                 heartbeat: float = HEARTBEAT_TIMEOUT_S):
+                 heartbeat: float = HEARTBEAT_TIMEOUT_S, zygote=None):
         host, _, port = listen.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"DTORCH_PROCESS_LISTEN={listen!r} must be HOST:PORT, e.g. 127.0.0.1:0 (0: a free port)")
@@ -101,12 +101,13 @@ class Pool:
         self.start_timeout = start_timeout
         self.beats = Heartbeats(heartbeat)
         self.spawn = spawn
+        self.zygote = zygote  # forks the workers this pool starts (``zygote.Zygote``); None: each is spawned
         self.store = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=timeout))
         connect_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         self.address = f"{connect_host}:{self.store.port}"
         self.listen = f"{host}:{self.store.port}"
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.procs: dict = {}  # rank -> subprocess.Popen, or zygote.ForkedWorker (the same calls)
         self.world = 0
         self.gen = -1
         self.logdir = tempfile.mkdtemp(prefix="dtorch-workers-") if spawn else None
@@ -146,6 +147,9 @@ class Pool:
             env = worker_env(threads)
             for r in range(self.world, world):
                 log = self._logs[r] = open(os.path.join(self.logdir, f"worker-{r}.log"), "ab")
+                if self.zygote is not None:
+                    self.procs[r] = self.zygote.spawn(r, r, self.address, self.start_timeout, threads, env, log.name)
+                    continue
                 self.procs[r] = subprocess.Popen(worker_command(self.address, r, r, os.getpid(), self.start_timeout),
                                                  env=env, stdout=log, stderr=subprocess.STDOUT,
                                                  stdin=subprocess.DEVNULL,
@@ -221,8 +225,17 @@ class Pool:
         silent = self._silent(now)
         if dead or faults or silent:
             time.sleep(0.3)  # let a dying worker's peers and launchers report too: name the root cause
-            lost = self._lost(dead, silent)
-            err = WorkerError(self._fault_report(silent, lost))
+            try:
+                lost = self._lost(dead, silent)
+                err = WorkerError(self._fault_report(silent, lost))
+            except AttributeError:
+                if self.store is not None:
+                    raise
+                # another thread saw the fault too and stopped the pool meanwhile (its store is gone): its
+                # report is the full one; this one names what this thread saw
+                lost = tuple(sorted(set(dead).union(silent)))
+                err = WorkerError(f"dtorch process backend: a worker fault stopped the workers (device ids "
+                                  f"{', '.join(map(str, lost)) or 'unknown'} lost); another thread reported it")
             err.lost_devices = lost
             raise err
 

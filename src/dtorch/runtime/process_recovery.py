@@ -1,11 +1,19 @@
 """What ``dtorch.recovery`` asks of the process and ray backends' controller (``Recovery``, mixed into
-``process.ProcessRuntime``): the workers' pids, faults injected at an op for tests, and many values fetched
-in one pass (a snapshot)."""
+``process.ProcessRuntime``): the workers' pids, faults injected at an op for tests, many values fetched in
+one pass, and a snapshot's mirror: every worker writes its blocks into its own file in shared memory
+(``mirror_many``), which outlives the worker, and the controller reads them back only when it restores."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import glob
+import os
+import struct
 import threading
 
+import torch
+
+from ..errors import RuntimeBackendError
 from . import process_plan as pp
 from . import protocol as rec
 
@@ -65,3 +73,148 @@ class Recovery:
 
     def _collect_many(self, asked) -> list:
         return [self._fetch(req, ranks, pool, out, spec, coords) for (req, ranks, pool, out), spec, coords in asked]
+
+    # -- the snapshot's mirror: blocks the workers keep in shared-memory files -------------------------------
+    def mirror_many(self, handles, specs, name: str):
+        """Each worker writes its blocks of these tensors (their values after the work queued so far) into its
+        own file ``<name>-<rank>`` of this runtime's mirror directory in shared memory; returns the
+        ``MirrorCopy`` that reads them back, or None where the workers do not all see this host's shared
+        memory (other hosts, DTORCH_PROCESS_SHM=0, the ray backend): fetch the values instead."""
+        with self._lock:
+            pool = self._pool
+            ranks = set(range(self._world))
+            if pool is None or not getattr(self.transport, "shm", False) or \
+                    not ranks <= getattr(self.transport, "shm_ranks", set()):
+                return None
+            if self._mirror_dir is None:
+                self._mirror_dir = pp.shm_dir()  # outlives pools: a recovery reads what the lost workers wrote
+                if self._mirror_dir is None:
+                    return None
+            items: dict = {r: [] for r in ranks}
+            sizes = dict.fromkeys(ranks, 0)
+            layout = []
+            for n, (h, spec) in enumerate(zip(handles, specs)):
+                hid = self._id(h)
+                blocks = []
+                for coord in _mirrored_coords(spec, n):
+                    r = spec.mesh.device_id(coord)
+                    shape = spec.local_shape(coord)
+                    offset = sizes[r]
+                    sizes[r] += -(-pp.nbytes(shape, spec.dtype) // _ALIGN) * _ALIGN  # (views of any dtype)
+                    items[r].append((hid, offset))
+                    blocks.append((r, offset, shape, spec.local_box(coord), coord))
+                layout.append((spec.dtype, tuple(spec.shape), spec.partial_dims() != [], blocks, _layout_key(spec), n))
+            token = next(self._ids)
+            self._note(("mirror", f"{len(layout)} tensors"))  # one op: a test's fault may hit the mirror's write
+            paths = {r: os.path.join(self._mirror_dir[0], f"{name}-{r}") for r in ranks}
+            for r in ranks:
+                self._buf[r].append(rec.Mirror(paths[r], tuple(items[r]), sizes[r], token))
+            self.flush()
+            return MirrorCopy(pool, paths, sizes, token, layout)
+
+    def mirror_place(self, copy, n: int, spec):
+        """A handle of the ``n``-th tensor of ``copy`` (a ``MirrorCopy``) laid out as ``spec``, each worker reading
+        its block straight from the mirror file that holds it (nothing passes through the controller); None when
+        ``spec`` is not the layout the copy was written in (a shrink changed the mesh: place the global value)."""
+        dtype, _, partial, blocks, key, k = copy.layout[n]
+        if key != _layout_key(spec):
+            return None
+        mesh = spec.mesh
+        self._ensure(mesh)
+        with self._lock:
+            ranks = tuple(mesh.device_ids)
+            h = self._new(ranks)
+            seq = self._note(("put", spec))
+            where = {coord: (r, offset) for r, offset, _, _, coord in blocks}
+            rep = [i for i, p in enumerate(spec.placements) if p.is_replicate()]
+            for r, coord in zip(ranks, mesh.coordinates()):
+                src = coord if partial else tuple(k % mesh.shape[i] if i in rep else x for i, x in enumerate(coord))
+                holder, offset = where[src]
+                self._buf[r].append(rec.MirrorRead(seq, h.id, dtype, spec.local_shape(coord), mesh.device_type,
+                                                   copy.paths[holder], offset))
+            self._counted(len(ranks))
+        return h
+
+    def mirror_drop(self, name: str) -> None:
+        """Remove the mirror files ``name-*`` (a snapshot's, when it is dropped)."""
+        where = self._mirror_dir
+        if where is not None:
+            for f in glob.glob(os.path.join(glob.escape(where[0]), f"{glob.escape(name)}-*")):
+                with contextlib.suppress(OSError):
+                    os.unlink(f)
+
+    def _drop_mirror_dir(self) -> None:
+        where, self._mirror_dir = self._mirror_dir, None
+        pp.shm_drop(where)
+
+
+_ALIGN = 64  # blocks start at multiples of this in a mirror file
+
+
+def _layout_key(spec) -> tuple:
+    """What a mirrored tensor's layout was (values, not the mesh object: a shrink changes meshes in place)."""
+    mesh = spec.mesh
+    return mesh.device_type, tuple(mesh.device_ids), tuple(mesh.shape), tuple(spec.placements), tuple(spec.shape), \
+        spec.dtype
+_TRAILER = struct.Struct("<q")  # after the blocks: the token of the write that completed them
+
+
+def _mirrored_coords(spec, n: int) -> list:
+    """The devices whose blocks a mirror keeps: one replica of each block (the ``n``-th tensor takes replica
+    ``n`` mod the dim's size, so that the writing spreads over the workers), every device of a Partial tensor
+    (its terms), in mesh order."""
+    if spec.partial_dims():
+        return list(spec.mesh.coordinates())
+    rep = [i for i, p in enumerate(spec.placements) if p.is_replicate()]
+    return [c for c in spec.mesh.coordinates() if all(c[i] == n % spec.mesh.shape[i] for i in rep)]
+
+
+class MirrorCopy:
+    """The blocks one ``mirror_many`` asked the workers to write, read back from their files: ``done`` once every
+    worker's file ends with this write's token (a worker killed mid-write leaves an older one), ``values`` the
+    host copies (``dtorch.recovery``'s ``("global", tensor)`` or, for Partial tensors, ``("blocks", [...])``)."""
+
+    def __init__(self, pool, paths: dict, sizes: dict, token: int, layout: list):
+        self.pool, self.paths, self.sizes, self.token, self.layout = pool, paths, sizes, token, layout
+        self.nbytes = sum(pp.nbytes(block[2], entry[0]) for entry in layout for block in entry[3])
+
+    def done(self) -> bool:
+        for r, path in self.paths.items():
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self.sizes[r])
+                    got = f.read(_TRAILER.size)
+            except OSError:
+                return False
+            if len(got) != _TRAILER.size or _TRAILER.unpack(got)[0] != self.token:
+                return False
+        return True
+
+    def wait(self) -> None:
+        """Until every worker wrote its blocks (the pool's health checks and timeout apply)."""
+        if not self.done():
+            if self.pool.store is None:
+                raise RuntimeBackendError("the workers writing this snapshot's mirror were stopped before they "
+                                          "finished it")
+            self.pool.wait(self.done, "the workers to write the snapshot's blocks to shared memory")
+
+    def values(self, only=None) -> list:
+        """Each tensor's host copy (``only``: of the tensors at these indices)."""
+        def block(r, offset, shape, dtype):
+            buf = torch.empty(pp.nbytes(shape, dtype), dtype=torch.uint8)
+            if buf.numel():  # (an empty shard: its worker's file may hold nothing at all)
+                with open(self.paths[r], "rb") as f:
+                    f.seek(offset)
+                    f.readinto(memoryview(buf.numpy()))
+            return pp.from_bytes(buf, dtype, shape)
+
+        out = []
+        for dtype, shape, partial, blocks, _, _ in (self.layout if only is None else [self.layout[i] for i in only]):
+            if partial:
+                out.append(("blocks", [block(r, o, s, dtype) for r, o, s, _, _ in blocks]))
+                continue
+            full = torch.empty(shape, dtype=dtype)
+            for r, o, s, box, _ in blocks:
+                full[tuple(slice(a, a + n) for a, n in box)] = block(r, o, s, dtype)
+            out.append(("global", full))
+        return out

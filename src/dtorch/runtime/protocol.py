@@ -98,6 +98,26 @@ class Stats(Record):
     world: int
 
 
+class MirrorRead(Record):
+    """Place block ``hid`` read from ``path`` at byte ``offset`` (a snapshot's mirror file, ``Mirror``)."""
+    seq: int
+    hid: int
+    dtype: Any
+    shape: tuple
+    device_type: str
+    path: str
+    offset: int
+
+
+class Mirror(Record):
+    """Write these blocks ((handle id, byte offset), ...) into the file ``path`` (shared memory, ``size`` bytes
+    of blocks), then ``token`` after them: a snapshot's copy the worker keeps (``process_recovery.mirror_many``)."""
+    path: str
+    items: tuple
+    size: int
+    token: int
+
+
 class Get(Record):
     """Send block ``hid`` to the controller. ``how``: False (the link's default), True (a shared-memory
     file of its own), or (path, offset) into the controller's file of the global value; ``tag`` for the

@@ -33,6 +33,8 @@ from . import process_plan as pp
 from . import protocol as rec
 from .process_plan import INLINE_BYTES
 from .process_pool import Pool, WorkerError
+from .worker import worker_env
+from .zygote import Zygote, zygote_enabled
 
 _TAG_SPAN = 1 << 24
 
@@ -103,6 +105,9 @@ class StoreTransport(Transport):
         self.listen, self.spawn, self.timeout = listen, spawn, timeout
         self.shm = shm
         self.force_cuda = force_cuda  # the workers' GPUs, when this controller's machine has none
+        # forks the workers this controller starts (``zygote.py``); it outlives pools: a recovery's new workers
+        # are forks too. Started with the first pool (None: not yet, or DTORCH_PROCESS_ZYGOTE=0).
+        self.zygote: Zygote | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -120,7 +125,16 @@ class StoreTransport(Transport):
         return self.force_cuda or (torch.cuda.is_available() and not config.same_device)
 
     def make_pool(self, timeout: float, world: int, heartbeat: float) -> Pool:
-        return Pool(self.listen, self.spawn, timeout, max(60.0, 15.0 * world), heartbeat)
+        start_timeout = max(60.0, 15.0 * world)
+        zygote = None
+        if self.spawn and zygote_enabled():
+            if self.zygote is not None and not self.zygote.alive():
+                self.zygote.close()
+                self.zygote = None
+            if self.zygote is None:
+                self.zygote = Zygote(worker_env(1), start_timeout)
+            zygote = self.zygote
+        return Pool(self.listen, self.spawn, timeout, start_timeout, heartbeat, zygote)
 
     def resize(self, pool: Pool, old: int, world: int, backend: str, cuda: bool) -> None:
         def reform():
@@ -225,6 +239,11 @@ class StoreTransport(Transport):
 
     def farewell(self, pool: Pool) -> None:
         pool.client.set("stop", "1")  # queued work can no longer be observed: workers skip it
+
+    def close(self) -> None:
+        if self.zygote is not None:
+            self.zygote.close()
+            self.zygote = None
 
 
 def watched(pool: Pool, fn, what: str, timeout: float | None = None):

@@ -199,6 +199,29 @@ class Worker(Collectives, ProgramWorker):
         _, req, collectives, world = r
         self.link.answer(self, "st", req, self.statistics(collectives), world)
 
+    @handles(rec.MirrorRead)
+    def on_mirror_read(self, r: rec.MirrorRead):
+        _, seq, hid, dtype, shape, device_type, path, offset = r
+        buf = torch.empty(pp.nbytes(shape, dtype), dtype=torch.uint8)
+        with open(path, "rb") as f:
+            f.seek(offset)
+            if f.readinto(memoryview(buf.numpy())) != buf.numel():
+                raise OSError(f"{path}: the snapshot's mirror file ends before byte {offset + buf.numel()}")
+        self.t[hid] = pp.from_bytes(buf, dtype, shape).to(self.device(device_type))
+
+    @handles(rec.Mirror)
+    def on_mirror(self, r: rec.Mirror):
+        _, path, items, size, token = r
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size != size + 8:
+                os.ftruncate(fd, size + 8)
+            for hid, offset in items:
+                pp.write_at(fd, offset, self.t[hid])
+            os.pwrite(fd, token.to_bytes(8, "little", signed=True), size)  # last: the copy is whole
+        finally:
+            os.close(fd)
+
     @handles(rec.Sync)
     def on_sync(self, r: rec.Sync):
         self.settle()
