@@ -76,3 +76,34 @@ def test_dropped_tensors_of_one_shape_stay_apart():
     assert a.shape == b.shape == (RELEASE_NUMEL,) and a.untyped_storage().nbytes() == 4
     a.data = torch.ones(RELEASE_NUMEL)  # (one tensor given new values: the other is not)
     assert b.untyped_storage().nbytes() == 4 and bool((a == 1).all()) and bool((b == 0).all())
+
+
+def test_a_gradient_handed_out_as_a_view_is_written_in_place_unless_its_base_is_held():
+    """A weight's gradient comes out of torch's graph as a view of the GEMM's result (reshaped to its grid):
+    ``_unviewed`` makes it a tensor of its own on the same storage, so the next micro-batch's accumulation
+    writes it in place (copy-on-write copied it before); a base someone still holds keeps it copied."""
+    from dtorch.runtime.cow import writable
+    from dtorch.runtime.inprocess_tracked import _unviewed
+    from dtorch.runtime.shards import Shards
+
+    def grad_as_view(held=None):
+        base = torch.randn(6, 4, dtype=torch.float64)
+        if held is not None:
+            held.append(base)
+        return Shards(grid=base.view(1, 6, 4))
+
+    # (results taken outside ``assert``: pytest's rewriting holds what an assert reads, a reference more)
+    h = grad_as_view()
+    view_writable = writable(h.grid)
+    own = _unviewed(grad_as_view())
+    own_writable = writable(own.grid)
+    assert not view_writable  # what copy-on-write saw before: a copy at the first accumulation
+    assert own_writable and own.grid._base is None and own.grid.shape == (1, 6, 4)
+    held = []
+    shared = _unviewed(grad_as_view(held))
+    shared_writable = writable(shared.grid)
+    assert not shared_writable  # the base is held: a write copies first
+    torch.testing.assert_close(shared.grid[0], held[0], rtol=0, atol=0)
+    value = own.grid.clone()
+    plain = Shards(grid=value)
+    assert _unviewed(plain) is plain

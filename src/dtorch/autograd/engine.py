@@ -17,8 +17,10 @@ import torch
 from ..errors import OpError
 from ..placement import Partial, Replicate
 from ..redistribute import relayout
+from ..runtime.kernels import kernel
 from ..spec import DTensorSpec
 from ..tensor import Tensor
+from .kernel_entry import write_local
 from .mode import backward_pass, set_grad_enabled
 from .node import Node, requires_grad
 from .torch_leaves import TorchLeafMeta, push_to_torch, torch_grads
@@ -209,6 +211,7 @@ def _store(leaves, only_torch: bool = False) -> dict:
     ``only_torch``: store nothing, only return those."""
     torch_sources = {}  # id(torch tensor) -> (it, the sum of its dtorch copies' gradients)
     for leaf, g in leaves.values():
+        recorded = id(g)  # (an id, not a reference: _accumulate counts the references to g)
         meta = leaf._ag
         if not meta.requires_grad or (only_torch and type(meta) is not TorchLeafMeta):
             continue
@@ -221,23 +224,41 @@ def _store(leaves, only_torch: bool = False) -> dict:
             continue
         if meta.hooks:
             g = as_grad_of(_run_hooks(meta, g), leaf._spec)
-        meta.grad = _accumulate(meta, g)
+        meta.grad = _accumulate(meta, g, int(id(g) == recorded))
         meta.grad._graph.label_memory(meta.grad._h, "grads")
     return torch_sources
 
 
-def _accumulate(meta, g):
-    """``.grad`` plus ``g``: added in place when nothing else holds the ``.grad`` tensor and neither takes part in
-    a graph (as torch's AccumulateGrad does), so micro-batches accumulate into one tensor; else a new one."""
+@kernel("autograd.accumulate_grad")
+def _accumulate_grad_kernel(grad, new):
+    grad.add_(new)
+
+
+def _accumulate(meta, g, walk_refs: int):
+    """``.grad`` plus ``g``, as torch's AccumulateGrad (create_graph off): added into the ``.grad`` tensor in place
+    (one kernel on its blocks: whoever holds that tensor sees the sum), ``g`` laid out as it is. The first gradient
+    becomes ``.grad`` itself unless someone else holds that tensor object (another leaf, a hook): then a second
+    object on its blocks (copy-on-write keeps the two apart at the next write). ``walk_refs``: 1 when the walk's
+    record of the leaf's gradient still holds ``g``."""
     prev = meta.grad
     if prev is None:
-        return g
-    # (references: meta.grad, ``prev`` and getrefcount's argument; a view of it would hold one more)
-    if sys.getrefcount(prev) <= 3 and prev._spec == g._spec and not requires_grad(prev) and not requires_grad(g):
+        # (references: the caller's, this frame's ``g`` and getrefcount's argument, plus the walk's)
+        return g if sys.getrefcount(g) <= 3 + walk_refs else _own_object(g)
+    if requires_grad(prev) or requires_grad(g) or prev._spec.mesh != g._spec.mesh or prev.shape != g.shape:
+        return prev + g  # part of a graph (or not a gradient of this leaf: the add says why)
+    if type(prev) is not Tensor:  # a view: the write goes into its root (ops/view_writes.py)
         with set_grad_enabled(False):
             prev.add_(g)
         return prev
-    return prev + g
+    if g._spec != prev._spec:
+        g = relayout(g.to(prev.dtype) if g.dtype != prev.dtype else g, prev._spec)
+    write_local("autograd.accumulate_grad", _accumulate_grad_kernel, prev, [g])
+    return prev
+
+
+def _own_object(g):
+    """A tensor object of its own on ``g``'s blocks (``Runtime.alias``: no copy now)."""
+    return Tensor._make(g._spec, g._graph.runtime.alias(g._h, g._spec), g._graph)
 
 
 def _prefetch(node, buffers) -> None:

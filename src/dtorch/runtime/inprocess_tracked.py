@@ -160,7 +160,7 @@ class TrackedRuns:
                 if terms is not None:
                     g = as_terms(g, terms, nd)
                 res.append(Shards(grid=g if g.shape == shape else self._fit(g, target, local, "vjp")[0]))
-            return res
+            return [_unviewed(r) for r in res]
         for x, g, spec in zip(leaves, grads, grad_specs):
             # summed over devices where the layout keeps terms apart: Partial terms; where it is Replicate
             # (the caller folded the reduction of a parameter's gradient into the GEMM), the sum is the value
@@ -223,6 +223,20 @@ class TrackedRuns:
                     made[(kind, arg)] = b
             blocks.append(b)
         return rt._make(spec, blocks=blocks) if grid else BoxShards(blocks, box.key(target), g)
+
+
+def _unviewed(h: Shards) -> Shards:
+    """``h`` with its grid a tensor of its own where torch's graph handed it out as a view of a temporary (a weight's
+    gradient from the GEMM, reshaped to its grid): the same storage, no copy, but without the base, whose storage
+    reference would make copy-on-write (cow.writable) copy it at the first in-place write, the accumulation of
+    the next micro-batch's gradient into ``.grad``."""
+    g = h.grid
+    if g._base is None:
+        return h
+    with torch.no_grad():
+        own = torch.empty(0, dtype=g.dtype, device=g.device).set_(g.untyped_storage(), g.storage_offset(), g.size(),
+                                                                  g.stride())
+    return Shards(grid=own)
 
 
 try:  # torch's C++ engine, as torch.autograd.grad calls it
