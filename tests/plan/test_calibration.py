@@ -96,4 +96,7 @@ def test_calibrate_writes_a_profile_of_measured_rates(tmp_path):
     assert hw.efficiency["overlap"] == 0  # a worker runs its collectives on its kernels' thread
     assert set(hw.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "send_recv"}
     assert all(link.latency_us > 0 and math.isfinite(link.gbps) and link.gbps > 0 for link in hw.collectives.values())
-    assert all(hw.efficiency[k] == 1.0 for k in ("matmul", "attention", "memory", "collective"))
+    assert all(hw.efficiency[k] == 1.0 for k in ("matmul", "memory", "collective"))
+    # attention runs at its own measured rate (torch's CPU attention kernel, far below the GEMM rate): its
+    # efficiency is that rate over the float32 GEMM peak
+    assert 0 < hw.efficiency["attention"] < 10 and math.isfinite(hw.efficiency["attention"])
