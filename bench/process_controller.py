@@ -31,6 +31,8 @@ from dtorch import Replicate, Shard
 from dtorch.models.llama import LlamaForCausalLM
 from dtorch.runtime.process import ProcessRuntime
 
+from compile_step import train_step  # (the same step bench/compile_step.py times; bench/ is on sys.path)
+
 VARIANTS = (("eager", None), ("dtorch.compile, call by call", "0"), ("dtorch.compile, worker programs", "1"))
 
 
@@ -99,13 +101,6 @@ def llama(rt, mesh, label: str, samples: int = 15, per_sample: int = 5) -> None:
                                    num_key_value_heads=4, vocab_size=160, max_position_embeddings=64)
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(cfg)
-
-    def train_step(model, opt, ids):
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
 
     ids = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
     medians, losses = {}, {}
