@@ -22,7 +22,8 @@ MAX_LINES = 600
 # the bottom of the stack: pure metadata, and leaves importing nothing of dtorch (CommLog's recorder, the
 # future of an asynchronous read, the bounded LRU of the plan caches)
 BASE = ("dtorch.errors", "dtorch.placement", "dtorch.mesh", "dtorch.spec", "dtorch.context", "dtorch.distributed_spec",
-        "dtorch.commlog", "dtorch.future", "dtorch._lru", "dtorch.capture")
+        "dtorch.commlog", "dtorch.future", "dtorch._lru", "dtorch._collector",
+        "dtorch.capture")
 
 # docs/internals.md's picture, top first: (the label that starts its line in the picture, the modules of the layer)
 STACK = (

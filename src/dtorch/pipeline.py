@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ._collector import collector_paused
 from .autograd.redistribute import MoveNode
 from .autograd.engine import _reachable, run_backward
 from .autograd.mode import enable_grad, no_grad
@@ -153,6 +154,7 @@ def _loss_of(model, mb, loss_fn):
                     f"arguments (model(**mb).loss); got {type(mb).__name__}. Pass loss_fn(model, micro_batch) -> loss")
 
 
+@collector_paused
 def train_step(model, micro_batches: Sequence, loss_fn: Callable | None = None, *,
                schedule: str = "1f1b") -> Tensor:
     """Forward and backward of every micro-batch in pipeline order; ``.grad`` accumulates the gradient of

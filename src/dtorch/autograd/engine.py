@@ -14,6 +14,7 @@ import threading
 
 import torch
 
+from .._collector import collector_paused
 from ..errors import OpError
 from ..placement import Partial, Replicate
 from ..redistribute import relayout
@@ -50,6 +51,7 @@ def as_grad_of(g, spec: DTensorSpec):
 _walks = threading.local()  # .leaves: the leaf gradients of the walks under way on this thread, innermost last
 
 
+@collector_paused
 def run_backward(outputs, grad_outputs, retain_graph: bool = False, inputs=None, allow_unused: bool = False):
     """Backpropagate from ``outputs``. With ``inputs``: return their gradients (``autograd.grad``);
     without: accumulate into the ``.grad`` of every leaf reached (``backward``)."""

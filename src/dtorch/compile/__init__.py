@@ -25,6 +25,7 @@ import functools
 import torch
 
 from .. import capture, commlog
+from .._collector import collector_paused
 from .._lru import LRU
 from ..autograd.mode import is_grad_enabled
 from ..graph import Graph
@@ -61,6 +62,7 @@ class Compiled:
         self.last_reason: str | None = None
         functools.update_wrapper(self, fn)
 
+    @collector_paused
     def __call__(self, *args, **kwargs):
         if capture.active() is not None:  # inside another trace: that one records what this runs
             return self.fn(*args, **kwargs)

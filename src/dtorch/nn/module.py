@@ -15,6 +15,7 @@ from typing import Iterator, NamedTuple
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from .._collector import collector_paused
 from ..autograd.fsdp import module_unit
 from ..autograd.mode import no_grad
 from ..context import get_default_device_mesh
@@ -154,6 +155,7 @@ class Module:
     _forward_pre_hooks = None
     _forward_hooks = None
 
+    @collector_paused
     def __call__(self, *args, **kwargs):
         if self._forward_pre_hooks or self._forward_hooks:
             return _call_with_hooks(self, args, kwargs)
