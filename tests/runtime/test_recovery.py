@@ -267,6 +267,11 @@ def test_off_and_op_errors_raise_as_without_recovery(graph, reference):
         assert err.value.lost_devices == () and t.snap.events == []
 
 
+def test_inject_fault_names_the_kinds_its_backend_has(graph, reference):
+    with using(graph), pytest.raises(ValueError, match=r"kind is one of 'kill', 'stop' on the process backend"):
+        dtorch.recovery.inject_fault(0, at_op=1, kind="ray_kill")  # (ray.kill: the ray backend's)
+
+
 def lose_device_at_second_optimizer_step(monkeypatch, device: int) -> list:
     """Make AdamW's second step kill worker ``device`` at its first op; returns the list of step calls made."""
     real_step, calls = dtorch.optim.AdamW.step, []
@@ -298,7 +303,8 @@ def test_dtorch_train_recover_replace_reports_the_event_and_keeps_the_loss_curve
 
 
 @pytest.mark.slow
-def test_ray_backend_replaces_a_killed_actor_bit_for_bit(ray_cluster):
+@pytest.mark.parametrize("kind", ["ray_kill", "kill"])  # ray.kill from the controller; the actor's own SIGKILL
+def test_ray_backend_replaces_a_killed_actor_bit_for_bit(ray_cluster, kind):
     from .conftest import ray_graph
 
     g = ray_graph(workers=4, heartbeat_timeout_s=HEARTBEAT_S)
@@ -307,10 +313,13 @@ def test_ray_backend_replaces_a_killed_actor_bit_for_bit(ray_cluster):
         want = ref.run()
         t = Trainer(g)
         old = g.worker_pids()
-        got = t.run(fault=(1, 2, (ref.phases[0] + ref.phases[1]) // 2, "kill"))
+        got = t.run(fault=(1, 2, (ref.phases[0] + ref.phases[1]) // 2, kind))
         _same(got, want)
-        assert [(e.step, e.devices) for e in t.snap.events] == [(2, (2,))]
+        (event,) = t.snap.events
+        assert (event.step, event.devices) == (2, (2,)) and event.rebuilt == len(t.snap.tensors())
+        assert "device actor 2 " in event.reason and " died " in event.reason, event.reason
         assert wait_gone(list(old.values())) == []
+        assert sorted(g.worker_pids()) == [0, 1, 2, 3] and not set(g.worker_pids().values()) & set(old.values())
     finally:
         g.runtime.shutdown()
 

@@ -247,9 +247,10 @@ def test_ray_backend_shrinks_dp4_to_dp3(ray_cluster, shrink_mode):
     try:
         want = reference(g, DP4, DP3, switch_at=1)
         t = Shrinking(g, DP4)
-        got = t.run(fault=(1, 2, (want[2][0] + want[2][1]) // 2, "kill"))
+        got = t.run(fault=(1, 2, (want[2][0] + want[2][1]) // 2, "ray_kill"))  # ray.kill of actor 2
         _close(got, want)
         assert [(e.step, e.devices, e.mesh) for e in t.snap.events] == [(2, (2,), "cpu[dp=3]")]
+        assert "device actor 2 " in t.snap.events[0].reason and t.snap.events[0].rebuilt > 0
         assert sorted(g.worker_pids()) == [0, 1, 2]
     finally:
         g.runtime.shutdown()

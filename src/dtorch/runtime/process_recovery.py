@@ -18,6 +18,9 @@ from . import process_plan as pp
 from . import protocol as rec
 
 
+WORKER_FAULTS = ("kill", "stop")  # the fault record's kinds: the worker sends itself SIGKILL or SIGSTOP
+
+
 class Recovery:
     def worker_pids(self) -> dict:
         with self._lock:
@@ -25,12 +28,16 @@ class Recovery:
             return {} if pool is None else {r: pool.pid(r) for r in range(self._world)}
 
     def inject_fault(self, device: int, at_op: int, kind: str = "kill") -> None:
-        """Worker ``device`` SIGKILLs or SIGSTOPs itself just before the ``at_op``-th op (kernel, step, put, get)
-        issued from now: the fault record is queued in order, so where it dies does not depend on timing."""
-        if kind not in ("kill", "stop") or not (isinstance(at_op, int) and at_op >= 1) or \
+        """Lose worker ``device`` just before the ``at_op``-th op (kernel, step, put, get) issued from now: it
+        SIGKILLs or SIGSTOPs itself at a fault record queued in order (``kind`` "kill", "stop"), or the transport
+        kills it from here once it ran the ops before (``Transport.fault_kinds``: the ray backend's "ray_kill",
+        ``ray.kill`` of its actor). Either way where it dies does not depend on timing."""
+        kinds = WORKER_FAULTS + self.transport.fault_kinds
+        if kind not in kinds or not (isinstance(at_op, int) and at_op >= 1) or \
                 self._pool is None or not 0 <= device < self._world:
-            raise ValueError(f"inject_fault(device={device}, at_op={at_op!r}, kind={kind!r}): kind is 'kill' or 'stop', "
-                             f"at_op >= 1 (1: the next op), device a running worker's id (0..{self._world - 1})")
+            raise ValueError(f"inject_fault(device={device}, at_op={at_op!r}, kind={kind!r}): kind is one of "
+                             f"{', '.join(map(repr, kinds))} on the {self.transport.name} backend, at_op >= 1 (1: the "
+                             f"next op), device a running worker's id (0..{self._world - 1})")
         fire = self.stats["ops"] + at_op
         note = type(self)._note.__get__(self)
 
@@ -38,7 +45,11 @@ class Recovery:
             seq = note(what)
             if self.stats["ops"] == fire:
                 del self._note
-                self._buf.setdefault(device, []).append(rec.Fault(kind))
+                if kind in WORKER_FAULTS:
+                    self._buf.setdefault(device, []).append(rec.Fault(kind))
+                else:  # the ops before this one go out; once the worker ran them, it is lost
+                    self.flush()
+                    self.transport.inflict(self._pool, device, kind)
             return seq
 
         self._note = armed
