@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import warnings
 
 import pytest
 import torch
@@ -240,6 +241,34 @@ def test_the_mirror_gives_back_uneven_shards_replicas_and_partial_terms_bit_for_
         finally:
             graph.runtime.mirror_drop("test-mirror")
         assert not [f for f in os.listdir(graph.runtime._mirror_dir[0]) if f.startswith("test-mirror")]
+
+
+@pytest.mark.parametrize("fault_step", [2, pytest.param(1, marks=pytest.mark.slow)])
+def test_a_mirror_file_that_cannot_be_written_falls_back_to_fetched_snapshots(graph, reference, fault_step):
+    """Worker 1 cannot write its file of step 1's snapshot (made a link to /dev/full: the write fails with an
+    OSError, as on a full /dev/shm). Training goes on; that snapshot does not count and the later ones are fetched
+    to the controller, said in one warning. A worker killed in step 2 (re-run from step 0's snapshot) or in step 3
+    (from step 2's fetched one) is recovered bit for bit; no mirror file is left."""
+    from dtorch.recovery.snapshot import Fetch
+
+    t = Trainer(graph)
+    where = graph.runtime._mirror_dir[0]
+    full = os.path.join(where, f"{t.snap._mirror.name}-1-1")  # slot 1 (step 1's snapshot), worker 1's file
+    os.symlink("/dev/full", full)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = t.run(fault=(fault_step, 2, reference[2][0] // 2, "kill"))
+    _same(got, reference)
+    (event,) = t.snap.events
+    assert (event.step, event.devices) == (fault_step + 1, (2,))
+    said = [str(w.message) for w in caught if "could not be kept in shared memory" in str(w.message)]
+    if fault_step == 2:  # (a fault in step 2 may come before the controller read why: the snapshot then just fails)
+        assert len(said) == 1 and "snapshot of step 1" in said[0] and "worker 1: " in said[0], said
+        assert "/dev/shm" in said[0] and "--shm-size" in said[0]
+    t.snap.wait()
+    assert t.snap.taken_at == STEPS and isinstance(t.snap._kept, Fetch) == bool(said)
+    assert not os.path.islink(full)  # (the worker removed it; a later snapshot in slot 1 may have written the file)
+    assert bool(said) == (not [f for f in os.listdir(where) if f.startswith(t.snap._mirror.name + "-")])
 
 
 def test_off_and_op_errors_raise_as_without_recovery(graph, reference):

@@ -8,6 +8,7 @@ import concurrent.futures
 import contextlib
 import glob
 import os
+import pickle
 import struct
 import threading
 
@@ -188,6 +189,20 @@ class MirrorCopy:
     def __init__(self, pool, paths: dict, sizes: dict, token: int, layout: list):
         self.pool, self.paths, self.sizes, self.token, self.layout = pool, paths, sizes, token, layout
         self.nbytes = sum(pp.nbytes(block[2], entry[0]) for entry in layout for block in entry[3])
+        self._failure = None
+
+    def failure(self) -> str | None:
+        """Why a worker could not write its file (an OSError: /dev/shm full), else None (written, or not yet):
+        the workers' ``rec.MIRROR_FAILED`` answers, read once from the pool's store."""
+        if self._failure is None and self.pool.store is not None:
+            key, client = f"{rec.MIRROR_FAILED}/{self.token}", self.pool.client
+            if client.check([f"{key}/all"]):
+                why = [f"worker {r}: {pickle.loads(client.get(f'{key}/{r}'))}" for r in sorted(self.paths)
+                       if client.check([f"{key}/{r}"])]
+                for k in [key, f"{key}/all", *(f"{key}/{r}" for r in self.paths)]:
+                    client.delete_key(k)
+                self._failure = "; ".join(why)
+        return self._failure
 
     def done(self) -> bool:
         for r, path in self.paths.items():
@@ -207,7 +222,8 @@ class MirrorCopy:
             if self.pool.store is None:
                 raise RuntimeBackendError("the workers writing this snapshot's mirror were stopped before they "
                                           "finished it")
-            self.pool.wait(self.done, "the workers to write the snapshot's blocks to shared memory")
+            self.pool.wait(lambda: self.done() or self.failure() is not None,
+                           "the workers to write the snapshot's blocks to shared memory")
 
     def values(self, only=None) -> list:
         """Each tensor's host copy (``only``: of the tensors at these indices)."""
