@@ -271,6 +271,39 @@ def test_a_mirror_file_that_cannot_be_written_falls_back_to_fetched_snapshots(gr
     assert bool(said) == (not [f for f in os.listdir(where) if f.startswith(t.snap._mirror.name + "-")])
 
 
+def test_no_room_in_dev_shm_for_a_snapshot_fetches_that_snapshot(graph, reference, monkeypatch):
+    """/dev/shm has no room for step 1's mirror files, known before they are written: that snapshot is fetched to
+    the controller, and so are the later ones, said in one warning; a worker killed in step 2 is recovered from
+    the fetched snapshot bit for bit, and the older mirror files are gone."""
+    from dtorch.recovery.snapshot import Fetch
+    from dtorch.runtime import process_plan
+
+    t = Trainer(graph)
+    real, calls = t.step, []
+
+    def step(ids):
+        calls.append(1)
+        if len(calls) == 1:  # (step 0's snapshot is in the mirror files; slot 1 has none yet to overwrite)
+            monkeypatch.setattr(process_plan, "free_bytes", lambda path: 0)
+        if len(calls) == 2:
+            t.snap.wait()  # step 1's fetched snapshot counts before the fault (else step 0's would be restored)
+        return real(ids)
+
+    t.step = step
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = t.run(fault=(1, 1, (reference[2][0] + reference[2][1]) // 2, "kill"))
+    _same(got, reference)
+    assert [(e.step, e.devices) for e in t.snap.events] == [(2, (1,))]
+    assert len(calls) == STEPS + 1  # only step 2 ran again: step 1's fetched snapshot counted
+    (said,) = [str(w.message) for w in caught if "could not be kept in shared memory" in str(w.message)]
+    assert "snapshot of step 1" in said and "[Errno 28]" in said and "fetched to the controller instead" in said
+    t.snap.wait()
+    assert isinstance(t.snap._kept, Fetch) and t.snap.taken_at == STEPS
+    where = graph.runtime._mirror_dir[0]
+    assert not [f for f in os.listdir(where) if f.startswith(t.snap._mirror.name + "-")]
+
+
 def test_off_and_op_errors_raise_as_without_recovery(graph, reference):
     t = Trainer(graph)
     try:

@@ -160,7 +160,13 @@ class Snapshot:
                      for p, s in opt.state.items()}
             groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
         tensors = _owned_tensors(self.model, opt)
-        values = (self._mirror.begin(tensors, self._kept) if self._mirroring else None) or Fetch(tensors)
+        values = None
+        if self._mirroring:
+            try:
+                values = self._mirror.begin(tensors, self._kept)
+            except OSError as full:  # no room in /dev/shm, known before the workers write: this one is fetched
+                self._mirror_failed(step, str(full), fetched=True)
+        values = values or Fetch(tensors)
         self._pending = (step, values, (state, groups, torch.random.get_rng_state()))
 
     def _settle(self, wait: bool) -> None:
@@ -181,18 +187,20 @@ class Snapshot:
         if not self._mirroring:
             self._mirror.close()  # a fetched snapshot counts: the older mirror files go (room in /dev/shm)
 
-    def _mirror_failed(self, step: int, why: str) -> None:
-        """A worker could not write the snapshot of ``step`` into its mirror file: it does not count (the steps
-        since the previous one stay logged, so a fault re-runs them from it, with the same bits), and the values
-        are fetched to the controller from now on. Said once: it does not happen again to this snapshot."""
+    def _mirror_failed(self, step: int, why: str, fetched: bool = False) -> None:
+        """The snapshot of ``step`` could not be kept in the workers' mirror files: it is fetched to the controller
+        instead (``fetched``: the room was known to be short before the write), or else a worker's write failed
+        and it does not count (the steps since the previous one stay logged, so a fault re-runs them from it,
+        with the same bits). Either way the values are fetched from now on; said once."""
         self._mirroring = False
+        what = ("it is fetched to the controller instead" if fetched else
+                f"it does not count (a lost device now re-runs from the snapshot of step {self.taken_at})")
         warnings.warn(
-            f"dtorch.recovery: the snapshot of step {step} could not be kept in shared memory ({why}); it does not "
-            f"count (a lost device now re-runs from the snapshot of step {self.taken_at}), and from now on this "
-            "snapshot fetches its values to the controller after each snapshot step instead of the workers' mirror "
-            "files (slower: docs/benchmarks.md). To keep the mirror, make room in /dev/shm: it needs about "
-            "twice the model's and optimizer's bytes (`df -h /dev/shm`; in a container, a larger --shm-size).",
-            RuntimeWarning, stacklevel=2)
+            f"dtorch.recovery: the snapshot of step {step} could not be kept in shared memory ({why}); {what}, and "
+            "from now on this snapshot fetches its values to the controller after each snapshot step instead of "
+            "keeping them in the workers' mirror files (slower: docs/benchmarks.md). To keep the mirror, make room "
+            "in /dev/shm: it needs about twice the model's and optimizer's bytes (`df -h /dev/shm`; in a "
+            "container, a larger --shm-size).", RuntimeWarning, stacklevel=2)
 
     def wait(self) -> None:
         """Wait until the snapshot being collected (that of the latest step) counts; ``taken_at`` is then that

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import glob
 import os
 import pickle
@@ -91,7 +92,8 @@ class Recovery:
         """Each worker writes its blocks of these tensors (their values after the work queued so far) into its
         own file ``<name>-<rank>`` of this runtime's mirror directory in shared memory; returns the
         ``MirrorCopy`` that reads them back, or None where the workers do not all see this host's shared
-        memory (other hosts, DTORCH_PROCESS_SHM=0, the ray backend): fetch the values instead."""
+        memory (other hosts, DTORCH_PROCESS_SHM=0, the ray backend): fetch the values instead. Raises an
+        OSError (ENOSPC), queueing nothing, where shared memory has no room for the files."""
         with self._lock:
             pool = self._pool
             ranks = set(range(self._world))
@@ -116,9 +118,10 @@ class Recovery:
                     items[r].append((hid, offset))
                     blocks.append((r, offset, shape, spec.local_box(coord), coord))
                 layout.append((spec.dtype, tuple(spec.shape), spec.partial_dims() != [], blocks, _layout_key(spec), n))
+            paths = {r: os.path.join(self._mirror_dir[0], f"{name}-{r}") for r in ranks}
+            _check_room(self._mirror_dir[0], paths, sizes)
             token = next(self._ids)
             self._note(("mirror", f"{len(layout)} tensors"))  # one op: a test's fault may hit the mirror's write
-            paths = {r: os.path.join(self._mirror_dir[0], f"{name}-{r}") for r in ranks}
             for r in ranks:
                 self._buf[r].append(rec.Mirror(paths[r], tuple(items[r]), sizes[r], token))
             self.flush()
@@ -169,6 +172,21 @@ def _layout_key(spec) -> tuple:
     return mesh.device_type, tuple(mesh.device_ids), tuple(mesh.shape), tuple(spec.placements), tuple(spec.shape), \
         spec.dtype
 _TRAILER = struct.Struct("<q")  # after the blocks: the token of the write that completed them
+
+
+def _check_room(where: str, paths: dict, sizes: dict) -> None:
+    """Raise an OSError (ENOSPC) where the files ``paths`` (``sizes`` bytes of blocks each, then a token) do not
+    fit in ``where``'s file system: its free bytes, and those of the older files they overwrite. (Known short
+    before the write: this snapshot is fetched. Short only while the workers write: they answer the OSError.)"""
+    need = sum(sizes[r] + _TRAILER.size for r in paths)
+    reused = 0
+    for path in paths.values():
+        with contextlib.suppress(OSError):
+            reused += os.stat(path).st_size
+    free = pp.free_bytes(where)
+    if need > free + reused:
+        raise OSError(errno.ENOSPC, f"the snapshot's mirror files need {need / 2**20:.1f} MiB in {where} and its "
+                      f"file system has {(free + reused) / 2**20:.1f} MiB for them")
 
 
 def _mirrored_coords(spec, n: int) -> list:
