@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import warnings
 
 import pytest
 import torch
@@ -242,6 +243,67 @@ def test_the_mirror_gives_back_uneven_shards_replicas_and_partial_terms_bit_for_
         assert not [f for f in os.listdir(graph.runtime._mirror_dir[0]) if f.startswith("test-mirror")]
 
 
+@pytest.mark.parametrize("fault_step", [2, pytest.param(1, marks=pytest.mark.slow)])
+def test_a_mirror_file_that_cannot_be_written_falls_back_to_fetched_snapshots(graph, reference, fault_step):
+    """Worker 1 cannot write its file of step 1's snapshot (made a link to /dev/full: the write fails with an
+    OSError, as on a full /dev/shm). Training goes on; that snapshot does not count and the later ones are fetched
+    to the controller, said in one warning. A worker killed in step 2 (re-run from step 0's snapshot) or in step 3
+    (from step 2's fetched one) is recovered bit for bit; no mirror file is left."""
+    from dtorch.recovery.snapshot import Fetch
+
+    t = Trainer(graph)
+    where = graph.runtime._mirror_dir[0]
+    full = os.path.join(where, f"{t.snap._mirror.name}-1-1")  # slot 1 (step 1's snapshot), worker 1's file
+    os.symlink("/dev/full", full)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = t.run(fault=(fault_step, 2, reference[2][0] // 2, "kill"))
+    _same(got, reference)
+    (event,) = t.snap.events
+    assert (event.step, event.devices) == (fault_step + 1, (2,))
+    said = [str(w.message) for w in caught if "could not be kept in shared memory" in str(w.message)]
+    if fault_step == 2:  # (a fault in step 2 may come before the controller read why: the snapshot then just fails)
+        assert len(said) == 1 and "snapshot of step 1" in said[0] and "worker 1: " in said[0], said
+        assert "/dev/shm" in said[0] and "--shm-size" in said[0]
+    t.snap.wait()
+    assert t.snap.taken_at == STEPS and isinstance(t.snap._kept, Fetch) == bool(said)
+    assert not os.path.islink(full)  # (the worker removed it; a later snapshot in slot 1 may have written the file)
+    assert bool(said) == (not [f for f in os.listdir(where) if f.startswith(t.snap._mirror.name + "-")])
+
+
+def test_no_room_in_dev_shm_for_a_snapshot_fetches_that_snapshot(graph, reference, monkeypatch):
+    """/dev/shm has no room for step 1's mirror files, known before they are written: that snapshot is fetched to
+    the controller, and so are the later ones, said in one warning; a worker killed in step 2 is recovered from
+    the fetched snapshot bit for bit, and the older mirror files are gone."""
+    from dtorch.recovery.snapshot import Fetch
+    from dtorch.runtime import process_plan
+
+    t = Trainer(graph)
+    real, calls = t.step, []
+
+    def step(ids):
+        calls.append(1)
+        if len(calls) == 1:  # (step 0's snapshot is in the mirror files; slot 1 has none yet to overwrite)
+            monkeypatch.setattr(process_plan, "free_bytes", lambda path: 0)
+        if len(calls) == 2:
+            t.snap.wait()  # step 1's fetched snapshot counts before the fault (else step 0's would be restored)
+        return real(ids)
+
+    t.step = step
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = t.run(fault=(1, 1, (reference[2][0] + reference[2][1]) // 2, "kill"))
+    _same(got, reference)
+    assert [(e.step, e.devices) for e in t.snap.events] == [(2, (1,))]
+    assert len(calls) == STEPS + 1  # only step 2 ran again: step 1's fetched snapshot counted
+    (said,) = [str(w.message) for w in caught if "could not be kept in shared memory" in str(w.message)]
+    assert "snapshot of step 1" in said and "[Errno 28]" in said and "fetched to the controller instead" in said
+    t.snap.wait()
+    assert isinstance(t.snap._kept, Fetch) and t.snap.taken_at == STEPS
+    where = graph.runtime._mirror_dir[0]
+    assert not [f for f in os.listdir(where) if f.startswith(t.snap._mirror.name + "-")]
+
+
 def test_off_and_op_errors_raise_as_without_recovery(graph, reference):
     t = Trainer(graph)
     try:
@@ -265,6 +327,11 @@ def test_off_and_op_errors_raise_as_without_recovery(graph, reference):
         with pytest.raises(WorkerError, match="ZeroDivisionError") as err:
             t.snap.run_step(bad_step)
         assert err.value.lost_devices == () and t.snap.events == []
+
+
+def test_inject_fault_names_the_kinds_its_backend_has(graph, reference):
+    with using(graph), pytest.raises(ValueError, match=r"kind is one of 'kill', 'stop' on the process backend"):
+        dtorch.recovery.inject_fault(0, at_op=1, kind="ray_kill")  # (ray.kill: the ray backend's)
 
 
 def lose_device_at_second_optimizer_step(monkeypatch, device: int) -> list:
@@ -298,7 +365,8 @@ def test_dtorch_train_recover_replace_reports_the_event_and_keeps_the_loss_curve
 
 
 @pytest.mark.slow
-def test_ray_backend_replaces_a_killed_actor_bit_for_bit(ray_cluster):
+@pytest.mark.parametrize("kind", ["ray_kill", "kill"])  # ray.kill from the controller; the actor's own SIGKILL
+def test_ray_backend_replaces_a_killed_actor_bit_for_bit(ray_cluster, kind):
     from .conftest import ray_graph
 
     g = ray_graph(workers=4, heartbeat_timeout_s=HEARTBEAT_S)
@@ -307,10 +375,13 @@ def test_ray_backend_replaces_a_killed_actor_bit_for_bit(ray_cluster):
         want = ref.run()
         t = Trainer(g)
         old = g.worker_pids()
-        got = t.run(fault=(1, 2, (ref.phases[0] + ref.phases[1]) // 2, "kill"))
+        got = t.run(fault=(1, 2, (ref.phases[0] + ref.phases[1]) // 2, kind))
         _same(got, want)
-        assert [(e.step, e.devices) for e in t.snap.events] == [(2, (2,))]
+        (event,) = t.snap.events
+        assert (event.step, event.devices) == (2, (2,)) and event.rebuilt == len(t.snap.tensors())
+        assert "device actor 2 " in event.reason and " died " in event.reason, event.reason
         assert wait_gone(list(old.values())) == []
+        assert sorted(g.worker_pids()) == [0, 1, 2, 3] and not set(g.worker_pids().values()) & set(old.values())
     finally:
         g.runtime.shutdown()
 

@@ -7,6 +7,7 @@ the step of the fault (same batches, from the same values).
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 import torch
@@ -247,12 +248,50 @@ def test_ray_backend_shrinks_dp4_to_dp3(ray_cluster, shrink_mode):
     try:
         want = reference(g, DP4, DP3, switch_at=1)
         t = Shrinking(g, DP4)
-        got = t.run(fault=(1, 2, (want[2][0] + want[2][1]) // 2, "kill"))
+        got = t.run(fault=(1, 2, (want[2][0] + want[2][1]) // 2, "ray_kill"))  # ray.kill of actor 2
         _close(got, want)
         assert [(e.step, e.devices, e.mesh) for e in t.snap.events] == [(2, (2,), "cpu[dp=3]")]
+        assert "device actor 2 " in t.snap.events[0].reason and t.snap.events[0].rebuilt > 0
         assert sorted(g.worker_pids()) == [0, 1, 2]
     finally:
         g.runtime.shutdown()
+
+
+# -- the acceptance sweep for shrink: dp4 -> dp3, a worker SIGKILLed at random ops, 20 runs ----------------------
+SWEEP = 20
+
+
+@pytest.fixture(scope="module")
+def dp4_sweep(graph):
+    """(the faults: (step, device, op within the step, where), {step: the uninterrupted run switching to dp3 at
+    that step}); the faults placed in forward, backward, optimizer step and at redistribution steps, in turn."""
+    graph.runtime.min_workers = 4
+    t = Shrinking(graph, DP4)
+    t.run()
+    kinds, (fwd, bwd, _) = t.kinds(), t.phases
+    rng = random.Random(2727)
+    where = {"forward": range(fwd), "backward": range(fwd, bwd), "optimizer": range(bwd, len(kinds)),
+             "redistribution": [i for i, k in enumerate(kinds) if k == "step"]}
+    faults = []
+    for n in range(SWEEP):
+        phase = list(where)[n % 4]
+        faults.append((rng.randrange(STEPS), rng.randrange(4), rng.choice(list(where[phase])) + 1, phase))
+    wants = {step: reference(graph, DP4, DP3, switch_at=step)[:2] for step in sorted({f[0] for f in faults})}
+    return faults, wants
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", range(SWEEP))
+def test_dp4_training_shrinks_to_dp3_at_random_ops(graph, shrink_mode, dp4_sweep, run):
+    step, device, op, phase = dp4_sweep[0][run]
+    graph.runtime.min_workers = 4  # (the run before shrank the pool)
+    t = Shrinking(graph, DP4)
+    old, shm_before = graph.worker_pids(), _shm_dirs()
+    got = t.run(fault=(step, device, op, "kill"))
+    _close(got, dp4_sweep[1][step])
+    assert [(e.step, e.devices, e.mesh) for e in t.snap.events] == [(step + 1, (device,), "cpu[dp=3]")], phase
+    assert wait_gone(list(old.values())) == [] and sorted(graph.worker_pids()) == [0, 1, 2]
+    assert len(_shm_dirs()) == len(shm_before)
 
 
 assert STEPS == 3  # the tests above place faults in steps 2 and 3

@@ -46,5 +46,6 @@ def run_step(fn, *args, **kwargs):
 
 def inject_fault(device: int, at_op: int, kind: str = "kill", graph=None) -> None:
     """Tests: lose ``device``'s worker just before the ``at_op``-th op issued from now (1: the next op), by
-    SIGKILL (``kind="kill"``) or SIGSTOP (``"stop"``: a hang, noticed after the heartbeat timeout)."""
+    SIGKILL (``kind="kill"``) or SIGSTOP (``"stop"``: a hang, noticed after the heartbeat timeout), or on the ray
+    backend by ``ray.kill`` of its actor from the controller (``"ray_kill"``)."""
     resolve_graph(graph).runtime.inject_fault(device, at_op, kind)

@@ -12,6 +12,10 @@ shrink) are global values assembled from them (``Snapshot.global_values``).
 Two slots per snapshot: the one being written never is the one that counts, so a worker killed mid-write
 leaves the previous snapshot whole (a file ends with the token of the write that completed it). The files go
 when the snapshot is closed or dropped, and with the backend's directory at its shutdown.
+
+A worker that cannot write its file (/dev/shm full: ENOSPC) removes it and says why (``MirrorCopy.failure``);
+that snapshot does not count (the previous one stands, as for a worker killed mid-write), and the snapshot
+fetches its values to the controller from then on (``Snapshot._mirror_failed``: one warning, then the files go).
 """
 from __future__ import annotations
 
@@ -23,14 +27,17 @@ _names = itertools.count(1)
 
 class Mirrored:
     """The values of ``tensors`` as one ``mirror_many`` asked the workers to write them (``copy``: the backend's
-    ``MirrorCopy``), with the interface of ``snapshot.Fetch``: ``succeeded``, ``wait``, ``values``, ``nbytes``,
-    ``place_direct``."""
+    ``MirrorCopy``), with the interface of ``snapshot.Fetch``: ``succeeded``, ``failure``, ``wait``, ``values``,
+    ``nbytes``, ``place_direct``."""
 
     def __init__(self, tensors, copy, slot: int):
         self.tensors, self.copy, self.slot = list(tensors), copy, slot
 
     def succeeded(self) -> bool:
         return self.copy.done()
+
+    def failure(self) -> str | None:
+        return self.copy.failure()  # (a worker could not write its file: /dev/shm full)
 
     def fault(self, timeout: float):
         return None  # (no thread of ours collects: a fault meets the step's own waits)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import time
+import warnings
 
 import torch
 
@@ -56,6 +57,9 @@ class Fetch:
     def succeeded(self) -> bool:
         """All collected, without a fault (does not wait)."""
         return self.future is None or (self.future.done() and self.future.exception() is None)
+
+    def failure(self) -> str | None:
+        return None  # (a fetch that fails is a lost device: ``fault``)
 
     def fault(self, timeout: float):
         """The lost-device report that ended the collection (waiting up to ``timeout`` for it), else None. The
@@ -132,6 +136,7 @@ class Snapshot:
         # backend can (``mirror.py``), else a ``Fetch`` (host copies)
         self._kept = None
         self._mirror = Mirror(self.graph.runtime)
+        self._mirroring = True  # False once a worker could not write its mirror file: fetched from then on
         self._host: tuple = ({}, [], None)  # optimizer state {param: {key: tensor or host value}}, groups, RNG
         self._pending = None  # (step, Fetch or Mirrored, host state) of a snapshot being collected
         # (step number, fn, args, kwargs, dtorch tensor arguments with host copies) of the steps since the snapshot
@@ -155,7 +160,13 @@ class Snapshot:
                      for p, s in opt.state.items()}
             groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
         tensors = _owned_tensors(self.model, opt)
-        values = self._mirror.begin(tensors, self._kept) or Fetch(tensors)
+        values = None
+        if self._mirroring:
+            try:
+                values = self._mirror.begin(tensors, self._kept)
+            except OSError as full:  # no room in /dev/shm, known before the workers write: this one is fetched
+                self._mirror_failed(step, str(full), fetched=True)
+        values = values or Fetch(tensors)
         self._pending = (step, values, (state, groups, torch.random.get_rng_state()))
 
     def _settle(self, wait: bool) -> None:
@@ -164,13 +175,32 @@ class Snapshot:
         if self._pending is None:
             return
         step, values, host = self._pending
-        if not wait and not values.succeeded():
+        if not wait and not values.succeeded() and values.failure() is None:
             return
         self._pending = None
         values.wait()
+        if values.failure() is not None:
+            return self._mirror_failed(step, values.failure())
         self._kept, self._host, self.taken_at = values, host, step
         self.nbytes = values.nbytes()
         self._log = [entry for entry in self._log if entry[0] > step]
+        if not self._mirroring:
+            self._mirror.close()  # a fetched snapshot counts: the older mirror files go (room in /dev/shm)
+
+    def _mirror_failed(self, step: int, why: str, fetched: bool = False) -> None:
+        """The snapshot of ``step`` could not be kept in the workers' mirror files: it is fetched to the controller
+        instead (``fetched``: the room was known to be short before the write), or else a worker's write failed
+        and it does not count (the steps since the previous one stay logged, so a fault re-runs them from it,
+        with the same bits). Either way the values are fetched from now on; said once."""
+        self._mirroring = False
+        what = ("it is fetched to the controller instead" if fetched else
+                f"it does not count (a lost device now re-runs from the snapshot of step {self.taken_at})")
+        warnings.warn(
+            f"dtorch.recovery: the snapshot of step {step} could not be kept in shared memory ({why}); {what}, and "
+            "from now on this snapshot fetches its values to the controller after each snapshot step instead of "
+            "keeping them in the workers' mirror files (slower: docs/benchmarks.md). To keep the mirror, make room "
+            "in /dev/shm: it needs about twice the model's and optimizer's bytes (`df -h /dev/shm`; in a "
+            "container, a larger --shm-size).", RuntimeWarning, stacklevel=2)
 
     def wait(self) -> None:
         """Wait until the snapshot being collected (that of the latest step) counts; ``taken_at`` is then that

@@ -222,6 +222,14 @@ def shm_reachable(where) -> str | None:
         return None
 
 
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged process may still write to the file system holding ``path``."""
+    import os
+
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
 def shm_write(path: str, t: torch.Tensor) -> int:
     """Write ``t``'s bytes to a new file ``path``; returns their count."""
     b = as_bytes(t.detach().cpu())

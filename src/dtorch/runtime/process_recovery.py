@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
 import glob
 import os
+import pickle
 import struct
 import threading
 
@@ -18,6 +20,9 @@ from . import process_plan as pp
 from . import protocol as rec
 
 
+WORKER_FAULTS = ("kill", "stop")  # the fault record's kinds: the worker sends itself SIGKILL or SIGSTOP
+
+
 class Recovery:
     def worker_pids(self) -> dict:
         with self._lock:
@@ -25,12 +30,16 @@ class Recovery:
             return {} if pool is None else {r: pool.pid(r) for r in range(self._world)}
 
     def inject_fault(self, device: int, at_op: int, kind: str = "kill") -> None:
-        """Worker ``device`` SIGKILLs or SIGSTOPs itself just before the ``at_op``-th op (kernel, step, put, get)
-        issued from now: the fault record is queued in order, so where it dies does not depend on timing."""
-        if kind not in ("kill", "stop") or not (isinstance(at_op, int) and at_op >= 1) or \
+        """Lose worker ``device`` just before the ``at_op``-th op (kernel, step, put, get) issued from now: it
+        SIGKILLs or SIGSTOPs itself at a fault record queued in order (``kind`` "kill", "stop"), or the transport
+        kills it from here once it ran the ops before (``Transport.fault_kinds``: the ray backend's "ray_kill",
+        ``ray.kill`` of its actor). Either way where it dies does not depend on timing."""
+        kinds = WORKER_FAULTS + self.transport.fault_kinds
+        if kind not in kinds or not (isinstance(at_op, int) and at_op >= 1) or \
                 self._pool is None or not 0 <= device < self._world:
-            raise ValueError(f"inject_fault(device={device}, at_op={at_op!r}, kind={kind!r}): kind is 'kill' or 'stop', "
-                             f"at_op >= 1 (1: the next op), device a running worker's id (0..{self._world - 1})")
+            raise ValueError(f"inject_fault(device={device}, at_op={at_op!r}, kind={kind!r}): kind is one of "
+                             f"{', '.join(map(repr, kinds))} on the {self.transport.name} backend, at_op >= 1 (1: the "
+                             f"next op), device a running worker's id (0..{self._world - 1})")
         fire = self.stats["ops"] + at_op
         note = type(self)._note.__get__(self)
 
@@ -38,7 +47,11 @@ class Recovery:
             seq = note(what)
             if self.stats["ops"] == fire:
                 del self._note
-                self._buf.setdefault(device, []).append(rec.Fault(kind))
+                if kind in WORKER_FAULTS:
+                    self._buf.setdefault(device, []).append(rec.Fault(kind))
+                else:  # the ops before this one go out; once the worker ran them, it is lost
+                    self.flush()
+                    self.transport.inflict(self._pool, device, kind)
             return seq
 
         self._note = armed
@@ -79,7 +92,8 @@ class Recovery:
         """Each worker writes its blocks of these tensors (their values after the work queued so far) into its
         own file ``<name>-<rank>`` of this runtime's mirror directory in shared memory; returns the
         ``MirrorCopy`` that reads them back, or None where the workers do not all see this host's shared
-        memory (other hosts, DTORCH_PROCESS_SHM=0, the ray backend): fetch the values instead."""
+        memory (other hosts, DTORCH_PROCESS_SHM=0, the ray backend): fetch the values instead. Raises an
+        OSError (ENOSPC), queueing nothing, where shared memory has no room for the files."""
         with self._lock:
             pool = self._pool
             ranks = set(range(self._world))
@@ -104,9 +118,10 @@ class Recovery:
                     items[r].append((hid, offset))
                     blocks.append((r, offset, shape, spec.local_box(coord), coord))
                 layout.append((spec.dtype, tuple(spec.shape), spec.partial_dims() != [], blocks, _layout_key(spec), n))
+            paths = {r: os.path.join(self._mirror_dir[0], f"{name}-{r}") for r in ranks}
+            _check_room(self._mirror_dir[0], paths, sizes)
             token = next(self._ids)
             self._note(("mirror", f"{len(layout)} tensors"))  # one op: a test's fault may hit the mirror's write
-            paths = {r: os.path.join(self._mirror_dir[0], f"{name}-{r}") for r in ranks}
             for r in ranks:
                 self._buf[r].append(rec.Mirror(paths[r], tuple(items[r]), sizes[r], token))
             self.flush()
@@ -159,6 +174,21 @@ def _layout_key(spec) -> tuple:
 _TRAILER = struct.Struct("<q")  # after the blocks: the token of the write that completed them
 
 
+def _check_room(where: str, paths: dict, sizes: dict) -> None:
+    """Raise an OSError (ENOSPC) where the files ``paths`` (``sizes`` bytes of blocks each, then a token) do not
+    fit in ``where``'s file system: its free bytes, and those of the older files they overwrite. (Known short
+    before the write: this snapshot is fetched. Short only while the workers write: they answer the OSError.)"""
+    need = sum(sizes[r] + _TRAILER.size for r in paths)
+    reused = 0
+    for path in paths.values():
+        with contextlib.suppress(OSError):
+            reused += os.stat(path).st_size
+    free = pp.free_bytes(where)
+    if need > free + reused:
+        raise OSError(errno.ENOSPC, f"the snapshot's mirror files need {need / 2**20:.1f} MiB in {where} and its "
+                      f"file system has {(free + reused) / 2**20:.1f} MiB for them")
+
+
 def _mirrored_coords(spec, n: int) -> list:
     """The devices whose blocks a mirror keeps: one replica of each block (the ``n``-th tensor takes replica
     ``n`` mod the dim's size, so that the writing spreads over the workers), every device of a Partial tensor
@@ -177,6 +207,20 @@ class MirrorCopy:
     def __init__(self, pool, paths: dict, sizes: dict, token: int, layout: list):
         self.pool, self.paths, self.sizes, self.token, self.layout = pool, paths, sizes, token, layout
         self.nbytes = sum(pp.nbytes(block[2], entry[0]) for entry in layout for block in entry[3])
+        self._failure = None
+
+    def failure(self) -> str | None:
+        """Why a worker could not write its file (an OSError: /dev/shm full), else None (written, or not yet):
+        the workers' ``rec.MIRROR_FAILED`` answers, read once from the pool's store."""
+        if self._failure is None and self.pool.store is not None:
+            key, client = f"{rec.MIRROR_FAILED}/{self.token}", self.pool.client
+            if client.check([f"{key}/all"]):
+                why = [f"worker {r}: {pickle.loads(client.get(f'{key}/{r}'))}" for r in sorted(self.paths)
+                       if client.check([f"{key}/{r}"])]
+                for k in [key, f"{key}/all", *(f"{key}/{r}" for r in self.paths)]:
+                    client.delete_key(k)
+                self._failure = "; ".join(why)
+        return self._failure
 
     def done(self) -> bool:
         for r, path in self.paths.items():
@@ -196,7 +240,8 @@ class MirrorCopy:
             if self.pool.store is None:
                 raise RuntimeBackendError("the workers writing this snapshot's mirror were stopped before they "
                                           "finished it")
-            self.pool.wait(self.done, "the workers to write the snapshot's blocks to shared memory")
+            self.pool.wait(lambda: self.done() or self.failure() is not None,
+                           "the workers to write the snapshot's blocks to shared memory")
 
     def values(self, only=None) -> list:
         """Each tensor's host copy (``only``: of the tensors at these indices)."""

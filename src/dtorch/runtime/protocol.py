@@ -109,9 +109,13 @@ class MirrorRead(Record):
     offset: int
 
 
+MIRROR_FAILED = "mirror-failed"  # the kind of a worker's answer to a ``Mirror`` record it could not write
+
+
 class Mirror(Record):
     """Write these blocks ((handle id, byte offset), ...) into the file ``path`` (shared memory, ``size`` bytes
-    of blocks), then ``token`` after them: a snapshot's copy the worker keeps (``process_recovery.mirror_many``)."""
+    of blocks), then ``token`` after them: a snapshot's copy the worker keeps (``process_recovery.mirror_many``).
+    A write that fails (an OSError: /dev/shm full) is answered, as ``MIRROR_FAILED`` request ``token``, with why."""
     path: str
     items: tuple
     size: int

@@ -122,6 +122,11 @@ class RayTransport(Transport):
     def reset(self) -> None:
         self.pool_alive = False
 
+    fault_kinds = ("ray_kill",)
+
+    def inflict(self, pool: "RayPool", rank: int, kind: str) -> None:
+        pool.kill(rank)
+
     def resize(self, pool: "RayPool", old: int, world: int, backend: str, cuda: bool) -> None:
         pool.resize(world, backend, cuda)
 
@@ -413,6 +418,14 @@ class RayPool:
 
     def shm_ranks(self) -> set:
         return set()  # the controller's blocks go through Ray's object store, never through self.shm
+
+    def kill(self, rank: int) -> None:
+        """Tests of recovery: ``ray.kill`` actor ``rank`` once it ran every call made to it (its peers' calls
+        went out too, so that its collectives complete): it is lost between two ops, as Ray loses an actor whose
+        node or process goes. Its next call fails, which ``check`` reports as for any actor that died."""
+        if rank in self.last:
+            self.results([self.last[rank]], f"device actor {rank} to run its ops before the injected ray.kill")
+        ray.kill(self.actors[rank], no_restart=True)
 
     # -- stopping --------------------------------------------------------------------------------------
     def stop(self, clean: bool, grace: float = 5.0) -> None:

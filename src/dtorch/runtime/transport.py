@@ -68,6 +68,13 @@ class Transport:
     def reset(self) -> None:
         """The pool is gone (a fault or a shutdown): forget what belonged to it."""
 
+    # faults the controller itself inflicts on a worker (``inject_fault``; "kill" and "stop" are the worker's own)
+    fault_kinds: tuple = ()
+
+    def inflict(self, pool, rank: int, kind: str) -> None:
+        """Lose worker ``rank`` by ``kind`` (one of ``fault_kinds``), once it ran every record pushed to it."""
+        raise NotImplementedError
+
     def stage(self, pool, name: str, block: torch.Tensor, readers: list):
         """What a ``Put`` record carries for ``block``, which the workers ``readers`` read."""
         raise NotImplementedError

@@ -11,6 +11,7 @@ gloo pair (``worker.StoreLink``), or a Ray actor's call and result (``ray_worker
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import inspect
@@ -212,15 +213,22 @@ class Worker(Collectives, ProgramWorker):
     @handles(rec.Mirror)
     def on_mirror(self, r: rec.Mirror):
         _, path, items, size, token = r
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            if os.fstat(fd).st_size != size + 8:
-                os.ftruncate(fd, size + 8)
-            for hid, offset in items:
-                pp.write_at(fd, offset, self.t[hid])
-            os.pwrite(fd, token.to_bytes(8, "little", signed=True), size)  # last: the copy is whole
-        finally:
-            os.close(fd)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                if os.fstat(fd).st_size != size + 8:
+                    os.ftruncate(fd, size + 8)
+                for hid, offset in items:
+                    pp.write_at(fd, offset, self.t[hid])
+                os.pwrite(fd, token.to_bytes(8, "little", signed=True), size)  # last: the copy is whole
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            # (/dev/shm full: ENOSPC) no fault of the step: the partial file goes, its space with it, and the
+            # controller hears why (``MirrorCopy.failure``): it fetches the snapshot's values instead
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            self.link.answer(self, rec.MIRROR_FAILED, token, f"{type(exc).__name__}: {exc}", 1)
 
     @handles(rec.Sync)
     def on_sync(self, r: rec.Sync):
