@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import statistics
 import time
 
@@ -135,10 +136,12 @@ def run_layout(name: str, batch: int, args, hf_base) -> dict:
         for _ in range(2):  # the compiled step traces its first two calls (the optimizer's first step makes state)
             steps["compiled"]()
     times = {k: [] for k in steps}
+    collector = {k: GcTime(clock) for k in steps}
     for _ in range(args.repeats):
         for k, f in steps.items():
             t0 = clock()
-            f()
+            with collector[k]:
+                f()
             times[k].append(clock() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     peak = None
@@ -148,7 +151,32 @@ def run_layout(name: str, batch: int, args, hf_base) -> dict:
         peak = max(s["peak"] for s in graph.get_memory_stats(mesh).values())
         graph.track_memory(False)
     return {"hf": med["hf"], "dtorch": med["dtorch"], "ratio": med["dtorch"] / med["hf"], "first": first,
-            "peak": peak, "compiled": med.get("compiled")}
+            "peak": peak, "compiled": med.get("compiled"),
+            "gc": {k: (c.runs / args.repeats, c.seconds / args.repeats) for k, c in collector.items()}}
+
+
+class GcTime:
+    """The cyclic collector's runs and time inside the ``with`` blocks (``gc.callbacks``)."""
+
+    def __init__(self, clock):
+        self.clock, self.runs, self.seconds, self._t0, self._on = clock, 0, 0.0, 0.0, False
+
+    def _callback(self, phase, info):
+        if not self._on:
+            return
+        if phase == "start":
+            self._t0 = self.clock()
+        else:
+            self.runs += 1
+            self.seconds += self.clock() - self._t0
+
+    def __enter__(self):
+        self._on = True
+        if self._callback not in gc.callbacks:
+            gc.callbacks.append(self._callback)
+
+    def __exit__(self, *exc):
+        self._on = False
 
 
 def main(argv=None):
@@ -169,6 +197,7 @@ def main(argv=None):
     ap.add_argument("--compile", action="store_true",
                     help="also time the step under dtorch.compile (a second model, the same weights): eager and "
                          "compiled in one command")
+    ap.add_argument("--gc", action="store_true", help="print the cyclic collector's runs and seconds per step")
     args = ap.parse_args(argv)
     layouts = args.layouts.split(",")
     for name in layouts:
@@ -192,6 +221,9 @@ def main(argv=None):
             comp = "" if r["compiled"] is None else f" {r['compiled']:.3f} | {r['compiled'] / r['hf']:.2f} |"
             print(f"| {name} | {batch} | {r['hf']:.3f} | {r['dtorch']:.3f} | {r['ratio']:.2f} |{comp} "
                   f"{r['first']['hf']:.4f} / {r['first']['dtorch']:.4f} | {peak} |", flush=True)
+            if args.gc:
+                print("    cyclic collector per step (runs, seconds): " +
+                      ", ".join(f"{k} {n:.1f}, {t:.3f} s" for k, (n, t) in r["gc"].items()), flush=True)
 
 
 if __name__ == "__main__":
