@@ -150,6 +150,22 @@ class InProcessRuntime(Runtime):
             kernel.fn(blocks[n], *[b[n] for b in ins], **kw)
         return target
 
+    def write_grid_call(self, kernel: Kernel, target_spec: DTensorSpec, in_specs, device_args):
+        """``(f, writable, handle of a grid)`` when ``write`` of these specs is one in-place call ``f(target grid,
+        *input grids, **kwargs)`` (for dtorch.compile's backend="inductor" to fuse it), else None. ``writable(h,
+        spec)``: ``h``, or a handle of a private copy when anyone else can see its grid, as ``write`` decides."""
+        if device_args:
+            return None
+        ex = self.executable(kernel, (target_spec,) + tuple(in_specs), ())
+        if not ex.grid or ex.in_reshape is not None:
+            return None
+        return (functools.partial(kernel.fn, lead=ex.nd) if ex.wants_lead else kernel.fn), self._writable, Shards
+
+    def _writable(self, h: Shards, spec: DTensorSpec) -> Shards:
+        if h.grid is None:  # (a stack of the blocks is a grid of its own)
+            return Shards(grid=self.as_grid(h, spec))
+        return h if writable(h.grid) else Shards(grid=private_copy(h.grid))
+
     def alias(self, h: Shards, spec: DTensorSpec) -> Shards:
         # views: new tensor objects on the same storage, so copy-on-write sees the second holder
         if h.grid is not None:
@@ -367,6 +383,18 @@ class _Executable(TrackedRuns, Executable):
         if self.direct and not device_args and self.in_specs and kw is kwargs and f is not None:
             return f, self.tuple_out, Shards
         return None
+
+    def local_call(self, kwargs, device_args):
+        """``(f, handle of a grid)``: ``f(*grids)`` is this executable's run on grids with ``kwargs``, a tensor or a
+        tuple of them (for dtorch.compile's backend="inductor" to fuse it, bound to ``kwargs`` or not); None when
+        a run is more than that one call."""
+        if not self.direct or device_args or not self.in_specs:
+            return None
+        kw, f = self.binding
+        if kw is not kwargs or f is None:
+            f = functools.partial(self.fn, lead=self.nd, **kwargs) if self.wants_lead else \
+                functools.partial(self.fn, **kwargs)
+        return f, Shards
 
     def _grid_inputs(self, handles, kwargs, device_args, leaf=None):
         """The kernel's grid inputs and keyword arguments (per-device values as grid-shaped tensors);
