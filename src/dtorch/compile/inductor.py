@@ -26,6 +26,9 @@ and its reason is kept in ``Compiled.inductor.fallbacks`` (``dtorch.compile.expl
 """
 from __future__ import annotations
 
+import operator
+import weakref
+
 import torch
 
 from .record import Entry, Slot
@@ -39,8 +42,14 @@ class Inductor:
     """The segments of one compiled function's traces, and why some run eagerly (module doc)."""
 
     def __init__(self):
-        self.segments: list[Segment] = []
+        self._segments: list = []  # weak references: a segment lives as long as the replay that calls it
         self.fallbacks: list[str] = []
+
+    @property
+    def segments(self) -> list:
+        """The segments of the replays alive now."""
+        self._segments = [r for r in self._segments if r() is not None]
+        return [r() for r in self._segments]
 
     def fuse(self, order: list[Entry], results: list[Slot]) -> list[Entry]:
         """``order`` with every segment of ``MIN_OPS`` calls or more replaced by one call of a ``Segment``."""
@@ -57,7 +66,7 @@ class Inductor:
                 out += [e for e, _ in reversed(calls)]
             else:
                 seg = Segment(self, calls, read_after)
-                self.segments.append(seg)
+                self._segments.append(weakref.ref(seg))
                 out.append(Entry("device", seg, None, tuple(seg.inputs), {}, seg.outputs or None))
             for e, _ in calls:
                 read_after.update(_slots((e.args, e.kwargs), []))
@@ -134,6 +143,23 @@ def _group(order: list[Entry]) -> list:
     return items
 
 
+def _call(f, args: list, const) -> str:
+    """The source of ``f(*args)``; an ``operator.methodcaller`` or ``itemgetter`` (a bound view kernel:
+    ``x.reshape(*shape)``, ``x[items]``) as the call it makes, which torch.compile traces (it traces neither)."""
+    if type(f) is operator.methodcaller:
+        maker, margs = f.__reduce__()
+        kwargs = {}
+        if maker is not operator.methodcaller:  # (with keyword arguments: a partial of methodcaller)
+            margs, kwargs = maker.args + tuple(margs), maker.keywords
+        name, margs = margs[0], margs[1:]
+        rest = [f"*{const(tuple(margs))}"] if margs else []
+        rest += [f"**{const(dict(kwargs))}"] if kwargs else []
+        return f"{args[0]}.{name}({', '.join(args[1:] + rest)})"
+    if type(f) is operator.itemgetter and len(f.__reduce__()[1]) == 1:  # (a bound index: ``x[items]``)
+        return f"{args[0]}[{const(f.__reduce__()[1][0])}]"
+    return f"{const(f)}({', '.join(args)})"
+
+
 class Segment:
     """Consecutive local calls of a replay as one function, compiled by torch.compile on its second call."""
 
@@ -187,7 +213,7 @@ class Segment:
         body = [f"def segment({', '.join(f's{k}' for k in self.grid_inputs + self.lives)}):"]
         for e, (kind, got) in self.calls:
             if kind == "run":
-                body.append(f"    y = {const(got[0])}({', '.join(f's{s.k}' for s in e.args[0])})")
+                body.append(f"    y = {_call(got[0], [f's{s.k}' for s in e.args[0]], const)}")
                 if len(e.out) == 1:  # (a kernel of one output may return it alone or in a tuple)
                     body.append(f"    s{e.out[0].k} = y[0] if type(y) is tuple else y")
                 else:
@@ -200,7 +226,7 @@ class Segment:
                 body.append(f"    s{e.out.k} = s{e.args[1].k}")
         body.append("    return (" + "".join(f"s{k}, " for k in outs) + ")")
         namespace = dict(consts)
-        n = len(self.owner.segments)
+        n = len(self.owner._segments)
         exec(compile("\n".join(body), f"<dtorch.compile inductor segment {n}>", "exec"), namespace)
         fn = namespace.pop("segment")
         fn.source = "\n".join(body)
@@ -231,8 +257,9 @@ class Segment:
         if self.calls_made == 2:
             self.varying = [[k for k, v in d.items() if type(v) is float and first.get(k) != v]
                             for d, first in zip(lives, self.first_lives)]
-            changed = [k for d, first in zip(lives, self.first_lives) for k, v in d.items()
-                       if type(v) is not float and first.get(k) is not v and first.get(k) != v]
+            changed = [k for d, first in zip(lives, self.first_lives) for k, v in d.items()  # (tensors are inputs)
+                       if type(v) is not float and not isinstance(v, torch.Tensor) and first.get(k) is not v
+                       and first.get(k) != v]
             self.first_lives = None
             if changed:
                 return self._fallback(f"a live value other than a float changes from step to step ({changed[0]!r}):"
@@ -247,10 +274,16 @@ class Segment:
         return self._first_compiled
 
     def _first_compiled(self, *args):
+        import torch._inductor.config  # (not at import: dtorch's import stays light)
+
         try:
-            return self.compiled(*args)
+            # segments are small: compiled in this process, no pool of compile workers to start (seconds on a CPU)
+            with torch._inductor.config.patch(compile_threads=1):
+                return self.compiled(*args)
         except Exception as exc:  # noqa: BLE001 (torch.compile's failures have many types; the function is intact)
-            self._fallback(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+            lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+            why = [ln for ln in lines[1:] if ln.startswith("Explanation:")]  # (dynamo's graph breaks say why)
+            self._fallback(f"{type(exc).__name__}: {'; '.join(lines[:1] + why[:1])}")
             return self.fn(*args)
 
     def _fallback(self, reason: str):
