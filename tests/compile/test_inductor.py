@@ -8,6 +8,8 @@ update); the Llama forward on a mesh and generate are marked slow.
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -106,6 +108,26 @@ def test_a_segment_torch_compile_cannot_take_runs_eagerly_and_says_why(monkeypat
     assert step.stats["replays"] == 4
     assert len(step.inductor.fallbacks) == 1 and "no C++ compiler" in step.inductor.fallbacks[0]
     assert "ran eagerly: " in step.inductor.describe()
+
+
+def test_a_segment_slower_compiled_than_eager_runs_eagerly(monkeypatch):
+    def slow_compile(fn, **kw):
+        def compiled(*args):
+            time.sleep(0.01)  # a compiled call's fixed cost, exaggerated
+            return fn(*args)
+        return compiled
+
+    monkeypatch.setattr(inductor.torch, "compile", slow_compile)
+    mesh = _mesh(2)
+    model = _mlp(mesh)
+    step = dtorch.compile(_forward, backend="inductor")
+    with torch.no_grad():
+        for n in range(10):  # trace, replay, then the segment: eager, compiled (x4), eager, then its choice
+            x = _t(torch.randn(4, 6), mesh, [Shard(0)])
+            assert torch.equal(step(model, x).to_torch(), _forward(model, x).to_torch())
+    (seg,) = step.inductor.segments
+    assert seg.calls_made == 8 and seg.compiled is None and step.inductor.slower == 1
+    assert not step.inductor.fallbacks and "measured faster" in step.inductor.describe()
 
 
 def test_inductor_is_in_process_only_and_says_so():

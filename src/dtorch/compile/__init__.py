@@ -17,6 +17,9 @@ closure and globals, and the values Python read from the torch inputs. A miss tr
 ``max_traces`` traces per function, least recently used dropped). A step that reads a device value back to Python,
 or that the library says it cannot follow (``dtorch.capture.refuse``), runs eagerly every time; ``explain``
 prints why.
+
+``backend="inductor"`` (in-process backend only): the replay's local calls that record no autograd run as segments
+compiled by ``torch.compile`` (compile/inductor.py); values within torch.compile's tolerance of eager's.
 """
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ and its reason is kept in ``Compiled.inductor.fallbacks`` (``dtorch.compile.expl
 from __future__ import annotations
 
 import operator
+import time
 import weakref
 
 import torch
@@ -34,7 +35,7 @@ import torch
 from .record import Entry, Slot
 from .replay import _slots
 
-MIN_OPS = 2  # a segment of one call gains nothing from a compiled graph (its guards cost more than the call)
+MIN_OPS = 3  # a compiled call's fixed cost (guards, wrappers) is more than one or two small kernels take
 _MOVABLE = ("live", "effect", "log", "host")  # entries that read no device value: they may run before a segment
 
 
@@ -44,6 +45,7 @@ class Inductor:
     def __init__(self):
         self._segments: list = []  # weak references: a segment lives as long as the replay that calls it
         self.fallbacks: list[str] = []
+        self.slower = 0  # segments measured slower compiled than eager, run eagerly
 
     @property
     def segments(self) -> list:
@@ -78,6 +80,8 @@ class Inductor:
         lines = [f"inductor: {len(self.segments)} segments ({ops} local calls) handed to torch.compile, "
                  f"{sum(s.compiled is not None for s in self.segments)} compiled so far (a segment compiles on its "
                  "second call)"]
+        if self.slower:
+            lines.append(f"  {self.slower} segments run eagerly: measured faster so (a compiled call's fixed cost)")
         lines += [f"  ran eagerly: {r}" for r in dict.fromkeys(self.fallbacks)]
         return "\n".join(lines)
 
@@ -199,7 +203,7 @@ class Segment:
         self.compiled = None
         self.calls_made = 0
         self.first_lives = None
-        self._trying = False
+        self._times = ([], [])  # seconds of its eager calls and of its compiled calls while it is measured
         self.varying: list = []  # per live dict: the keys whose floats changed between the first two calls
 
     def _source(self, outs: list):
@@ -240,9 +244,12 @@ class Segment:
         for i, writable in self.writes:  # before any grid is taken: the copy-on-write counts references
             handles[i] = writable(handles[i], self.specs[i][0])
         grids = [h.grid if h.grid is not None else rt.as_grid(h, spec) for h, (spec, rt) in zip(handles, self.specs)]
-        fn = self._function(lives)
+        fn, times = self._function(lives)
+        t0 = time.perf_counter()
         with torch.no_grad():
             outs = fn(*grids, *self._lives(lives))
+        if times is not None:
+            times.append(time.perf_counter() - t0)
         del grids
         Sh = self.handle_of
         res = [Sh(grid=y) for y in outs]
@@ -250,11 +257,16 @@ class Segment:
         return res
 
     def _function(self, lives):
+        """The function this call runs, and the list its time goes to while the segment is measured (else None):
+        call 1 eager, call 2 compiles, calls 3-5 compiled and call 6 eager are timed; from call 7 the segment keeps
+        the faster (a compiled call has a fixed cost, its guards and wrappers, that a few tiny kernels do not
+        repay)."""
         self.calls_made += 1
-        if self.calls_made == 1:
+        n = self.calls_made
+        if n == 1:
             self.first_lives = [dict(d) for d in lives]
-            return self.fn
-        if self.calls_made == 2:
+            return self.fn, self._times[0]
+        if n == 2:
             self.varying = [[k for k, v in d.items() if type(v) is float and first.get(k) != v]
                             for d, first in zip(lives, self.first_lives)]
             changed = [k for d, first in zip(lives, self.first_lives) for k, v in d.items()  # (tensors are inputs)
@@ -263,15 +275,20 @@ class Segment:
             self.first_lives = None
             if changed:
                 return self._fallback(f"a live value other than a float changes from step to step ({changed[0]!r}):"
-                                      " torch.compile would recompile at every step")
+                                      " torch.compile would recompile at every step"), None
             self.compiled = torch.compile(self.fn, fullgraph=True, dynamic=False)
-            self._trying = True
+            return self._first_compiled, None
         if self.compiled is None:
-            return self.fn
-        if not self._trying:
-            return self.compiled
-        self._trying = False
-        return self._first_compiled
+            return self.fn, None
+        if n <= 5:
+            return self.compiled, self._times[1]
+        if n == 6:
+            return self.fn, self._times[0]
+        if n == 7 and min(self._times[1]) >= min(self._times[0]):
+            self.compiled = None
+            self.owner.slower += 1
+            return self.fn, None
+        return self.compiled, None
 
     def _first_compiled(self, *args):
         import torch._inductor.config  # (not at import: dtorch's import stays light)
