@@ -70,7 +70,8 @@ def test_a_no_grad_forward_runs_as_one_compiled_segment_with_eager_values():
     assert "1 compiled" in step.explain(model, x)
 
 
-@pytest.mark.parametrize("shape", [pytest.param((), marks=pytest.mark.slow), (2, 2)], ids=["one device", "dp2 x tp2"])
+@pytest.mark.parametrize("shape", [pytest.param((), marks=pytest.mark.slow), (2, 2)],
+                         ids=["one device", "dp2 x tp2"])
 def test_adamw_steps_with_the_update_fused_match_eager(shape):
     mesh = _mesh(*shape)
     placements = [Shard(0)] + [Replicate()] * (mesh.ndim - 1)
