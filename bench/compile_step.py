@@ -45,9 +45,9 @@ def timed(fns: dict, repeats: int, n: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _inductor_warm(compiled, call, steps: int = 10) -> float:
+def _inductor_warm(compiled, call, steps: int = 14) -> float:
     """Call ``compiled`` until its segments are compiled and measured (a replay rebuilds at its 2nd call, a segment
-    compiles at its 2nd and keeps the faster way from its 7th): the seconds that took, wall clock."""
+    compiles at its 2nd and keeps the faster way from its 9th): the seconds that took, wall clock."""
     t0 = time.perf_counter()
     for _ in range(steps):
         call()
@@ -126,7 +126,7 @@ def bench_train(repeats: int, inductor: bool = False) -> None:
         compiled = dtorch.compile(train_step)
         fused = dtorch.compile(train_step, backend="inductor") if inductor else None
         same, warm = True, 0.0
-        for n in range(10 if inductor else 4):
+        for n in range(14 if inductor else 4):
             want = train_step(m_e, o_e, ids).to_torch()
             same = same and torch.equal(want, compiled(m_c, o_c, ids).to_torch())
             if inductor:  # warm-ups and traces, then the segments compile and are measured (compile/inductor.py)
@@ -145,9 +145,10 @@ def bench_train(repeats: int, inductor: bool = False) -> None:
             fns["inductor"] = lambda: fused(*models[2], ids)
         t = timed(fns, repeats, 3)
         if inductor:
-            kept = sum(s.compiled is not None for s in fused.inductor.segments)
-            extra = (f" {t['inductor'] * 1e3:.1f} ms ({t['inductor'] / t['hf']:.2f}x; {kept} of "
-                     f"{len(fused.inductor.segments)} segments compiled, in {warm:.0f} s) |")
+            sizes = [len(s.calls) for s in fused.inductor.segments]
+            kept = [len(s.calls) for s in fused.inductor.segments if s.compiled is not None]
+            extra = (f" {t['inductor'] * 1e3:.1f} ms ({t['inductor'] / t['hf']:.2f}x; segments of {sizes} calls, "
+                     f"{kept} kept compiled; {warm:.0f} s to compile) |")
         print(f"| {name} | {t['hf'] * 1e3:.1f} ms | {t['eager'] * 1e3:.1f} ms ({t['eager'] / t['hf']:.2f}x) | "
               f"{t['compiled'] * 1e3:.1f} ms ({t['compiled'] / t['hf']:.2f}x) | {same} "
               f"({compiled.stats['replays']} replays, {compiled.stats['traces']} traces) |" + extra, flush=True)

@@ -124,11 +124,11 @@ def test_a_segment_slower_compiled_than_eager_runs_eagerly(monkeypatch):
     model = _mlp(mesh)
     step = dtorch.compile(_forward, backend="inductor")
     with torch.no_grad():
-        for n in range(10):  # trace, replay, then the segment: eager, compiled (x4), eager, then its choice
+        for n in range(12):  # trace, replay, then the segment: eager, compiled (x4), eager (x3), then its choice
             x = _t(torch.randn(4, 6), mesh, [Shard(0)])
             assert torch.equal(step(model, x).to_torch(), _forward(model, x).to_torch())
     (seg,) = step.inductor.segments
-    assert seg.calls_made == 8 and seg.compiled is None and step.inductor.slower == 1
+    assert seg.calls_made == 10 and seg.compiled is None and step.inductor.slower == 1
     assert not step.inductor.fallbacks and "measured faster" in step.inductor.describe()
 
 

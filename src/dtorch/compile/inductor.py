@@ -37,6 +37,7 @@ from .replay import _slots
 
 MIN_OPS = 3  # a compiled call's fixed cost (guards, wrappers) is more than one or two small kernels take
 _MOVABLE = ("live", "effect", "log", "host")  # entries that read no device value: they may run before a segment
+_COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "local_slice", "to_partial")
 
 
 class Inductor:
@@ -87,8 +88,8 @@ class Inductor:
 
 
 def _fusable(e: Entry):
-    """``("run", (f, handle_of, executable))`` or ``("write", (f, writable, handle_of))`` for an entry a segment
-    can take."""
+    """``("run", (f, handle_of, executable))``, ``("step", (f, handle_of))`` (a collective on grids) or
+    ``("write", (f, writable, handle_of))`` for an entry a segment can take."""
     if e.kind != "device":
         return None
     if e.method == "run" and hasattr(e.target, "local_call"):
@@ -97,6 +98,9 @@ def _fusable(e: Entry):
             return None  # (a live value in the kwargs: a KV cache's positions, which change every step)
         got = e.target.local_call(kwargs, device_args)
         return None if got is None else ("run", (got[0], got[1], e.target))
+    if e.method in _COLLECTIVES and hasattr(e.target, "collective_grid_call") and type(e.args[0]) is Slot:
+        got = e.target.collective_grid_call(e.method, *e.args[1:])
+        return None if got is None else ("step", got)
     if e.method == "write" and hasattr(e.target, "write_grid_call"):
         kernel, target, target_spec, inputs, in_specs, kwargs, device_args = e.args
         if type(target) is not Slot or any(type(s) is not Slot for s in inputs) or device_args:
@@ -176,6 +180,8 @@ class Segment:
             if kind == "run":
                 slots, in_specs = e.args[0], got[2].in_specs
                 runtime = got[2].runtime()
+            elif kind == "step":
+                slots, in_specs, runtime = [e.args[0]], (e.args[1],), e.target
             else:
                 slots, in_specs = [e.args[1]] + list(e.args[3]), (e.args[2],) + tuple(e.args[4])
                 runtime = e.target
@@ -191,7 +197,8 @@ class Segment:
         self.specs = [specs[k] for k in inputs]
         self.lives = lives
         self.inputs = [Slot(k) for k in inputs + lives]
-        outs = [s.k for e, (kind, _) in calls if kind == "run" for s in e.out if s.k in read_after]
+        outs = [s.k for e, (kind, _) in calls if kind != "write" for s in (e.out if kind == "run" else [e.out])
+                if s.k in read_after]
         write_outs = []
         for e, (kind, got) in calls:
             if kind == "write":
@@ -222,6 +229,8 @@ class Segment:
                     body.append(f"    s{e.out[0].k} = y[0] if type(y) is tuple else y")
                 else:
                     body.append(f"    {''.join(f's{s.k}, ' for s in e.out)} = y")
+            elif kind == "step":
+                body.append(f"    s{e.out.k} = {const(got[0])}(s{e.args[0].k})")
             else:
                 kwargs = e.args[5]
                 kw = f"s{kwargs.k}" if type(kwargs) is Slot else const(kwargs)
@@ -247,7 +256,7 @@ class Segment:
         fn, times = self._function(lives)
         t0 = time.perf_counter()
         with torch.no_grad():
-            outs = fn(*grids, *self._lives(lives))
+            outs = fn(*grids, *(lives if fn is self.fn else self._lives(lives)))
         if times is not None:
             times.append(time.perf_counter() - t0)
         del grids
@@ -258,14 +267,14 @@ class Segment:
 
     def _function(self, lives):
         """The function this call runs, and the list its time goes to while the segment is measured (else None):
-        call 1 eager, call 2 compiles, calls 3-5 compiled and call 6 eager are timed; from call 7 the segment keeps
-        the faster (a compiled call has a fixed cost, its guards and wrappers, that a few tiny kernels do not
-        repay)."""
+        call 1 runs eagerly, call 2 compiles, calls 3-5 run compiled and calls 6-8 eagerly, timed; from call 9 the
+        segment keeps the faster way (a compiled call has a fixed cost, its guards and wrappers, that a few small
+        kernels do not repay)."""
         self.calls_made += 1
         n = self.calls_made
         if n == 1:
             self.first_lives = [dict(d) for d in lives]
-            return self.fn, self._times[0]
+            return self.fn, None
         if n == 2:
             self.varying = [[k for k, v in d.items() if type(v) is float and first.get(k) != v]
                             for d, first in zip(lives, self.first_lives)]
@@ -282,9 +291,9 @@ class Segment:
             return self.fn, None
         if n <= 5:
             return self.compiled, self._times[1]
-        if n == 6:
+        if n <= 8:
             return self.fn, self._times[0]
-        if n == 7 and min(self._times[1]) >= min(self._times[0]):
+        if n == 9 and min(self._times[1]) >= min(self._times[0]):
             self.compiled = None
             self.owner.slower += 1
             return self.fn, None

@@ -31,6 +31,7 @@ from .box import box_plan
 from .blocks import assemble, cut_global, cut_shard, dim_groups, reduce_dim, reduce_list
 from .cow import private_copy, writable
 from .grids import global_to_grid, grid_to_global
+from .grids import grid_step
 from .grids import grid_gather as _grid_gather, grid_slice as _grid_slice, to_partial_grid as _to_partial_grid
 from .devices import DeviceConfig, read_device_config, torch_devices
 from .inprocess_tracked import TrackedRuns
@@ -257,6 +258,12 @@ class InProcessRuntime(Runtime):
         blocks = self.local_blocks(h, before)  # sum: the value on index 0, zeros elsewhere; else the value
         return self._make(after, blocks=[torch.zeros_like(b) if op == "sum" and c[mesh_dim] != 0 else b
                                          for b, c in zip(blocks, before.mesh.coordinates())])
+
+    def collective_grid_call(self, method: str, before: DTensorSpec, after: DTensorSpec, mesh_dim: int):
+        """``(f, handle of a grid)``: the step ``method`` as ``f(grid)`` when both specs are stored as grids (for
+        dtorch.compile's backend="inductor" to fuse it), else None."""
+        f = grid_step(method, before, after, mesh_dim) if self.use_grid(before) and self.use_grid(after) else None
+        return None if f is None else (f, Shards)
 
     def ring_shift(self, h: Shards, spec: DTensorSpec, mesh_dim: int, shift: int = 1) -> Shards:
         mesh = spec.mesh
