@@ -3,11 +3,12 @@
 On the in-process backend a replay runs the executables it recorded as bare torch calls on grids (every device's
 block stacked in one tensor: runtime/inprocess.py), so the local program of all devices is plain torch code. Here
 the replay's entries (compile/replay.py, in replay order) are cut into *segments*: runs of consecutive calls that
-record no autograd and read nothing back, namely the bound kernels (``Executable.grid_call``) and the in-place
-writes that are one grid call (``write_grid_call``: the optimizer's update). Each segment of at least ``MIN_OPS``
-calls becomes one Python function of its input grids, generated from the entries, and goes to
+record no autograd and read nothing back, namely the kernels that run as one call on grids (``local_call``), the
+collective steps between grids (``collective_grid_call``) and the in-place writes that are one grid call
+(``write_grid_call``: the optimizer's update). Each segment of at least ``MIN_OPS`` calls becomes one Python
+function of its input grids, generated from the entries, and goes to
 ``torch.compile(fullgraph=True, dynamic=False)``; the replay calls it in place of the calls. What records autograd
-(a training forward's kept graphs, the backward), a collective, a placement of host data, stays as it was.
+(a training forward's kept graphs, the backward), a placement of host data, stays as it was.
 
 Python-state entries between two fused calls (an optimizer's step count, its bias corrections: ``capture.effect``
 and ``capture.live``, host torch code, CommLog records) read no device value, so they move before the segment.
@@ -15,7 +16,10 @@ and ``capture.live``, host torch code, CommLog records) read no device value, so
 Floats that change every step (AdamW's ``step_size``, ``bias_correction2_sqrt``) would make torch.compile
 recompile at every step (it specialises on them). So a segment runs eagerly on its first call and compiles on its
 second: a float of a live kwargs dict that changed between the two is passed as a 0-d float64 tensor from then on
-(the kernels take a 0-d tensor wherever they take a Python number, with the same bits).
+to the compiled function (the kernels take a 0-d tensor wherever they take a Python number).
+
+A compiled call has a fixed cost (dynamo's guards, the wrappers: a few tenths of a ms on a CPU) that a few small
+kernels do not repay: a segment times 3 compiled and 3 eager calls and keeps the faster way.
 
 Copy-on-write (runtime/cow.py) is kept: a write's target is made writable (copied when anyone else sees it)
 just before the segment runs, and a target must be an input of its segment that no other call of the segment
