@@ -70,6 +70,22 @@ def test_a_no_grad_forward_runs_as_one_compiled_segment_with_eager_values():
     assert "1 compiled" in step.explain(model, x)
 
 
+def test_a_tensor_parallel_forward_fuses_its_all_reduce_and_matches_eager():
+    mesh = _mesh(2, 2)
+    torch.manual_seed(0)
+    model = dtorch.nn.Sequential(dtorch.nn.ColumnParallelLinear(6, 16, device_mesh=mesh), dtorch.nn.ReLU(),
+                                 dtorch.nn.RowParallelLinearWithReplicateOutput(16, 3, device_mesh=mesh))
+    step = dtorch.compile(_forward, backend="inductor")
+    with torch.no_grad():
+        for n in range(6):
+            x = _t(torch.randn(6, 6, generator=torch.Generator().manual_seed(n)), mesh, [Shard(0), Replicate()])
+            torch.testing.assert_close(step(model, x).to_torch(), _forward(model, x).to_torch())
+    assert step.stats["replays"] == 5 and step.inductor.segments and not step.inductor.fallbacks
+    kinds = [kind for seg in step.inductor.segments for _, (kind, _) in seg.calls]
+    assert "step" in kinds and "run" in kinds  # the row-parallel linear's all-reduce runs inside a segment
+    assert all(seg.compiled is not None for seg in step.inductor.segments)
+
+
 @pytest.mark.parametrize("shape", [pytest.param((), marks=pytest.mark.slow), (2, 2)],
                          ids=["one device", "dp2 x tp2"])
 def test_adamw_steps_with_the_update_fused_match_eager(shape):
