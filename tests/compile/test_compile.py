@@ -354,8 +354,6 @@ def test_bad_arguments_are_clear():
         dtorch.compile(3)
     with pytest.raises(ValueError, match="max_traces"):
         dtorch.compile(lambda: None, max_traces=0)
-    with pytest.raises(NotImplementedError, match="inductor"):
-        dtorch.compile(lambda: None, backend="inductor")
 
 
 def test_view_arguments_and_in_place_writes_of_arguments_replay_as_eager():

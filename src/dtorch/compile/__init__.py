@@ -17,6 +17,9 @@ closure and globals, and the values Python read from the torch inputs. A miss tr
 ``max_traces`` traces per function, least recently used dropped). A step that reads a device value back to Python,
 or that the library says it cannot follow (``dtorch.capture.refuse``), runs eagerly every time; ``explain``
 prints why.
+
+``backend="inductor"`` (in-process backend only): the replay's local calls that record no autograd run as segments
+compiled by ``torch.compile`` (compile/inductor.py); values within torch.compile's tolerance of eager's.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from ..autograd.mode import is_grad_enabled
 from ..graph import Graph
 from ..tensor import Tensor
 from .host import HostTracker
+from .inductor import Inductor
 from .record import Recorder, RecordingRuntime
 from .replay import Miss, Unreplayable, build
 from .state import arg_leaves, hooks_of, roots, walk, writes
@@ -47,9 +51,6 @@ class Compiled:
     def __init__(self, fn, backend: str = "eager", max_traces: int = 8):
         if backend not in ("eager", "inductor"):
             raise ValueError(f"dtorch.compile: backend must be 'eager' or 'inductor', got {backend!r}")
-        if backend == "inductor":
-            raise NotImplementedError("dtorch.compile(backend='inductor') (each device's local program handed to "
-                                      "torch.compile) is not built yet; use the default backend='eager' replay")
         if not callable(fn):
             raise TypeError(f"dtorch.compile expects a function, got {type(fn).__name__}")
         if isinstance(max_traces, bool) or not isinstance(max_traces, int) or max_traces < 1:
@@ -59,6 +60,8 @@ class Compiled:
         self._traces = LRU(f"dtorch.compile({getattr(fn, '__qualname__', fn)})", max(2, max_traces))  # (the LRU's least)
         self._warmups = LRU("dtorch.compile warm-ups", 2 * max_traces)  # key -> warm-up traces in a row
         self.stats = {"traces": 0, "replays": 0, "eager": 0, "misses": 0}
+        # backend="inductor": the compiled segments of the replays and the reasons some run eagerly
+        self.inductor = Inductor() if backend == "inductor" else None
         self.last_reason: str | None = None
         functools.update_wrapper(self, fn)
 
@@ -70,6 +73,9 @@ class Compiled:
         if graph is None or graph.tracks_memory or not graph.runtime.holds_values:
             self.stats["eager"] += 1
             return self.fn(*args, **kwargs)
+        if self.inductor is not None and not graph.runtime.handles_in_process:
+            raise ValueError(f"dtorch.compile(backend='inductor') runs on the in-process backend only for now; this "
+                             f"step's Graph runs on {graph.runtime.name!r}: use backend='eager' there")
         key = _key(graph, args, kwargs)
         trace = self._traces.get(key)
         if trace is not None:
@@ -123,6 +129,7 @@ class Compiled:
             if trace is not None:
                 trace.program = build(rec.entries, trace.inputs, trace.results)
                 trace.entries = rec.entries
+                trace.fuse = None if self.inductor is None else self.inductor.fuse
         except (TraceError, Unreplayable) as exc:
             trace = Trace.eager(str(exc))
         finally:
@@ -147,7 +154,8 @@ class Compiled:
         trace = self._traces.get(key)
         if trace is None:
             return "the call made new state (a warm-up, e.g. an optimizer's first step): call explain again"
-        return trace.describe()
+        text = trace.describe()
+        return text if self.inductor is None else text + "\n" + self.inductor.describe()
 
 
 def compile(fn=None, *, backend: str = "eager", max_traces: int = 8):

@@ -89,11 +89,14 @@ def ordered(entries: list[Entry], inputs: list[Slot], results: list[Slot]) -> li
     return _live_host(host, rest, results) + rest
 
 
-def build(entries: list[Entry], inputs: list[Slot], results: list[Slot], tap=None):
+def build(entries: list[Entry], inputs: list[Slot], results: list[Slot], tap=None, fuse=None):
     """The replay function ``run(X) -> results``: ``X`` holds the values of ``inputs`` (bound by the caller).
     ``tap`` (compile/program.py): every placement's handle goes through ``tap.placed`` and every kwargs that
-    carries a live value through ``tap.param``, so the records they reach can be found."""
+    carries a live value through ``tap.param``, so the records they reach can be found. ``fuse(order, results)``
+    (compile/inductor.py) replaces runs of local calls by compiled segments."""
     order = ordered(entries, inputs, results)
+    if fuse is not None:
+        order = fuse(order, results)
     last: dict = {}  # slot -> index of the entry that reads it last
     last_lowered: dict = {}  # slot -> index of the last lowered call reading it (its grid local dies there)
     for n, e in enumerate(order):

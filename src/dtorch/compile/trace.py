@@ -48,6 +48,7 @@ class Trace:
         self.scalars: list = []  # (read(), value)
         self.counts = {}
         self.entries = None  # the recorder's entries, until the program is built again (``replay``)
+        self.fuse = None  # backend="inductor": ``fuse(order, results)`` cuts the rebuilt replay into compiled segments
         self.replays = 0
 
     @classmethod
@@ -78,7 +79,7 @@ class Trace:
         if self.replays == 1 and self.entries is not None:
             # built again once the executables have seen their kwargs twice (trace, first replay) and bound their
             # kernels: the bound ones then run as bare calls on grids (replay.build)
-            self.program = build(self.entries, self.inputs, self.results)
+            self.program = build(self.entries, self.inputs, self.results, fuse=self.fuse)
             self.on_workers = on_workers(graph.runtime, self.entries, self.inputs, self.results, self.bindings)
             self.entries = None
         self.replays += 1

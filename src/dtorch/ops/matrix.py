@@ -75,7 +75,7 @@ def _folded_matmul(a, b):
     if not a_only and not b_only:
         return torch.matmul(a, b)
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-    size = lambda t, dims: math.prod(t.shape[d] for d in dims)  # noqa: E731
+    size = lambda t, dims: math.prod([t.shape[d] for d in dims])  # noqa: E731  (a list: torch.compile traces it)
     ones_a = [d for d in range(nbatch) if d not in both and d not in a_only]
     ones_b = [d for d in range(nbatch) if d not in both and d not in b_only]
     tb, ma, nb_ = size(a, both), size(a, a_only), size(b, b_only)

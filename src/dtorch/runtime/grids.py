@@ -5,6 +5,8 @@ backend (on its data) and the meta backend (on meta tensors: the same shapes and
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..placement import Partial, Replicate, Shard
@@ -88,3 +90,23 @@ def grid_slice(x: torch.Tensor, i: int, k: int, nd: int, m: int) -> torch.Tensor
     s = list(x.shape)
     x = x.reshape(s[:pos] + [m, s[pos] // m] + s[pos + 1:])
     return x.movedim(pos, i)
+
+
+def grid_step(method: str, before: DTensorSpec, after: DTensorSpec, i: int):
+    """The in-process runtime's collective ``method`` along mesh dim ``i`` on a grid (both specs stored as grids),
+    as a function of the grid (for dtorch.compile's backend="inductor" to fuse it); None for other methods."""
+    nd, m = before.mesh.ndim, before.mesh.shape[i]
+    b, a = before.placements[i], after.placements[i]
+    if method == "all_gather":
+        return functools.partial(grid_gather, i=i, k=b.dim, nd=nd)
+    if method == "all_reduce":
+        return functools.partial(reduce_dim, b.reduce_op, d=i)
+    if method == "reduce_scatter":
+        return lambda x: grid_slice(reduce_dim(b.reduce_op, x, i), i, a.dim, nd, m)
+    if method == "all_to_all":
+        return lambda x: grid_slice(grid_gather(x, i, b.dim, nd), i, a.dim, nd, m)
+    if method == "local_slice":
+        return functools.partial(grid_slice, i=i, k=a.dim, nd=nd, m=m)
+    if method == "to_partial":
+        return functools.partial(to_partial_grid, i=i, m=m, op=a.reduce_op)
+    return None

@@ -31,6 +31,7 @@ from .box import box_plan
 from .blocks import assemble, cut_global, cut_shard, dim_groups, reduce_dim, reduce_list
 from .cow import private_copy, writable
 from .grids import global_to_grid, grid_to_global
+from .grids import grid_step
 from .grids import grid_gather as _grid_gather, grid_slice as _grid_slice, to_partial_grid as _to_partial_grid
 from .devices import DeviceConfig, read_device_config, torch_devices
 from .inprocess_tracked import TrackedRuns
@@ -150,6 +151,22 @@ class InProcessRuntime(Runtime):
             kernel.fn(blocks[n], *[b[n] for b in ins], **kw)
         return target
 
+    def write_grid_call(self, kernel: Kernel, target_spec: DTensorSpec, in_specs, device_args):
+        """``(f, writable, handle of a grid)`` when ``write`` of these specs is one in-place call ``f(target grid,
+        *input grids, **kwargs)`` (for dtorch.compile's backend="inductor" to fuse it), else None. ``writable(h,
+        spec)``: ``h``, or a handle of a private copy when anyone else can see its grid, as ``write`` decides."""
+        if device_args:
+            return None
+        ex = self.executable(kernel, (target_spec,) + tuple(in_specs), ())
+        if not ex.grid or ex.in_reshape is not None:
+            return None
+        return (functools.partial(kernel.fn, lead=ex.nd) if ex.wants_lead else kernel.fn), self._writable, Shards
+
+    def _writable(self, h: Shards, spec: DTensorSpec) -> Shards:
+        if h.grid is None:  # (a stack of the blocks is a grid of its own)
+            return Shards(grid=self.as_grid(h, spec))
+        return h if writable(h.grid) else Shards(grid=private_copy(h.grid))
+
     def alias(self, h: Shards, spec: DTensorSpec) -> Shards:
         # views: new tensor objects on the same storage, so copy-on-write sees the second holder
         if h.grid is not None:
@@ -241,6 +258,12 @@ class InProcessRuntime(Runtime):
         blocks = self.local_blocks(h, before)  # sum: the value on index 0, zeros elsewhere; else the value
         return self._make(after, blocks=[torch.zeros_like(b) if op == "sum" and c[mesh_dim] != 0 else b
                                          for b, c in zip(blocks, before.mesh.coordinates())])
+
+    def collective_grid_call(self, method: str, before: DTensorSpec, after: DTensorSpec, mesh_dim: int):
+        """``(f, handle of a grid)``: the step ``method`` as ``f(grid)`` when both specs are stored as grids (for
+        dtorch.compile's backend="inductor" to fuse it), else None."""
+        f = grid_step(method, before, after, mesh_dim) if self.use_grid(before) and self.use_grid(after) else None
+        return None if f is None else (f, Shards)
 
     def ring_shift(self, h: Shards, spec: DTensorSpec, mesh_dim: int, shift: int = 1) -> Shards:
         mesh = spec.mesh
@@ -367,6 +390,18 @@ class _Executable(TrackedRuns, Executable):
         if self.direct and not device_args and self.in_specs and kw is kwargs and f is not None:
             return f, self.tuple_out, Shards
         return None
+
+    def local_call(self, kwargs, device_args):
+        """``(f, handle of a grid)``: ``f(*grids)`` is this executable's run on grids with ``kwargs``, a tensor or a
+        tuple of them (for dtorch.compile's backend="inductor" to fuse it, bound to ``kwargs`` or not); None when
+        a run is more than that one call."""
+        if not self.direct or device_args or not self.in_specs:
+            return None
+        kw, f = self.binding
+        if kw is not kwargs or f is None:
+            f = functools.partial(self.fn, lead=self.nd, **kwargs) if self.wants_lead else \
+                functools.partial(self.fn, **kwargs)
+        return f, Shards
 
     def _grid_inputs(self, handles, kwargs, device_args, leaf=None):
         """The kernel's grid inputs and keyword arguments (per-device values as grid-shaped tensors);
