@@ -48,3 +48,25 @@ def test_compiled_decode_with_sampling_draws_as_eager():
             for c in (True, False)]
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     assert outs[0].timings["decode_replays"] == 7
+
+
+def test_generate_keeps_its_traced_decode_step_for_the_next_call_of_the_same_shape():
+    """A second generate of the same batch size and length reuses the model's KV cache (emptied and zeroed) and
+    replays its decode step from the first token on: the tokens of other prompts are Hugging Face's; a caller
+    who takes the cache (return_dict_in_generate) gets one of its own."""
+    hf = hf_model("decode_gqa")
+    model = LlamaForCausalLM(hf.config, dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["pp", "tp"]))
+    model.load_state_dict(hf.state_dict())
+    g = torch.Generator().manual_seed(2)
+    first, second = (torch.randint(0, 120, (2, 5), generator=g) for _ in range(2))
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[0, :2] = 0
+    for ids in (first, second):
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=7)
+        assert torch.equal(got, hf.generate(ids, attention_mask=mask, max_new_tokens=7, do_sample=False))
+    step = model.__dict__["_generate_kept"][2]
+    assert step.stats["traces"] == 1 and step.stats["replays"] == 5 + 6  # the second call: every step replayed
+    out = model.generate(second, attention_mask=mask, max_new_tokens=7, return_dict_in_generate=True)
+    assert out.past_key_values is not model.__dict__["_generate_kept"][1] and torch.equal(out.sequences, got)
+    longer = model.generate(second, attention_mask=mask, max_new_tokens=9)  # another length: a new cache and trace
+    assert torch.equal(longer[:, :12], got) and model.__dict__["_generate_kept"][2] is not step

@@ -5,6 +5,7 @@ the cache's layout, memory, plan reuse, Hugging Face's forward arguments and the
 """
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 import pytest
@@ -222,6 +223,9 @@ def test_cache_layout_and_bytes_per_device():
     batch, prompt, new = 4, 37, 64
     ids = torch.randint(3, cfg.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(0))
     model.generate(ids, max_new_tokens=2)  # (each stage's rope table is made once, on first use)
+    # earlier tests' models hold their kept decode state in a reference cycle (model -> its compiled decode step
+    # -> the model): collected now, not between the two readings
+    gc.collect()
     before = graph.get_memory_stats(mesh)
     out = model.generate(ids, max_new_tokens=new, eos_token_id=[], return_dict_in_generate=True)
     cache = out.past_key_values

@@ -142,7 +142,7 @@ def test_sampling_defaults_come_from_the_generation_config(checkpoint, monkeypat
     the sampler; arguments override them; the same seed gives the tokens of the same explicit settings."""
     chosen = []
     real = generation._choose
-    monkeypatch.setattr(generation, "_choose", lambda logits, sampling, g: chosen.append(sampling) or real(logits, sampling, g))
+    monkeypatch.setattr(generation, "_choose", lambda logits, u, sampling: chosen.append(sampling) or real(logits, u, sampling))
     path = with_generation_config(checkpoint, do_sample=True, temperature=0.6, top_p=0.9, eos_token_id=None)
     model = LlamaForCausalLM.from_pretrained(path)
     ids, mask = prompts(LENGTHS, 160)

@@ -68,14 +68,41 @@ def _decode_logits(model, cache: KVCache, tok: torch.Tensor, positions: torch.Te
     return _logits(model, CachedForward(model, tok, torch.ones(tok.shape[0], 1, dtype=torch.bool), positions, cache))
 
 
-def _choose(logits: Tensor, sampling: tuple, generator) -> Tensor:
-    b = logits.shape[0]
-    sample = sampling[0]
+def _uniforms(b: int, sample: bool, generator) -> torch.Tensor:
+    """[B] float64 in (0, 1]: each row's uniform number of a sampled step (ones when greedy: unused)."""
     # (0, 1]: a uniform number of 0 could pick a token of probability 0
-    u = 1.0 - torch.rand(b, generator=generator, dtype=torch.float64) if sample else torch.ones(b, dtype=torch.float64)
+    return 1.0 - torch.rand(b, generator=generator, dtype=torch.float64) if sample else torch.ones(b, dtype=torch.float64)
+
+
+def _choose(logits: Tensor, u: torch.Tensor, sampling: tuple) -> Tensor:
     mesh = logits.device_mesh
     ut = Tensor(u, device_mesh=mesh, placements=decode_placements(mesh, 1))
     return next_token(logits, ut, *sampling)
+
+
+def _decode_step(model, cache: KVCache, tok: torch.Tensor, positions: torch.Tensor, u: torch.Tensor,
+                 sampling: tuple):
+    """One decode step, the token choice included (a replay of it leaves the host loop only the fetch of the
+    ids): the tokens ``tok`` [B, 1] at ``positions`` written into the cache; (the next logits, the next ids)."""
+    logits = _decode_logits(model, cache, tok, positions)
+    return logits, _choose(logits, u, sampling)
+
+
+def _decode_state(model, batch: int, slots: int, keep: bool):
+    """(the KV cache, the decode step) of a generate: kept on the model for its next generate of the same batch
+    size, length and dtype, so that the decode step is traced once, not per call (its trace is bound to the
+    cache's tensors, which the trace holds anyway). ``keep`` False (the caller gets the cache): a cache and a
+    step of this call's own."""
+    if not keep:
+        return KVCache(model, batch, slots), compile_step(_decode_step) if COMPILE_DECODE else _decode_step
+    llama, _ = _model_parts(model)
+    key = (batch, slots, llama.layers[0].self_attn.k_proj.weight.dtype)
+    kept = model.__dict__.get("_generate_kept")
+    if kept is None or kept[0] != key:
+        kept = model.__dict__["_generate_kept"] = (key, KVCache(model, batch, slots), compile_step(_decode_step))
+    else:
+        kept[1].reset()
+    return kept[1], kept[2] if COMPILE_DECODE else _decode_step
 
 
 # ------------------------------------------------------------------------------------------------
@@ -226,24 +253,26 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, gene
     # Hugging Face's positions for a left-padded batch: each row counts its own real tokens
     positions = (mask.long().cumsum(-1) - 1).masked_fill(~mask, 0)
     cp = cp_size(llama.stage_meshes[0])
-    # every cp block holds its chunk of the (padded) prompt and its share of the new tokens
-    cache = KVCache(model, b, cp * (-(-s // cp) + -(-max_new_tokens // cp)))
+    # every cp block holds its chunk of the (padded) prompt and its share of the new tokens; the decode step is
+    # traced once and replayed (dtorch.compile): same tokens, none of the front end's Python
+    cache, decode = _decode_state(model, b, cp * (-(-s // cp) + -(-max_new_tokens // cp)), keep=not return_dict)
+    replays = decode.stats["replays"] if COMPILE_DECODE else 0
     eos_t = torch.tensor(eos, dtype=torch.long)
     finished = torch.zeros(b, dtype=torch.bool)
     out, step_logits = [ids], []
     timings = {"prefill_s": 0.0, "decode_s": 0.0, "decode_steps": 0}
     if streamer is not None:
         streamer.put(ids)
-    # the decode step is traced once and replayed (dtorch.compile): same tokens, none of the front end's Python
-    decode = compile_step(_decode_logits) if COMPILE_DECODE else _decode_logits
     with torch.no_grad():
         for i in range(max_new_tokens):
             t0 = time.perf_counter()
+            u = _uniforms(b, sampling[0], generator)
             if i == 0:  # the prefill
                 logits = _logits(model, CachedForward(model, ids, mask, positions, cache))
+                chosen = _choose(logits, u, sampling)
             else:
-                logits = decode(model, cache, tok[:, None], positions)
-            tok = _choose(logits, sampling, generator).to_torch()  # the one fetch of a step: [B] ids
+                logits, chosen = decode(model, cache, tok[:, None], positions, u, sampling)
+            tok = chosen.to_torch()  # the one fetch of a step: [B] ids
             timings["prefill_s" if i == 0 else "decode_s"] += time.perf_counter() - t0
             timings["decode_steps"] += i > 0
             if output_logits:
@@ -259,7 +288,7 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, gene
                 break
             positions = positions[:, -1:] + 1
     if COMPILE_DECODE:
-        timings["decode_replays"] = decode.stats["replays"]
+        timings["decode_replays"] = decode.stats["replays"] - replays
     if streamer is not None:
         streamer.end()
     seqs = torch.cat(out, dim=1)

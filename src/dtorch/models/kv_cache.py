@@ -109,6 +109,20 @@ class KVCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._seen
 
+    def reset(self) -> None:
+        """Forget every cached token, for a new batch of prompts of the same size (``generate`` keeps its cache
+        between calls): the keys and values are zeroed in place (the tensors stay, so a replayed decode step bound
+        to them still holds), the slot table emptied: the cache is then a new one's bit for bit."""
+        with torch.no_grad():
+            for t in self.key_cache + self.value_cache:
+                t.zero_()
+        self.order.fill_(-1)
+        self.valid.zero_()
+        self.fill = [0] * self.cp
+        self._seen = self._next = 0
+        self._recorded = False
+        self._growable = False
+
     def __len__(self) -> int:
         return len(self.key_cache)
 

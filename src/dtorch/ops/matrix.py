@@ -19,6 +19,7 @@ where the output is P (the value on one device, zeros on the others: no communic
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -37,6 +38,24 @@ from .table import register
 
 def _matmul_local(a, b, na, nb, lead):
     """torch.matmul of local blocks with ``lead`` leading grid dims (na, nb: the operands' global ranks)."""
+    a_ops, b_ops, gemm, out_ops = _local_plan(a.shape, b.shape, na, nb, lead)
+    for f, arg in a_ops:
+        a = f(a, arg)
+    for f, arg in b_ops:
+        b = f(b, arg)
+    out = gemm(a, b)
+    for f, arg in out_ops:
+        out = f(out, arg)
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_plan(a_shape, b_shape, na, nb, lead):
+    """The view ops and the GEMM of ``_matmul_local`` on blocks of these shapes, worked out once per shape (a
+    decode step runs every GEMM on the same shapes each token): (ops on a, ops on b, the GEMM, ops on its
+    output), each op ``(function, argument)``, as ``_fold`` makes them less identity permutes and squeezes of
+    dims > 1 (the same tensors, so the GEMM sees the same layouts and gives the same bits)."""
+    a, b = _Planned(a_shape), _Planned(b_shape)
     if na == 1:
         a = a.unsqueeze(-2)
     if nb == 1:
@@ -44,16 +63,68 @@ def _matmul_local(a, b, na, nb, lead):
     r = max(a.ndim, b.ndim)
     a = a.reshape(a.shape[:lead] + (1,) * (r - a.ndim) + a.shape[lead:])
     b = b.reshape(b.shape[:lead] + (1,) * (r - b.ndim) + b.shape[lead:])
-    out = _folded_matmul(a, b)
+    out = _fold(a, b, _Planned)
     if na == 1:
         out = out.squeeze(-2)
     if nb == 1:
         out = out.squeeze(-1)
-    return out
+    return tuple(a.ops), tuple(b.ops), out.gemm, tuple(out.ops)
 
 
-def _folded_matmul(a, b):
-    """``torch.matmul(a, b)`` for equal-rank ``a [..., m, k]``, ``b [..., k, n]`` with broadcasting batch dims.
+class _Planned:
+    """A block's shape through the view ops of ``_local_plan``, recording them (no tensor is touched). The
+    GEMM starts the output's record (``_Planned.mm`` / ``bmm`` / ``matmul``)."""
+
+    def __init__(self, shape, ops=None, gemm=None):
+        self.shape, self.ops, self.gemm = tuple(shape), [] if ops is None else ops, gemm
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def _then(self, f, arg, shape):
+        self.ops.append((f, arg))
+        return _Planned(shape, self.ops, self.gemm)
+
+    def reshape(self, *shape):
+        shape = tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], int) else tuple(shape)
+        if math.prod(shape) != math.prod(self.shape):
+            raise RuntimeError(f"matmul plan: cannot reshape {self.shape} to {shape}")
+        return self._then(torch.Tensor.reshape, shape, shape)
+
+    def permute(self, dims):
+        dims = tuple(dims)
+        if dims == tuple(range(self.ndim)):  # (no op; a reshape to its own shape is one: it may restride)
+            return self
+        return self._then(torch.Tensor.permute, dims, tuple(self.shape[d] for d in dims))
+
+    def unsqueeze(self, d):
+        d = d % (self.ndim + 1)
+        return self._then(torch.Tensor.unsqueeze, d, self.shape[:d] + (1,) + self.shape[d:])
+
+    def squeeze(self, d):
+        d = d % self.ndim
+        if self.shape[d] != 1:
+            return self
+        return self._then(torch.Tensor.squeeze, d, self.shape[:d] + self.shape[d + 1:])
+
+    @staticmethod
+    def mm(a, b):
+        return _Planned((a.shape[0], b.shape[1]), gemm=torch.mm)
+
+    @staticmethod
+    def bmm(a, b):
+        return _Planned((a.shape[0], a.shape[1], b.shape[2]), gemm=torch.bmm)
+
+    @staticmethod
+    def matmul(a, b):
+        return _Planned(tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])) + (a.shape[-2], b.shape[-1]),
+                        gemm=torch.matmul)
+
+
+def _fold(a, b, ops):
+    """``torch.matmul(a, b)`` for equal-rank ``a [..., m, k]``, ``b [..., k, n]`` with broadcasting batch dims,
+    the GEMM from ``ops`` (torch, or ``_Planned`` to record the plan on shapes).
 
     torch would expand both operands to the common batch shape (copies) and run one small GEMM per
     entry. Here batch dims only ``a`` varies over become rows, dims only ``b`` varies over become
@@ -73,7 +144,7 @@ def _folded_matmul(a, b):
         elif sa != sb:
             raise RuntimeError(f"matmul batch dims do not broadcast: {tuple(a.shape)} @ {tuple(b.shape)}")
     if not a_only and not b_only:
-        return torch.matmul(a, b)
+        return ops.matmul(a, b)
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     size = lambda t, dims: math.prod([t.shape[d] for d in dims])  # noqa: E731  (a list: torch.compile traces it)
     ones_a = [d for d in range(nbatch) if d not in both and d not in a_only]
@@ -82,7 +153,7 @@ def _folded_matmul(a, b):
     a2 = a.permute(both + a_only + [nbatch] + ones_a + [nbatch + 1]).reshape(tb, ma * m, k)
     b2 = b.permute(both + [nbatch] + b_only + [nbatch + 1] + ones_b).reshape(tb, k, nb_ * n)
     # (squeeze, not [0]: under autograd a select's backward writes its gradient into a zeroed full copy)
-    c = torch.mm(a2.squeeze(0), b2.squeeze(0)).unsqueeze(0) if tb == 1 else torch.bmm(a2, b2)
+    c = ops.mm(a2.squeeze(0), b2.squeeze(0)).unsqueeze(0) if tb == 1 else ops.bmm(a2, b2)
     labels = both + a_only + ["m"] + b_only + ["n"]
     c = c.reshape([a.shape[d] for d in both] + [a.shape[d] for d in a_only] + [m] + [b.shape[d] for d in b_only] + [n])
     target = [d for d in range(nbatch) if d in both or d in a_only or d in b_only] + ["m", "n"]

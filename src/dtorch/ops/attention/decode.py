@@ -82,6 +82,8 @@ def _attend_kernel(q, k, v, mask, cos, sin, *, lead=0, scale: float, parts: bool
     part, merged over the cp devices by ``kv_cache.combine``). Query head ``i`` uses kv head
     ``i // (nh / hk)`` (grouped-query attention without copying the cache)."""
     q = _rotate(_heads_first(q, q.shape[-1] // k.shape[-1]), cos, sin)  # (this device's heads) [.., B, nh, L, d]
+    if not parts:  # torch's fused attention (grouped-query, masked), on the stacked devices' rows as one batch
+        return _fused_attend(q, k, v, mask, scale).transpose(-3, -2).flatten(-2).to(out_dtype)
     acc = torch.promote_types(q.dtype, torch.float32)
     hk, length = k.shape[-3], q.shape[-2]
     g = q.shape[-3] // hk
@@ -102,6 +104,20 @@ def _attend_kernel(q, k, v, mask, cos, sin, *, lead=0, scale: float, parts: bool
         return out.transpose(-3, -2).flatten(-2).to(out_dtype)
     lse = (m + torch.log(denom)).squeeze(-1).flatten(-3, -2)  # [.., B, nh, L]; -inf: no key here
     return out.unsqueeze(-5), lse.unsqueeze(-4)
+
+
+def _fused_attend(q, k, v, mask, scale: float):
+    """``q`` [.., B, nh, L, d] against ``k``/``v`` [.., B, hk, M, d] where ``mask`` [.., B, 1, L, M] allows, by
+    ``torch.nn.functional.scaled_dot_product_attention`` (a row that sees no key gives zeros, as in the parts
+    path). The leading dims (grid dims, batch) are flattened into one: torch's kernel takes 4-d inputs fast."""
+    lead = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3], mask.shape[:-3])
+
+    def flat(x):
+        return x.expand(lead + x.shape[-3:]).reshape((-1,) + x.shape[-3:])
+
+    out = torch.nn.functional.scaled_dot_product_attention(flat(q), flat(k), flat(v), attn_mask=flat(mask),
+                                                           scale=scale, enable_gqa=True)
+    return out.reshape(lead + out.shape[-3:])
 
 
 @kernel("kv_cache.combine")
