@@ -110,3 +110,17 @@ def test_cyclic_garbage_made_inside_is_collected_afterwards():
     assert ref() is not None  # a cycle: reference counting alone does not free it
     gc.collect()
     assert ref() is None
+
+
+def test_no_pause_while_a_graph_measures_memory():
+    @collector_paused
+    def enabled_inside():
+        return gc.isenabled()
+
+    graph = dtorch.Graph()
+    graph.track_memory()
+    try:
+        assert enabled_inside() is True  # frees the accounting sees happen when they would without dtorch
+    finally:
+        graph.track_memory(False)
+    assert enabled_inside() is False

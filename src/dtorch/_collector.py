@@ -13,18 +13,26 @@ inside such a call is collected at the first collection after it.
 
 Re-entrant: a call inside a paused call leaves the collector as it finds it, and a collector the user
 disabled stays disabled.
+
+Not while a graph measures memory (``Graph.track_memory``): its accounting counts a block free when its
+handle dies, and some handles die in cycles (a model's modules and their fsdp units), so a pause moves those
+frees and changes the figures (``dtorch plan``'s gathered-weight bytes came out negative). Measuring runs as
+before the pause; speed is not what it measures.
 """
 from __future__ import annotations
 
 import functools
 import gc
+import weakref
+
+measuring = weakref.WeakSet()  # the graphs that track memory now (Graph.track_memory)
 
 
 def collector_paused(fn):
     """``fn`` with the cyclic collector paused over its call (see the module doc)."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if not gc.isenabled():
+        if measuring or not gc.isenabled():
             return fn(*args, **kwargs)
         gc.disable()
         try:

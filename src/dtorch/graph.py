@@ -18,7 +18,7 @@ import weakref
 import numpy as np
 import torch
 
-from . import context
+from . import _collector, context
 from .errors import OpError
 from .mesh import DeviceMesh
 from .runtime.devices import mesh_problems, read_device_config
@@ -173,6 +173,10 @@ class Graph:
         """Record peak bytes per device from now on (off by default: it costs a finalizer per tensor)."""
         self.tracks_memory = bool(enabled)
         self.runtime.measure_tapes = self.tracks_memory
+        if enabled:
+            _collector.measuring.add(self)
+        else:
+            _collector.measuring.discard(self)
         if enabled:
             # handles born while tracking was off: observe them now, so each live one is counted once
             # and subtracted when it dies

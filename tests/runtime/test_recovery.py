@@ -402,18 +402,22 @@ def graph8():
 def reference8(graph8):
     t = Trainer(graph8, dims=HSDP_TP)
     losses, weights = t.run()
+    return losses, weights, random_faults(t, devices=8, seed=27)
+
+
+def random_faults(t, devices: int, seed: int, runs: int = SWEEP) -> list:
+    """``runs`` faults (step, device, op within the step, where) placed in forward, backward, optimizer step and
+    at redistribution steps, in turn; ``t``: a trainer after its uninterrupted run (its op kinds and phases)."""
     kinds = t.kinds()
     fwd, bwd, _ = t.phases
-    # the faults: (step, device, op within the step, where), placed in forward, backward, optimizer step and at
-    # redistribution steps, in turn
-    rng = random.Random(27)
+    rng = random.Random(seed)
     where = {"forward": range(fwd), "backward": range(fwd, bwd), "optimizer": range(bwd, len(kinds)),
              "redistribution": [i for i, k in enumerate(kinds) if k == "step"]}
     faults = []
-    for n in range(SWEEP):
+    for n in range(runs):
         phase = list(where)[n % 4]
-        faults.append((rng.randrange(STEPS), rng.randrange(8), rng.choice(list(where[phase])) + 1, phase))
-    return losses, weights, faults
+        faults.append((rng.randrange(STEPS), rng.randrange(devices), rng.choice(list(where[phase])) + 1, phase))
+    return faults
 
 
 @pytest.mark.slow

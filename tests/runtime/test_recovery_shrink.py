@@ -7,7 +7,6 @@ the step of the fault (same batches, from the same values).
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from dtorch.recovery import RecoveryError
 
 from .conftest import process_graph, using
 from .test_process_faults import wait_gone
-from .test_recovery import HEARTBEAT_S, STEPS, Trainer, lose_device_at_second_optimizer_step
+from .test_recovery import HEARTBEAT_S, STEPS, Trainer, lose_device_at_second_optimizer_step, random_faults
 
 DP4 = (("dp", 4),)
 DP3 = (("dp", 3),)
@@ -268,14 +267,7 @@ def dp4_sweep(graph):
     graph.runtime.min_workers = 4
     t = Shrinking(graph, DP4)
     t.run()
-    kinds, (fwd, bwd, _) = t.kinds(), t.phases
-    rng = random.Random(2727)
-    where = {"forward": range(fwd), "backward": range(fwd, bwd), "optimizer": range(bwd, len(kinds)),
-             "redistribution": [i for i, k in enumerate(kinds) if k == "step"]}
-    faults = []
-    for n in range(SWEEP):
-        phase = list(where)[n % 4]
-        faults.append((rng.randrange(STEPS), rng.randrange(4), rng.choice(list(where[phase])) + 1, phase))
+    faults = random_faults(t, devices=4, seed=2727, runs=SWEEP)
     wants = {step: reference(graph, DP4, DP3, switch_at=step)[:2] for step in sorted({f[0] for f in faults})}
     return faults, wants
 
