@@ -320,7 +320,11 @@ class ProcessRuntime(Operations, Recovery, ProgramControl, Runtime):
                     msg = self._unpicklable(recs, exc)
                     self._teardown(msg)
                     raise RuntimeBackendError(msg) from exc
-                self.stats["bytes_pushed"] += pool.push(r, blob)
+                try:
+                    self.stats["bytes_pushed"] += pool.push(r, blob)
+                except WorkerError as exc:
+                    self._teardown(str(exc))
+                    raise
                 self._buf[r] = []
             self.stats["flushes"] += 1
             self.stats["records"] += self._nrec

@@ -1,6 +1,8 @@
 """The process backend's workers: start them, grow them, watch them, stop them.
 
-The controller hosts a TCPStore (loopback and a free port unless told otherwise). It publishes the
+The pool has a TCPStore (loopback and a free port unless told otherwise), hosted by a process the zygote forks
+(``zygote.Zygote.serve_store``: serving the workers does not take the controller's CPU), else (no zygote: workers
+that join from elsewhere, or DTORCH_PROCESS_ZYGOTE=0) by a thread of the controller. It publishes the
 process-group configuration under ``cfg``; workers join ``init_process_group`` with it and announce
 ``ready/<gen>/<rank>``. Growing the pool publishes a new generation: running workers re-join (their
 blocks stay), new ones are started. Faults reach the controller three ways: a worker's exception
@@ -102,9 +104,18 @@ class Pool:
         self.beats = Heartbeats(heartbeat)
         self.spawn = spawn
         self.zygote = zygote  # forks the workers this pool starts (``zygote.Zygote``); None: each is spawned
-        self.store = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=timeout))
         connect_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        wait = datetime.timedelta(seconds=timeout)
+        self.server = None  # the store's own process (a zygote.ForkedWorker), when the zygote hosts it
+        if zygote is not None:
+            self.server, port = zygote.serve_store(host, int(port), timeout)
+            try:
+                self.store = dist.TCPStore(connect_host, port, is_master=False, timeout=wait)
+            except BaseException:
+                self._stop_server()
+                raise
+        else:
+            self.store = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False, timeout=wait)
         self.address = f"{connect_host}:{self.store.port}"
         self.listen = f"{host}:{self.store.port}"
         self.procs: dict = {}  # rank -> subprocess.Popen, or zygote.ForkedWorker (the same calls)
@@ -173,7 +184,11 @@ class Pool:
             name = f"b/{self._batches}"
             pp.store_put(self.client, name, blob)
             blob = pickle.dumps([rec.Batch(name, len(blob))])
-        self.client.queue_push(f"q/{rank}", blob)
+        try:
+            self.client.queue_push(f"q/{rank}", blob)
+        except dist.DistError:
+            self.check(force=True)  # the store server died: that is the news (WorkerError)
+            raise
         return len(blob)
 
     # -- waiting and health ------------------------------------------------------------------------
@@ -220,6 +235,11 @@ class Pool:
         if not force and now < self._next_check:
             return
         self._next_check = now + 0.05
+        if self.server is not None and self.server.poll() is not None:
+            err = WorkerError(f"dtorch process backend: the workers' store server (pid {self.server.pid}) exited "
+                              f"with code {self.server.poll()}; every worker exits with it")
+            err.lost_devices = tuple(range(self.world))
+            raise err
         dead = [r for r, p in self.procs.items() if p.poll() is not None]
         faults = int(self.client.add("nfault", 0))
         silent = self._silent(now)
@@ -368,4 +388,13 @@ class Pool:
         self.drop_shm()
         if self._waiter is not None:
             self._waiter.shutdown(wait=False)
-        self.store = None  # closes the server: workers started elsewhere notice and exit
+        self.store = None  # closes our connection, or the server (its thread): workers started elsewhere exit
+        self._stop_server()
+
+    def _stop_server(self) -> None:
+        if self.server is not None:
+            self.server.kill()
+            try:
+                self.server.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
