@@ -218,7 +218,8 @@ class Pool:
         times in an 80 ms forward, each time taking a core the workers were computing on."""
         timeout = self.timeout if timeout is None else timeout
         if self._waiter is None:
-            self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dtorch-store-wait")
+            # (several: fetches may wait in threads of their own, to_torch_async)
+            self._waiter = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="dtorch-store-wait")
         # (the thread's own store connection: ``client``; its wait outlasts ours, which raises first)
         got = self._waiter.submit(lambda: self.client.wait([key], datetime.timedelta(seconds=timeout + 5)))
         try:
