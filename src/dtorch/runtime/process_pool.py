@@ -39,6 +39,7 @@ from .worker import worker_command, worker_env
 HEARTBEAT_TIMEOUT_VAR = "DTORCH_PROCESS_HEARTBEAT_TIMEOUT"
 HEARTBEAT_TIMEOUT_S = 15.0
 HEARTBEAT_MIN_S = 1.0  # two missed ticks: anything shorter would flag healthy workers
+CHECK_MAX_S = 0.25  # the longest pause between a long wait's health checks (a fault is reported within it)
 BATCH_LIMIT = 6 << 20  # larger record batches go to the store by key (the store caps values at 8 MiB)
 
 
@@ -195,13 +196,14 @@ class Pool:
     def wait(self, done, what: str, timeout: float | None = None, block=None) -> None:
         """Poll ``done()`` until true; check the workers' health meanwhile; never longer than ``timeout``.
         ``block(s)``, when given, sleeps until ``done()`` may have turned true or ``s`` seconds passed (an
-        event's wait): then this thread wakes only for the health checks, every 50 ms."""
+        event's wait): then this thread wakes only for the health checks, every 50 ms at first, every 250 ms
+        once the wait is long (each check is store round trips: a sync of a few steps woke ~20 times)."""
         timeout = self.timeout if timeout is None else timeout
         start = time.perf_counter()
         delay = 0.0
         while not done():
             now = time.perf_counter()
-            self.check(now)
+            self.check(now, every=0.05 if block is None else min(CHECK_MAX_S, 0.05 + (now - start) / 4))
             if now - start > timeout:
                 raise WorkerError(f"dtorch process backend: timed out after {timeout:.0f} s waiting for {what}. "
                                   "Raise DTORCH_PROCESS_TIMEOUT if the work is just long.")
@@ -230,12 +232,13 @@ class Pool:
             self._waiter = None
             raise
 
-    def check(self, now: float | None = None, force: bool = False) -> None:
-        """Raise WorkerError if a worker died, raised, or stopped answering (its heartbeat stood still)."""
+    def check(self, now: float | None = None, force: bool = False, every: float = 0.05) -> None:
+        """Raise WorkerError if a worker died, raised, or stopped answering (its heartbeat stood still); at most
+        once per ``every`` seconds unless ``force``."""
         now = time.perf_counter() if now is None else now
         if not force and now < self._next_check:
             return
-        self._next_check = now + 0.05
+        self._next_check = now + every
         if self.server is not None and self.server.poll() is not None:
             err = WorkerError(f"dtorch process backend: the workers' store server (pid {self.server.pid}) exited "
                               f"with code {self.server.poll()}; every worker exits with it")
