@@ -226,7 +226,11 @@ class Pool:
         got = self._waiter.submit(lambda: self.client.wait([key], datetime.timedelta(seconds=timeout + 5)))
         try:
             self.wait(got.done, what, timeout, lambda s: concurrent.futures.wait([got], s))
-            got.result()
+            try:
+                got.result()
+            except dist.DistError:
+                self.check(force=True)  # the store server died: that is the news (WorkerError)
+                raise
         except BaseException:
             self._waiter.shutdown(wait=False)  # its thread may still block on the key: the next wait gets a new one
             self._waiter = None
@@ -239,13 +243,19 @@ class Pool:
         if not force and now < self._next_check:
             return
         self._next_check = now + every
-        if self.server is not None and self.server.poll() is not None:
-            err = WorkerError(f"dtorch process backend: the workers' store server (pid {self.server.pid}) exited "
-                              f"with code {self.server.poll()}; every worker exits with it")
+        try:
+            if self.server is not None and self.server.poll() is not None:
+                raise dist.DistError("exited")
+            faults = int(self.client.add("nfault", 0))
+        except dist.DistError:
+            if self.server is None:
+                raise
+            code = self.server.poll()  # (None: its exit not reported yet, but it stopped answering)
+            err = WorkerError(f"dtorch process backend: the workers' store server (pid {self.server.pid}) exited"
+                              f"{'' if code is None else f' with code {code}'}; every worker exits with it")
             err.lost_devices = tuple(range(self.world))
-            raise err
+            raise err from None
         dead = [r for r, p in self.procs.items() if p.poll() is not None]
-        faults = int(self.client.add("nfault", 0))
         silent = self._silent(now)
         if dead or faults or silent:
             time.sleep(0.3)  # let a dying worker's peers and launchers report too: name the root cause
