@@ -393,7 +393,8 @@ def report(args, r: dict) -> None:
     wall, issue, runs = r["compiled"]
     print(f"  dtorch.compile'd forward TP={tp}       {ms(wall)}   (controller {ms(issue).strip()}; {runs} worker "
           "program runs)")
-    print(f"  dtorch.compile'd / DTensor wall     {wall / r['dtensor']:8.2f}x;  / eager dtorch {wall / r['dtorch']:.2f}x")
+    print(f"  dtorch.compile'd / DTensor wall     {wall / r['dtensor']:8.2f}x;  "
+          f"/ eager dtorch {wall / r['dtorch']:.2f}x")
     if r["cpu"]["dtensor"]:
         print(f"  CPU time per forward, compiled      {ms(r['cpu']['compiled'])}: "
               f"{r['cpu']['compiled'] / r['cpu']['dtensor']:.2f}x DTensor's", flush=True)

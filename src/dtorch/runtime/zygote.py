@@ -17,8 +17,9 @@ controller sees a worker's death (and its signal) as it would a child's (``Forke
 
 The store server: the zygote also forks the process that hosts the pool's TCPStore (``serve_store``), so that
 serving the workers' pushes, queue pops, heartbeats and answers does not count in the controller's CPU (a server
-thread inside the controller did: ~0.1-0.3 ms of its CPU per compiled step). The controller is a client like the
-workers. The server exits when its zygote does (so with the controller), or when the pool kills it (``Pool.stop``).
+thread inside the controller did: ~1 ms of its CPU per compiled step, most of it during a sync). The controller
+is a client like the workers. The server exits when its zygote does (so with the controller), or when the pool
+kills it (``Pool.stop``).
 
 Protocol: JSON lines. Requests ``{"rank", "device_index", "address", "connect_timeout", "threads", "env",
 "log"}`` (a worker) or ``{"store": [host, port, timeout]}`` (a store server); answers ``{"forked": pid}`` (in
@@ -140,7 +141,8 @@ class Zygote:
             with self._cond:
                 if not self._cond.wait_for(lambda: pid in self._stores or pid in self._exits or self._eof, 30.0):
                     ForkedWorker(self, pid).kill()
-                    raise ZygoteError(self._failed(f"forked a store server (pid {pid}) that did not listen within 30 s"))
+                    raise ZygoteError(self._failed(f"forked a store server (pid {pid}) that did not listen "
+                                                   "within 30 s"))
                 msg = self._stores.pop(pid, None) or {"error": "it exited before it listened"}
             if "error" in msg:
                 raise ZygoteError(self._failed(f"forked a store server (pid {pid}) that could not listen on "
