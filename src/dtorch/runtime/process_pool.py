@@ -248,7 +248,7 @@ class Pool:
                 raise dist.DistError("exited")
             faults = int(self.client.add("nfault", 0))
         except dist.DistError:
-            if self.server is None:
+            if self.server is None or self.stopping:  # (``stop`` kills the server: another thread's news)
                 raise
             code = self.server.poll()  # (None: its exit not reported yet, but it stopped answering)
             err = WorkerError(f"dtorch process backend: the workers' store server (pid {self.server.pid}) exited"
