@@ -7,6 +7,9 @@ model, same weights, same thread count per process, one command.
     .venv/bin/python bench/process_backend.py --floor            # and what no TP system can go below
     .venv/bin/python bench/process_backend.py --ray              # and dtorch's ray backend (TP Ray actors)
 
+Beside the eager forward, the same forward under ``dtorch.compile`` (its own pool of workers: the replay runs as
+one worker program per worker, a ``RunProgram`` record each, docs/compile.md), in the same rounds.
+
 The two systems run in alternating rounds (DTensor's ranks wait on a store key while dtorch runs, and
 dtorch's workers wait on their queues while DTensor runs), so both see the same load on a shared
 machine; the medians are over every round's forwards.
@@ -264,8 +267,12 @@ class DTensorRanks:
 # -- dtorch, process backend ---------------------------------------------------------------------------
 
 
+def _forward(model, ids):
+    return model(ids)
+
+
 class DtorchTP:
-    def __init__(self, args, tp: int, hf, backend: str = "process"):
+    def __init__(self, args, tp: int, hf, backend: str = "process", compiled: bool = False):
         # read by the workers / device actors when they start
         os.environ["OMP_NUM_THREADS"] = os.environ["DTORCH_RAY_THREADS"] = str(threads_for(args, tp))
         import dtorch
@@ -277,6 +284,7 @@ class DtorchTP:
         self.model = LlamaForCausalLM(hf.config, mesh)
         self.model.load_state_dict(hf.state_dict())
         self.ids = dtorch.Tensor(token_ids(args), device_mesh=mesh)
+        self.step = dtorch.compile(_forward) if compiled else _forward
         self.rt = self.graph.runtime
         self.wall, self.issue, self.fetch, self.ops = [], [], [], []
         self.logits = None
@@ -289,7 +297,7 @@ class DtorchTP:
         before = rt.stats["ops"]
         t0 = time.perf_counter()
         with graph:  # tensors the forward makes (positions) live with the model's (the default is per Graph)
-            out = self.model(self.ids)  # returns as soon as every op is queued
+            out = self.step(self.model, self.ids)  # returns as soon as every op is queued
         t1 = time.perf_counter()
         graph.sync()
         t2 = time.perf_counter()
@@ -326,18 +334,19 @@ def run_tp(args, tp: int, hf, expected, tmp: str) -> dict:
     ray_tp = None
     try:
         ours = DtorchTP(args, tp, hf)
+        compiled = DtorchTP(args, tp, hf, compiled=True)
         ray_tp = DtorchTP(args, tp, hf, backend="ray") if args.ray else None
         ranks.wait_ready()
         dt = []
         dt_pids = [p.pid for p in ranks.procs]
         # CPU time of every process of each system, in its rounds (the ray backend's: controller and actors,
         # not Ray's own daemons)
-        cpu = {"dtensor": 0.0, "dtorch": 0.0, "ray": 0.0}
+        cpu = {"dtensor": 0.0, "dtorch": 0.0, "compiled": 0.0, "ray": 0.0}
         for k in range(args.rounds):
             c0 = cpu_seconds(dt_pids)
             dt += ranks.round(k)
             cpu["dtensor"] += cpu_seconds(dt_pids) - c0
-            for key, system in (("dtorch", ours), ("ray", ray_tp)):
+            for key, system in (("dtorch", ours), ("compiled", compiled), ("ray", ray_tp)):
                 if system is None:
                     continue
                 c0 = cpu_seconds(system.pids())
@@ -349,16 +358,19 @@ def run_tp(args, tp: int, hf, expected, tmp: str) -> dict:
         for p in ranks.procs:
             p.kill()
     ours.close()
+    compiled.close()
+    assert compiled.step.stats["replays"] > 0, compiled.step.last_reason
     if ray_tp is not None:
         ray_tp.close()
     floor = measure_floor(args, tp) if args.floor else None
-    checked = [("dtorch", ours.logits), ("DTensor", dt_logits)] + ([("ray", ray_tp.logits)] if ray_tp else [])
+    checked = [("dtorch", ours.logits), ("dtorch compiled", compiled.logits), ("DTensor", dt_logits)] + ([("ray", ray_tp.logits)] if ray_tp else [])
     for name, logits in checked:
         err = (logits - expected).abs().max().item()
         assert err < 1e-3, f"{name} TP={tp} logits differ from Hugging Face's by {err}"
     med = statistics.median
     return {"tp": tp, "threads": threads, "hf": single, "dtensor": med(dt), "dtorch": med(ours.wall),
-            "controller": med(ours.issue), "fetch": ours.fetch[0], "ops": int(med(ours.ops)), "floor": floor,
+            "controller": med(ours.issue), "fetch": ours.fetch[0],
+            "compiled": (med(compiled.wall), med(compiled.issue), compiled.rt.stats["program_runs"]), "ops": int(med(ours.ops)), "floor": floor,
             "cpu": {k: v / (args.rounds * args.iters) for k, v in cpu.items()},
             "ray": (med(ray_tp.wall), med(ray_tp.issue), ray_tp.fetch[0]) if ray_tp else None}
 
@@ -378,6 +390,14 @@ def report(args, r: dict) -> None:
     if r["cpu"]["dtensor"]:
         print(f"  CPU time per forward, all processes {ms(r['cpu']['dtorch'])} dtorch (controller and workers), "
               f"{ms(r['cpu']['dtensor']).strip()} DTensor: {r['cpu']['dtorch'] / r['cpu']['dtensor']:.2f}x")
+    wall, issue, runs = r["compiled"]
+    print(f"  dtorch.compile'd forward TP={tp}       {ms(wall)}   (controller {ms(issue).strip()}; {runs} worker "
+          "program runs)")
+    print(f"  dtorch.compile'd / DTensor wall     {wall / r['dtensor']:8.2f}x;  "
+          f"/ eager dtorch {wall / r['dtorch']:.2f}x")
+    if r["cpu"]["dtensor"]:
+        print(f"  CPU time per forward, compiled      {ms(r['cpu']['compiled'])}: "
+              f"{r['cpu']['compiled'] / r['cpu']['dtensor']:.2f}x DTensor's", flush=True)
     print(f"  dtorch controller time              {ms(r['controller'])}   "
           f"({r['controller'] / r['ops'] * 1e6:.0f} us per op)")
     print(f"  controller time / wall time         {r['controller'] / r['dtorch']:8.2f}", flush=True)

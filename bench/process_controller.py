@@ -9,7 +9,7 @@ workers.
 1. An op chain on a 4-device mesh (``(y @ w).relu() + x``, 20 deep, 20 times per sample): the median and minimum
    over 15 samples of process CPU time per op (issue, plan lookups, records, pickling, pushes).
 2. The Llama training step of tests/compile (2 layers, hidden 64, AdamW) on dp2 x tp2, batch 4 x 16: controller
-   CPU per step to issue it (median and minimum over 15 samples of 5 steps; with workers, 5 samples, and also
+   CPU per step to issue it (median and minimum over 15 samples of 5 steps; with workers too, and also
    counting the controller's wait in the ``sync`` that ends each sample).
 
 Each eager, under ``dtorch.compile`` replayed call by call (``DTORCH_COMPILE_PROGRAMS=0``: every op's record
@@ -156,7 +156,7 @@ def main() -> None:
         dtorch.Graph.set_default_graph(g)
         mesh = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["dp", "tp"])
         try:
-            llama(rt, mesh, "4 worker processes", samples=5)
+            llama(rt, mesh, "4 worker processes", samples=15)
         finally:
             rt.shutdown()
 

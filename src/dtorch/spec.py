@@ -70,6 +70,17 @@ class DTensorSpec:
     def local_shape(self, coord) -> tuple[int, ...]:
         return tuple(n for _, n in self.local_box(coord))
 
+    def local_shapes(self) -> tuple:
+        """Every device's block shape, in mesh order; cached on the spec (a replayed step places host data
+        with the same spec object every time)."""
+        try:
+            return self.__dict__["_local_shapes"]
+        except KeyError:
+            pass
+        out = tuple(self.local_shape(c) for c in self.mesh.coordinates())
+        object.__setattr__(self, "_local_shapes", out)
+        return out
+
     def is_even(self) -> bool:
         """Every device holds a block of the same shape (so blocks stack into one grid tensor)."""
         return _is_even(self.mesh.shape, self.placements, self.shape)

@@ -235,7 +235,9 @@ mesh = DeviceMesh("cpu", [0, 1])
 x = dtorch.Tensor(torch.arange(6.0), device_mesh=mesh, placements=[Shard(0)])
 assert torch.equal(x.redistribute(mesh, [Replicate()]).to_torch(), torch.arange(6.0))
 zygote = g.runtime.transport.zygote  # (forks the workers: it must not outlive the controller either)
-print(json.dumps([p.pid for p in g.runtime._pool.procs.values()] + ([zygote.pid] if zygote else [])), flush=True)
+server = g.runtime._pool.server  # (the store server the zygote forked: nor this)
+print(json.dumps([p.pid for p in g.runtime._pool.procs.values()] + ([zygote.pid] if zygote else [])
+                 + ([server.pid] if server else [])), flush=True)
 """
 
 

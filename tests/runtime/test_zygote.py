@@ -27,6 +27,27 @@ def parent(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[-1].split()[1])
 
 
+def listener(port: int) -> str | None:
+    """The inode of the socket listening on ``port`` (IPv4 or IPv6), from /proc/net."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and int(cols[1].rpartition(":")[2], 16) == port:  # (state 0A: LISTEN)
+                    return cols[9]
+    return None
+
+
+def open_files(pid: int) -> set:
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            out.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # (closed meanwhile: the listing's own descriptor)
+            pass
+    return out
+
+
 def test_workers_are_forks_of_one_zygote_that_a_restart_reuses_and_shutdown_ends():
     g = process_graph(workers=2)
     try:
@@ -47,6 +68,53 @@ def test_workers_are_forks_of_one_zygote_that_a_restart_reuses_and_shutdown_ends
     finally:
         g.runtime.shutdown()
     assert wait_gone(again + [zygote]) == []
+
+
+def test_the_store_is_served_by_a_fork_of_the_zygote_not_by_the_controller():
+    g = process_graph(workers=2)
+    try:
+        with using(g):
+            x = dtorch.Tensor(torch.arange(6.0), device_mesh=PAIR, placements=[Shard(0)])
+            assert torch.equal((x + 1).to_torch(), torch.arange(6.0) + 1)
+            pool = g.runtime._pool
+            server, zygote = pool.server.pid, g.runtime.transport.zygote.pid
+            assert parent(server) == zygote
+            port = int(pool.address.rpartition(":")[2])
+            inode = listener(port)
+            assert inode is not None, f"nothing listens on port {port}"
+            mine, his = open_files(os.getpid()), open_files(server)
+            assert f"socket:[{inode}]" in his and f"socket:[{inode}]" not in mine  # the listener is the server's
+            # a recovery (the workers replaced) gets a new pool and a new server; the old one is gone
+            os.kill(g.runtime.worker_pids()[1], signal.SIGKILL)
+            with pytest.raises(WorkerError):
+                (x * 2).to_torch()
+            assert wait_gone([server]) == []
+            y = dtorch.Tensor(torch.arange(4.0), device_mesh=PAIR, placements=[Shard(0)])
+            assert torch.equal((y * 2).to_torch(), torch.arange(4.0) * 2)
+            again = g.runtime._pool.server.pid
+            assert again != server and parent(again) == zygote
+    finally:
+        g.runtime.shutdown()
+    assert wait_gone([again, zygote]) == []
+
+
+def test_a_dead_store_server_is_a_worker_fault_naming_it():
+    g = process_graph(workers=2)
+    try:
+        with using(g):
+            x = dtorch.Tensor(torch.arange(6.0), device_mesh=PAIR, placements=[Shard(0)])
+            (x + 1).to_torch()
+            server = g.runtime._pool.server.pid
+            workers = list(g.runtime.worker_pids().values())
+            os.kill(server, signal.SIGKILL)
+            assert wait_gone([server]) == []
+            with pytest.raises(WorkerError, match=rf"store server \(pid {server}\) exited"):
+                g.runtime.sync()
+            assert wait_gone(workers) == []
+            y = dtorch.Tensor(torch.arange(4.0), device_mesh=PAIR, placements=[Shard(0)])  # a fresh pool
+            assert torch.equal((y * 2).to_torch(), torch.arange(4.0) * 2)
+    finally:
+        g.runtime.shutdown()
 
 
 def test_a_forked_worker_sets_its_own_thread_count():

@@ -87,18 +87,28 @@ def cut_global(full: torch.Tensor, spec: DTensorSpec) -> list:
     None where the device's block is zeros (a sum Partial keeps the value on index 0: the caller makes
     them on its device). Replicas get the same view object, so a caller can move each once.
     """
-    out = []
-    by_box: dict = {}
+    which, slices = _cut_plan(spec)
+    views = [full[s] for s in slices]
+    return [None if i is None else views[i] for i in which]
+
+
+def _cut_plan(spec: DTensorSpec) -> tuple:
+    """(per device in mesh order: the index of its distinct box, None for zeros; each distinct box as slices),
+    cached on the spec."""
+    try:
+        return spec.__dict__["_cut_plan"]
+    except KeyError:
+        pass
+    index: dict = {}
+    which = []
     for coord in spec.mesh.coordinates():
         if partial_zero(spec, coord):
-            out.append(None)
-            continue
-        box = spec.local_box(coord)
-        b = by_box.get(box)
-        if b is None:
-            b = by_box[box] = full[tuple(slice(o, o + n) for o, n in box)]
-        out.append(b)
-    return out
+            which.append(None)
+        else:
+            which.append(index.setdefault(spec.local_box(coord), len(index)))
+    plan = (tuple(which), tuple(tuple(slice(o, o + n) for o, n in box) for box in index))
+    object.__setattr__(spec, "_cut_plan", plan)
+    return plan
 
 
 def assemble(blocks, spec: DTensorSpec, device=None, out: torch.Tensor | None = None) -> torch.Tensor:

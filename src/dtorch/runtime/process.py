@@ -69,6 +69,7 @@ __all__ = ["ProcessRuntime", "WorkerError"]
 
 FLUSH_RECORDS = 64  # records buffered before a push
 FLUSH_AFTER_S = 0.002  # ... or this long after the first one
+FLUSH_CHECK_S = 0.25  # a push checks the workers' health at most this often (every wait checks every 50 ms)
 PLAN_IDS = 4096  # plan ids the workers hold at most (a decode loop makes new ones every step)
 
 _LIVE: "weakref.WeakSet[ProcessRuntime]" = weakref.WeakSet()
@@ -133,6 +134,7 @@ class ProcessRuntime(Operations, Recovery, ProgramControl, Runtime):
         self._buf: dict[int, list] = {}
         self._nrec = 0
         self._t_first = 0.0
+        self._next_flush_check = 0.0
         self._ready: set = set()  # meshes whose workers run
         # plan key -> (plan id, the ranks its definition went to). Bounded: the ids it drops are
         # forgotten by those ranks (``_forget``: queued after every record that used them)
@@ -320,13 +322,21 @@ class ProcessRuntime(Operations, Recovery, ProgramControl, Runtime):
                     msg = self._unpicklable(recs, exc)
                     self._teardown(msg)
                     raise RuntimeBackendError(msg) from exc
-                self.stats["bytes_pushed"] += pool.push(r, blob)
+                try:
+                    self.stats["bytes_pushed"] += pool.push(r, blob)
+                except WorkerError as exc:
+                    self._teardown(str(exc))
+                    raise
                 self._buf[r] = []
             self.stats["flushes"] += 1
             self.stats["records"] += self._nrec
             self._nrec = 0
+            now = time.perf_counter()
+            if now < self._next_flush_check:  # (each check is a store round trip or more: not every step's)
+                return
+            self._next_flush_check = now + FLUSH_CHECK_S
             try:
-                pool.check()  # a dead worker surfaces at the next op, not only at the next wait
+                pool.check(now)  # a dead worker surfaces at a later op, not only at the next wait
             except WorkerError as exc:
                 self._teardown(str(exc))
                 raise
@@ -346,8 +356,7 @@ class ProcessRuntime(Operations, Recovery, ProgramControl, Runtime):
         data: dict = {}
         readers: dict = {}
         plan = []
-        for r, coord, block in zip(ranks, mesh.coordinates(), blocks):
-            shape = spec.local_shape(coord)
+        for r, shape, block in zip(ranks, spec.local_shapes(), blocks):
             if block is None:
                 plan.append((r, rec.Zeros(seq, h.id, spec.dtype, shape, mesh.device_type)))
                 continue

@@ -1,6 +1,8 @@
 """The process backend's workers: start them, grow them, watch them, stop them.
 
-The controller hosts a TCPStore (loopback and a free port unless told otherwise). It publishes the
+The pool has a TCPStore (loopback and a free port unless told otherwise), hosted by a process the zygote forks
+(``zygote.Zygote.serve_store``: serving the workers does not take the controller's CPU), else (no zygote: workers
+that join from elsewhere, or DTORCH_PROCESS_ZYGOTE=0) by a thread of the controller. It publishes the
 process-group configuration under ``cfg``; workers join ``init_process_group`` with it and announce
 ``ready/<gen>/<rank>``. Growing the pool publishes a new generation: running workers re-join (their
 blocks stay), new ones are started. Faults reach the controller three ways: a worker's exception
@@ -37,6 +39,7 @@ from .worker import worker_command, worker_env
 HEARTBEAT_TIMEOUT_VAR = "DTORCH_PROCESS_HEARTBEAT_TIMEOUT"
 HEARTBEAT_TIMEOUT_S = 15.0
 HEARTBEAT_MIN_S = 1.0  # two missed ticks: anything shorter would flag healthy workers
+CHECK_MAX_S = 0.25  # the longest pause between a long wait's health checks (a fault is reported within it)
 BATCH_LIMIT = 6 << 20  # larger record batches go to the store by key (the store caps values at 8 MiB)
 
 
@@ -102,9 +105,18 @@ class Pool:
         self.beats = Heartbeats(heartbeat)
         self.spawn = spawn
         self.zygote = zygote  # forks the workers this pool starts (``zygote.Zygote``); None: each is spawned
-        self.store = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=timeout))
         connect_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        wait = datetime.timedelta(seconds=timeout)
+        self.server = None  # the store's own process (a zygote.ForkedWorker), when the zygote hosts it
+        if zygote is not None:
+            self.server, port = zygote.serve_store(host, int(port), timeout)
+            try:
+                self.store = dist.TCPStore(connect_host, port, is_master=False, timeout=wait)
+            except BaseException:
+                self._stop_server()
+                raise
+        else:
+            self.store = dist.TCPStore(host, int(port), is_master=True, wait_for_workers=False, timeout=wait)
         self.address = f"{connect_host}:{self.store.port}"
         self.listen = f"{host}:{self.store.port}"
         self.procs: dict = {}  # rank -> subprocess.Popen, or zygote.ForkedWorker (the same calls)
@@ -173,20 +185,25 @@ class Pool:
             name = f"b/{self._batches}"
             pp.store_put(self.client, name, blob)
             blob = pickle.dumps([rec.Batch(name, len(blob))])
-        self.client.queue_push(f"q/{rank}", blob)
+        try:
+            self.client.queue_push(f"q/{rank}", blob)
+        except dist.DistError:
+            self.check(force=True)  # the store server died: that is the news (WorkerError)
+            raise
         return len(blob)
 
     # -- waiting and health ------------------------------------------------------------------------
     def wait(self, done, what: str, timeout: float | None = None, block=None) -> None:
         """Poll ``done()`` until true; check the workers' health meanwhile; never longer than ``timeout``.
         ``block(s)``, when given, sleeps until ``done()`` may have turned true or ``s`` seconds passed (an
-        event's wait): then this thread wakes only for the health checks, every 50 ms."""
+        event's wait): then this thread wakes only for the health checks, every 50 ms at first, every 250 ms
+        once the wait is long (each check is store round trips: a sync of a few steps woke ~20 times)."""
         timeout = self.timeout if timeout is None else timeout
         start = time.perf_counter()
         delay = 0.0
         while not done():
             now = time.perf_counter()
-            self.check(now)
+            self.check(now, every=0.05 if block is None else min(CHECK_MAX_S, 0.05 + (now - start) / 4))
             if now - start > timeout:
                 raise WorkerError(f"dtorch process backend: timed out after {timeout:.0f} s waiting for {what}. "
                                   "Raise DTORCH_PROCESS_TIMEOUT if the work is just long.")
@@ -203,25 +220,42 @@ class Pool:
         times in an 80 ms forward, each time taking a core the workers were computing on."""
         timeout = self.timeout if timeout is None else timeout
         if self._waiter is None:
-            self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dtorch-store-wait")
+            # (several: fetches may wait in threads of their own, to_torch_async)
+            self._waiter = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="dtorch-store-wait")
         # (the thread's own store connection: ``client``; its wait outlasts ours, which raises first)
         got = self._waiter.submit(lambda: self.client.wait([key], datetime.timedelta(seconds=timeout + 5)))
         try:
             self.wait(got.done, what, timeout, lambda s: concurrent.futures.wait([got], s))
-            got.result()
+            try:
+                got.result()
+            except dist.DistError:
+                self.check(force=True)  # the store server died: that is the news (WorkerError)
+                raise
         except BaseException:
             self._waiter.shutdown(wait=False)  # its thread may still block on the key: the next wait gets a new one
             self._waiter = None
             raise
 
-    def check(self, now: float | None = None, force: bool = False) -> None:
-        """Raise WorkerError if a worker died, raised, or stopped answering (its heartbeat stood still)."""
+    def check(self, now: float | None = None, force: bool = False, every: float = 0.05) -> None:
+        """Raise WorkerError if a worker died, raised, or stopped answering (its heartbeat stood still); at most
+        once per ``every`` seconds unless ``force``."""
         now = time.perf_counter() if now is None else now
         if not force and now < self._next_check:
             return
-        self._next_check = now + 0.05
+        self._next_check = now + every
+        try:
+            if self.server is not None and self.server.poll() is not None:
+                raise dist.DistError("exited")
+            faults = int(self.client.add("nfault", 0))
+        except dist.DistError:
+            if self.server is None or self.stopping:  # (``stop`` kills the server: another thread's news)
+                raise
+            code = self.server.poll()  # (None: its exit not reported yet, but it stopped answering)
+            err = WorkerError(f"dtorch process backend: the workers' store server (pid {self.server.pid}) exited"
+                              f"{'' if code is None else f' with code {code}'}; every worker exits with it")
+            err.lost_devices = tuple(range(self.world))
+            raise err from None
         dead = [r for r, p in self.procs.items() if p.poll() is not None]
-        faults = int(self.client.add("nfault", 0))
         silent = self._silent(now)
         if dead or faults or silent:
             time.sleep(0.3)  # let a dying worker's peers and launchers report too: name the root cause
@@ -368,4 +402,13 @@ class Pool:
         self.drop_shm()
         if self._waiter is not None:
             self._waiter.shutdown(wait=False)
-        self.store = None  # closes the server: workers started elsewhere notice and exit
+        self.store = None  # closes our connection, or the server (its thread): workers started elsewhere exit
+        self._stop_server()
+
+    def _stop_server(self) -> None:
+        if self.server is not None:
+            self.server.kill()
+            try:
+                self.server.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass

@@ -122,7 +122,8 @@ class StoreLink(Link):
             data = pp.as_bytes(x.detach().cpu())
             sent = head + (("inline", data.numpy().tobytes()) if data.numel() <= pp.INLINE_BYTES else ("pg", tag))
         self.store.set(key, pickle.dumps(sent))
-        self.store.add(f"g/{req}", 1)
+        if self.store.add(f"g/{req}", 1) == 0:  # the last block of the fetch (the count starts at minus their number)
+            self.store.set(f"g/{req}/all", b"")
         if sent[2] == "pg":  # the controller receives once every block's header is in
             self.pair.send([data], 0, tag).wait()
 

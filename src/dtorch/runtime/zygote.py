@@ -15,9 +15,16 @@ parent gone and exit too (``worker._watch``). It reaps its children and reports 
 controller sees a worker's death (and its signal) as it would a child's (``ForkedWorker``, the subset of
 ``subprocess.Popen`` that ``process_pool.Pool`` uses).
 
+The store server: the zygote also forks the process that hosts the pool's TCPStore (``serve_store``), so that
+serving the workers' pushes, queue pops, heartbeats and answers does not count in the controller's CPU (a server
+thread inside the controller did: ~1 ms of its CPU per compiled step, most of it during a sync). The controller
+is a client like the workers. The server exits when its zygote does (so with the controller), or when the pool
+kills it (``Pool.stop``).
+
 Protocol: JSON lines. Requests ``{"rank", "device_index", "address", "connect_timeout", "threads", "env",
-"log"}``; answers ``{"forked": pid}`` (in request order) and ``{"exit": pid, "code": returncode}`` (Popen's
-convention: minus the signal number for a signal).
+"log"}`` (a worker) or ``{"store": [host, port, timeout]}`` (a store server); answers ``{"forked": pid}`` (in
+request order), ``{"exit": pid, "code": returncode}`` (Popen's convention: minus the signal number for a
+signal), and from a store server itself ``{"store": pid, "port": port}`` or ``{"store": pid, "error": text}``.
 """
 from __future__ import annotations
 
@@ -91,6 +98,7 @@ class Zygote:
         self._lock = threading.Lock()  # one request at a time: answers come in request order
         self._forked: collections.deque = collections.deque()
         self._exits: dict = {}
+        self._stores: dict = {}  # store server pid -> its message (its port, or why it could not listen)
         self._eof = False
         self._answered = False
         threading.Thread(target=self._read, name="dtorch-zygote", daemon=True).start()
@@ -108,6 +116,8 @@ class Zygote:
             with self._cond:
                 if "exit" in msg:
                     self._exits[msg["exit"]] = msg["code"]
+                elif "store" in msg:
+                    self._stores[msg["store"]] = msg
                 else:
                     self._forked.append(msg["forked"])
                 self._cond.notify_all()
@@ -121,21 +131,41 @@ class Zygote:
         req = {"rank": rank, "device_index": device_index, "address": address, "connect_timeout": connect_timeout,
                "threads": threads, "env": env, "log": log}
         with self._lock:
-            try:
-                self.proc.stdin.write((json.dumps(req) + "\n").encode())
-                self.proc.stdin.flush()
-            except (BrokenPipeError, ValueError):
-                raise ZygoteError(self._failed("stopped before it could fork worker {rank}")) from None
-            # the first answer waits for the zygote's imports
-            timeout = 30.0 if self._answered else self.start_timeout
+            return ForkedWorker(self, self._fork(req, f"worker {rank}"))
+
+    def serve_store(self, host: str, port: int, timeout: float) -> tuple[ForkedWorker, int]:
+        """Fork a process that hosts a TCPStore (``is_master``) listening on ``host:port`` (0: a free port);
+        (that process, the port it listens on)."""
+        with self._lock:
+            pid = self._fork({"store": [host, port, timeout]}, "the store server")
             with self._cond:
-                if not self._cond.wait_for(lambda: self._forked or self._eof, timeout):
-                    self.close()
-                    raise ZygoteError(self._failed(f"did not fork worker {rank} within {timeout:.0f} s"))
-                if not self._forked:
-                    raise ZygoteError(self._failed(f"exited before it forked worker {rank}"))
-                self._answered = True
-                return ForkedWorker(self, self._forked.popleft())
+                if not self._cond.wait_for(lambda: pid in self._stores or pid in self._exits or self._eof, 30.0):
+                    ForkedWorker(self, pid).kill()
+                    raise ZygoteError(self._failed(f"forked a store server (pid {pid}) that did not listen "
+                                                   "within 30 s"))
+                msg = self._stores.pop(pid, None) or {"error": "it exited before it listened"}
+            if "error" in msg:
+                raise ZygoteError(self._failed(f"forked a store server (pid {pid}) that could not listen on "
+                                               f"{host}:{port}: {msg['error']}"))
+            return ForkedWorker(self, pid), msg["port"]
+
+    def _fork(self, req: dict, what: str) -> int:
+        """Send one request (the caller holds ``_lock``); the forked child's pid."""
+        try:
+            self.proc.stdin.write((json.dumps(req) + "\n").encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            raise ZygoteError(self._failed(f"stopped before it could fork {what}")) from None
+        # the first answer waits for the zygote's imports
+        timeout = 30.0 if self._answered else self.start_timeout
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._forked or self._eof, timeout):
+                self.close()
+                raise ZygoteError(self._failed(f"did not fork {what} within {timeout:.0f} s"))
+            if not self._forked:
+                raise ZygoteError(self._failed(f"exited before it forked {what}"))
+            self._answered = True
+            return self._forked.popleft()
 
     def exit_code(self, pid: int):
         """The worker's exit status (Popen's convention), or None while it runs."""
@@ -237,10 +267,14 @@ def serve(parent_pid: int) -> int:
             req = json.loads(line)
             sys.stdout.flush()
             sys.stderr.flush()  # (a child would write the zygote's buffered output again)
+            zygote = os.getpid()
             pid = os.fork()
             if pid == 0:
-                for fd in (requests, answers, wake_r, wake_w):
+                for fd in (requests, wake_r, wake_w):
                     os.close(fd)
+                if "store" in req:
+                    _become_store(req["store"], answers, zygote)  # never returns
+                os.close(answers)
                 _become_worker(req)  # never returns
             os.write(answers, (json.dumps({"forked": pid}) + "\n").encode())
 
@@ -255,6 +289,36 @@ def _reap(answers: int) -> None:
             return
         code = os.waitstatus_to_exitcode(status)
         os.write(answers, (json.dumps({"exit": pid, "code": code}) + "\n").encode())
+
+
+def _become_store(where: list, answers: int, zygote: int) -> None:
+    """In the forked child: host the pool's TCPStore, say on which port, and live as long as the zygote."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.setsid()  # Ctrl-C goes to the controller only
+        try:
+            import datetime
+
+            import torch.distributed as dist
+
+            host, port, timeout = where
+            store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=timeout))
+            msg = {"store": os.getpid(), "port": store.port}
+        except Exception as exc:  # noqa: BLE001  (the controller raises it)
+            msg = {"store": os.getpid(), "error": f"{type(exc).__name__}: {exc}"}
+        os.write(answers, (json.dumps(msg) + "\n").encode())  # (one short write: not interleaved with the zygote's)
+        os.close(answers)
+        if "error" in msg:
+            return
+        # the server runs in the store's own thread; this one only watches the zygote, which ends with the controller
+        while os.getppid() == zygote:
+            time.sleep(0.5)
+        code = 0
+    finally:
+        os._exit(code)
 
 
 def _become_worker(req: dict) -> None:
