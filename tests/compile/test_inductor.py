@@ -18,6 +18,8 @@ import dtorch
 from dtorch.compile import inductor
 from dtorch import Replicate, Shard
 
+from .test_compile import _train
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
@@ -38,14 +40,6 @@ def _mlp(mesh, seed=0):
 
 def _forward(model, x):
     return (model(x) * 2 + 1).softmax(-1)
-
-
-def _train(model, opt, x, y):
-    loss = ((model(x) - y) ** 2).mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
 
 
 def _graphs() -> int:
