@@ -24,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import threading
 import time
 
 import torch.distributed as dist
@@ -134,6 +133,7 @@ class Pool:
         self._owner = threading.get_ident()
         self._tls = threading.local()
         self._batches = 0
+        self._waiter: concurrent.futures.ThreadPoolExecutor | None = None  # blocks on store keys (wait_key)
         self.stopping = False  # ``stop`` runs: the workers it kills are not lost devices
 
     @property
@@ -219,24 +219,26 @@ class Pool:
         sleeps, waking only for the health checks: polling the store instead woke the controller about 40
         times in an 80 ms forward, each time taking a core the workers were computing on."""
         timeout = self.timeout if timeout is None else timeout
-        got = concurrent.futures.Future()
-
-        def block_on_key():
-            # (the thread's own store connection: ``client``; its wait outlasts ours, which raises first)
-            try:
-                self.client.wait([key], datetime.timedelta(seconds=timeout + 5))
-                got.set_result(None)
-            except BaseException as exc:  # noqa: BLE001 (handed to the waiting thread)
-                got.set_exception(exc)
-
-        # a daemon thread, not an executor's: an executor's threads are joined at interpreter exit, so a wait
-        # left blocked on a dead worker's key held the controller's exit until the store's timeout
-        threading.Thread(target=block_on_key, name="dtorch-store-wait", daemon=True).start()
-        self.wait(got.done, what, timeout, lambda s: concurrent.futures.wait([got], s))
+        if self._waiter is None:
+            # (several: fetches may wait in threads of their own, to_torch_async; each thread keeps its store
+            # connection, ``client``, for the next wait)
+            self._waiter = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="dtorch-store-wait")
+        # (the thread's wait outlasts ours, which raises first)
+        got = self._waiter.submit(lambda: self.client.wait([key], datetime.timedelta(seconds=timeout + 5)))
         try:
+            self.wait(got.done, what, timeout, lambda s: concurrent.futures.wait([got], s))
             got.result()
         except dist.DistError:
             self.check(force=True)  # the store server died: that is the news (WorkerError)
+            raise
+        except BaseException:
+            # the key will not come (a worker died, a timeout): set it, so that the thread stops waiting now. An
+            # executor's threads are joined at interpreter exit: one left blocked held the controller's exit
+            # until the store's timeout
+            try:
+                self.client.set(key, b"")
+            except Exception:  # noqa: BLE001 (the store is gone too: the thread's wait fails with it)
+                pass
             raise
 
     def check(self, now: float | None = None, force: bool = False, every: float = 0.05) -> None:
@@ -403,6 +405,8 @@ class Pool:
             shutil.rmtree(self.logdir, ignore_errors=True)
         self.procs.clear()
         self.drop_shm()
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=False)
         self.store = None  # closes our connection, or the server (its thread): workers started elsewhere exit
         self._stop_server()
 
