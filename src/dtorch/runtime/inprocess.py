@@ -30,8 +30,7 @@ from ..spec import DTensorSpec
 from .box import box_plan
 from .blocks import assemble, cut_global, cut_shard, dim_groups, reduce_dim, reduce_list
 from .cow import private_copy, writable
-from .grids import global_to_grid, grid_to_global
-from .grids import grid_step
+from .grids import global_to_grid, grid_step, grid_to_global
 from .grids import grid_gather as _grid_gather, grid_slice as _grid_slice, to_partial_grid as _to_partial_grid
 from .devices import DeviceConfig, read_device_config, torch_devices
 from .inprocess_tracked import TrackedRuns
