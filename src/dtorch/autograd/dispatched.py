@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from typing import NamedTuple
 
 import torch
 
+from .._lru import LRU
 from ..errors import DTorchError, OpError
 from ..placement import Partial, Replicate, Shard
 from ..redistribute import relayout
@@ -164,33 +166,6 @@ class KernelNode(Node):
     def name(self):
         return self.op
 
-    def _reduce_partial_cotangent(self) -> tuple:
-        """Mesh dims on which a parameter (a leaf) is among the replicated inputs (``cotangent_specs``)."""
-        dims = set()
-        for (_, _, leaf), in_spec in zip(self.edges, [s for s, d in zip(self.in_specs, self.diff) if d]):
-            if leaf is not None:
-                dims.update(m for m, p in enumerate(in_spec.placements) if p == _R)
-        return dims
-
-    def _folded(self, grad_specs) -> tuple:
-        """With the local graph kept (one torch autograd call over every simulated device), the gradient of
-        a parameter replicated on a mesh dim comes out summed over that dim's devices (one GEMM over all
-        their rows): its reduction, which storing it in ``.grad`` would run next, is already done. Those
-        gradients are laid out Replicate there, and the all-reduce the devices perform is recorded in
-        CommLog as the executor would record it (``executor.record_only``)."""
-
-        out = []
-        leaves = [leaf for (_, _, leaf) in self.edges]
-        for spec, leaf in zip(grad_specs, leaves):
-            if leaf is not None and any(p == _P and q == _R for p, q in zip(spec.placements, leaf._spec.placements)):
-                folded = DTensorSpec(spec.mesh, tuple(_R if p == _P and q == _R else p
-                                                      for p, q in zip(spec.placements, leaf._spec.placements)),
-                                     spec.shape, spec.dtype)
-                record_only(plan_redistribute(spec, folded))
-                spec = folded
-            out.append(spec)
-        return tuple(out)
-
     def _summed_gathered(self, grad_specs) -> tuple:
         """Stacked grids compute every device's gradient term of an fsdp-gathered weight in one GEMM, summed:
         kept so (Replicate where it would be Partial) rather than spread into one full-size term per device.
@@ -237,7 +212,10 @@ class KernelNode(Node):
         prefetched, self.prefetched = self.prefetched or {}, None
         tracked = self.tape is not None
         refetched = {}
-        for n, ((t, version, layout), s) in enumerate(zip(self.saved, self.in_specs)):
+        sig = (self.in_specs, self.diff, self.out_specs, tuple(None if leaf is None else leaf._spec
+                                                               for _, _, leaf in self.edges))
+        layout = _LAYOUTS_get(sig) or _node_layout(sig)
+        for n, ((t, version, saved_layout), s) in enumerate(zip(self.saved, self.in_specs)):
             if type(t) is weakref.ref:
                 t = t()  # (an input the local graph did not keep: gone since, it cannot have been written)
             if t is not None and t._version != version:
@@ -246,11 +224,11 @@ class KernelNode(Node):
                     f"operation: input {n} of dtorch.{self.op} ({t._spec}) is at version {t._version}; expected "
                     f"version {version} instead. Write a copy (x.clone()) instead, or run the in-place op after "
                     "the backward.")
-            if layout is not None:
+            if saved_layout is not None:
                 t = prefetched[n] if n in prefetched else self._laid_out(n)
                 if tracked:
                     refetched[n] = t._h
-            if self.diff[n] and not _extreme_input_ok(s, self.out_specs):
+            if n in layout.no_grad_through:
                 raise OpError(f"dtorch.{self.op}: no gradient through a Partial(max|min) input ({s}); "
                               "redistribute it to Replicate before the op")
             if not tracked:
@@ -258,8 +236,8 @@ class KernelNode(Node):
             specs.append(s)
         has_ct, ct_specs = [], []
         cts = [None if g is None or not _floating(spec.dtype) else g for spec, g in zip(self.out_specs, grads)]
-        targets = cotangent_specs(self.out_specs, [None if g is None else g._spec for g in cts],
-                                  self._reduce_partial_cotangent())
+        key = ("cotangents", sig, tuple([None if g is None else g._spec for g in cts]))
+        targets = _LAYOUTS_get(key) or _cotangent_layout(key, layout.reduce_partial)
         for k, (spec, g) in enumerate(zip(self.out_specs, cts)):
             if g is None:
                 has_ct.append(False)
@@ -274,25 +252,27 @@ class KernelNode(Node):
             ct_specs.append(g._spec)
         if not ct_specs:
             return [None] * len(self.edges)
-        grad_specs = input_grad_specs(self.in_specs, self.diff, self.out_specs, has_ct, ct_specs)
+        key = ("gradients", sig, tuple(has_ct), tuple(ct_specs), tracked)
+        ct_specs, has_ct, grad_specs, folds = _LAYOUTS_get(key) or _gradient_layout(key)
         rt = self.graph.runtime
         try:
             if self.tape is not None:
                 ex, tape = self.tape
-                grad_specs = self._folded(grad_specs)
+                for plan in folds:  # (the reductions the kept graph's GEMM folded in: _gradient_layout)
+                    record_only(plan)
                 if refetched:  # the gathered weights' gradients come summed over the devices (one GEMM)
                     grad_specs = self._summed_gathered(grad_specs)[0]
-                    outs = ex.vjp_tracked(tape, handles, ct_specs, tuple(has_ct), grad_specs, refetched)
+                    outs = ex.vjp_tracked(tape, handles, ct_specs, has_ct, grad_specs, refetched)
                 else:
-                    outs = ex.vjp_tracked(tape, handles, ct_specs, tuple(has_ct), grad_specs)
+                    outs = ex.vjp_tracked(tape, handles, ct_specs, has_ct, grad_specs)
             else:
-                vjp = (self.diff, tuple(has_ct))
-                ex = rt.executable(vjp_kernel(self.kernel), tuple(specs) + tuple(ct_specs), grad_specs)
+                vjp = (self.diff, has_ct)
+                ex = rt.executable(vjp_kernel(self.kernel), tuple(specs) + ct_specs, grad_specs)
                 if ex.sums_over_devices and self.regathers:
                     grad_specs, summed = self._summed_gathered(grad_specs)
                     if any(summed):
                         vjp += (summed,)
-                        ex = rt.executable(vjp_kernel(self.kernel), tuple(specs) + tuple(ct_specs), grad_specs)
+                        ex = rt.executable(vjp_kernel(self.kernel), tuple(specs) + ct_specs, grad_specs)
                 outs = ex.run(handles, {**self.kwargs, "vjp": vjp}, self.device_args)
         except DTorchError:  # (a backend's fault, a lost worker, too: not a missing derivative)
             raise
@@ -300,7 +280,74 @@ class KernelNode(Node):
             raise NoGradientError(f"dtorch.{self.op} has no gradient here: differentiating its kernel "
                           f"({self.kernel.name}) on the local blocks failed with {type(exc).__name__}: {exc}. "
                           "Compute it under dtorch.no_grad() or on inputs that do not require grad") from exc
-        return [Tensor._make(s, h, self.graph) for s, h in zip(grad_specs, outs)]
+        graph = self.graph
+        return [_make(s, h, graph) for s, h in zip(grad_specs, outs)]
+
+
+# The layouts of a node's backward are functions of specs alone, the same for the node of one op in every step:
+# computed once per key and kept here. Keys: a node's signature (input specs, which inputs are differentiable,
+# output specs, the specs of the parameters its edges lead to), with the specs its cotangents come in, or are
+# laid out in. Returning the same spec objects every step lets the caches keyed by them below (the runtime's
+# vjp plans, the dispatch of the gradients' adds) hit by identity.
+_LAYOUTS = LRU("autograd.backward_layouts", 4096)
+_LAYOUTS_get = _LAYOUTS.fast_get
+_make = Tensor._make
+
+
+class _NodeLayout(NamedTuple):
+    no_grad_through: frozenset  # positions of differentiable Partial(max|min) inputs no output keeps partial
+    reduce_partial: frozenset  # mesh dims on which a parameter is among the replicated inputs
+
+
+def _node_layout(sig) -> _NodeLayout:
+    layout = _LAYOUTS.get(sig)  # (in the older generation)
+    if layout is not None:
+        return layout
+    in_specs, diff, out_specs, leaf_specs = sig
+    reduce_partial = set()
+    for leaf, in_spec in zip(leaf_specs, [s for s, d in zip(in_specs, diff) if d]):
+        if leaf is not None:
+            reduce_partial.update(m for m, p in enumerate(in_spec.placements) if p == _R)
+    layout = _LAYOUTS[sig] = _NodeLayout(
+        frozenset(n for n, (s, d) in enumerate(zip(in_specs, diff)) if d and not _extreme_input_ok(s, out_specs)),
+        frozenset(reduce_partial))
+    return layout
+
+
+def _cotangent_layout(key, reduce_partial) -> list:
+    targets = _LAYOUTS.get(key)
+    if targets is None:
+        _, (_, _, out_specs, _), gs = key
+        targets = _LAYOUTS[key] = cotangent_specs(out_specs, gs, reduce_partial)
+    return targets
+
+
+def _gradient_layout(key) -> tuple:
+    """(cotangent specs, which outputs have one, the gradients' specs, the redistributions folded into the GEMM
+    to record): with the local graph kept (one torch autograd call over every simulated device), the gradient of
+    a parameter replicated on a mesh dim comes out summed over that dim's devices (one GEMM over all their rows):
+    its reduction, which storing it in ``.grad`` would run next, is already done. Those gradients are laid out
+    Replicate there, and the all-reduce the devices perform is recorded in CommLog as the executor would record
+    it (``executor.record_only``)."""
+    entry = _LAYOUTS.get(key)
+    if entry is not None:
+        return entry
+    _, (in_specs, diff, out_specs, leaf_specs), has_ct, ct_specs, tracked = key
+    grad_specs = input_grad_specs(in_specs, diff, out_specs, has_ct, ct_specs)
+    folds = []
+    if tracked:
+        out = []
+        for spec, leaf in zip(grad_specs, leaf_specs):
+            if leaf is not None and any(p == _P and q == _R for p, q in zip(spec.placements, leaf.placements)):
+                folded = DTensorSpec(spec.mesh, tuple(_R if p == _P and q == _R else p
+                                                      for p, q in zip(spec.placements, leaf.placements)),
+                                     spec.shape, spec.dtype)
+                folds.append(plan_redistribute(spec, folded))
+                spec = folded
+            out.append(spec)
+        grad_specs = tuple(out)
+    entry = _LAYOUTS[key] = (ct_specs, has_ct, grad_specs, tuple(folds))
+    return entry
 
 
 def _extreme_input_ok(s: DTensorSpec, out_specs) -> bool:
