@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import NamedTuple
 
 import torch
 
@@ -214,7 +213,7 @@ class KernelNode(Node):
         refetched = {}
         sig = (self.in_specs, self.diff, self.out_specs, tuple(None if leaf is None else leaf._spec
                                                                for _, _, leaf in self.edges))
-        layout = _LAYOUTS_get(sig) or _node_layout(sig)
+        layout = _LAYOUTS_get(sig) or _NodeLayout.of(sig)
         for n, ((t, version, saved_layout), s) in enumerate(zip(self.saved, self.in_specs)):
             if type(t) is weakref.ref:
                 t = t()  # (an input the local graph did not keep: gone since, it cannot have been written)
@@ -236,8 +235,8 @@ class KernelNode(Node):
             specs.append(s)
         has_ct, ct_specs = [], []
         cts = [None if g is None or not _floating(spec.dtype) else g for spec, g in zip(self.out_specs, grads)]
-        key = ("cotangents", sig, tuple([None if g is None else g._spec for g in cts]))
-        targets = _LAYOUTS_get(key) or _cotangent_layout(key, layout.reduce_partial)
+        gs = tuple([None if g is None else g._spec for g in cts])
+        targets = layout.cotangents.get(gs) or layout.targets(gs)
         for k, (spec, g) in enumerate(zip(self.out_specs, cts)):
             if g is None:
                 has_ct.append(False)
@@ -252,13 +251,13 @@ class KernelNode(Node):
             ct_specs.append(g._spec)
         if not ct_specs:
             return [None] * len(self.edges)
-        key = ("gradients", sig, tuple(has_ct), tuple(ct_specs), tracked)
-        ct_specs, has_ct, grad_specs, folds = _LAYOUTS_get(key) or _gradient_layout(key)
+        key = (tuple(has_ct), tuple(ct_specs), tracked)
+        ct_specs, has_ct, grad_specs, folds = layout.gradients.get(key) or layout.gradients_for(key)
         rt = self.graph.runtime
         try:
             if self.tape is not None:
                 ex, tape = self.tape
-                for plan in folds:  # (the reductions the kept graph's GEMM folded in: _gradient_layout)
+                for plan in folds:  # (the reductions the kept graph's GEMM folded in: gradients_for)
                     record_only(plan)
                 if refetched:  # the gathered weights' gradients come summed over the devices (one GEMM)
                     grad_specs = self._summed_gathered(grad_specs)[0]
@@ -285,69 +284,76 @@ class KernelNode(Node):
 
 
 # The layouts of a node's backward are functions of specs alone, the same for the node of one op in every step:
-# computed once per key and kept here. Keys: a node's signature (input specs, which inputs are differentiable,
-# output specs, the specs of the parameters its edges lead to), with the specs its cotangents come in, or are
-# laid out in. Returning the same spec objects every step lets the caches keyed by them below (the runtime's
-# vjp plans, the dispatch of the gradients' adds) hit by identity.
+# computed once and kept here, by the node's signature (input specs, which inputs are differentiable, output
+# specs, the specs of the parameters its edges lead to), then by the specs its cotangents come in and are laid
+# out in. Returning the same spec objects every step lets the caches keyed by them (the runtime's vjp plans, the
+# dispatch of the gradients' adds) hit by identity.
 _LAYOUTS = LRU("autograd.backward_layouts", 4096)
 _LAYOUTS_get = _LAYOUTS.fast_get
 _make = Tensor._make
 
 
-class _NodeLayout(NamedTuple):
-    no_grad_through: frozenset  # positions of differentiable Partial(max|min) inputs no output keeps partial
-    reduce_partial: frozenset  # mesh dims on which a parameter is among the replicated inputs
+class _NodeLayout:
+    """The backward layouts of the nodes of one signature."""
 
+    __slots__ = ("sig", "no_grad_through", "reduce_partial", "cotangents", "gradients")
+    _MAX = 16  # entries of ``cotangents`` / ``gradients`` (one or two in a training loop): cleared beyond
 
-def _node_layout(sig) -> _NodeLayout:
-    layout = _LAYOUTS.get(sig)  # (in the older generation)
-    if layout is not None:
+    def __init__(self, sig):
+        in_specs, diff, out_specs, leaf_specs = self.sig = sig
+        # positions of differentiable Partial(max|min) inputs that no output keeps partial
+        self.no_grad_through = frozenset(n for n, (s, d) in enumerate(zip(in_specs, diff))
+                                         if d and not _extreme_input_ok(s, out_specs))
+        # mesh dims on which a parameter is among the replicated inputs (``cotangent_specs``)
+        reduce_partial = set()
+        for leaf, in_spec in zip(leaf_specs, [s for s, d in zip(in_specs, diff) if d]):
+            if leaf is not None:
+                reduce_partial.update(m for m, p in enumerate(in_spec.placements) if p == _R)
+        self.reduce_partial = frozenset(reduce_partial)
+        self.cotangents: dict = {}  # the specs the cotangents come in -> the specs they are laid out in
+        self.gradients: dict = {}  # (has_ct, the cotangents' specs, tracked) -> ``gradients_for``
+
+    @staticmethod
+    def of(sig) -> "_NodeLayout":
+        layout = _LAYOUTS.get(sig)  # (in the older generation)
+        if layout is None:
+            layout = _LAYOUTS[sig] = _NodeLayout(sig)
         return layout
-    in_specs, diff, out_specs, leaf_specs = sig
-    reduce_partial = set()
-    for leaf, in_spec in zip(leaf_specs, [s for s, d in zip(in_specs, diff) if d]):
-        if leaf is not None:
-            reduce_partial.update(m for m, p in enumerate(in_spec.placements) if p == _R)
-    layout = _LAYOUTS[sig] = _NodeLayout(
-        frozenset(n for n, (s, d) in enumerate(zip(in_specs, diff)) if d and not _extreme_input_ok(s, out_specs)),
-        frozenset(reduce_partial))
-    return layout
 
+    def targets(self, gs) -> list:
+        if len(self.cotangents) >= self._MAX:
+            self.cotangents.clear()
+        # (a cotangent already laid out as needed keeps its spec object: relayout finds it by identity)
+        targets = self.cotangents[gs] = [t if g is None or t != g else g
+                                         for t, g in zip(cotangent_specs(self.sig[2], gs, self.reduce_partial), gs)]
+        return targets
 
-def _cotangent_layout(key, reduce_partial) -> list:
-    targets = _LAYOUTS.get(key)
-    if targets is None:
-        _, (_, _, out_specs, _), gs = key
-        targets = _LAYOUTS[key] = cotangent_specs(out_specs, gs, reduce_partial)
-    return targets
-
-
-def _gradient_layout(key) -> tuple:
-    """(cotangent specs, which outputs have one, the gradients' specs, the redistributions folded into the GEMM
-    to record): with the local graph kept (one torch autograd call over every simulated device), the gradient of
-    a parameter replicated on a mesh dim comes out summed over that dim's devices (one GEMM over all their rows):
-    its reduction, which storing it in ``.grad`` would run next, is already done. Those gradients are laid out
-    Replicate there, and the all-reduce the devices perform is recorded in CommLog as the executor would record
-    it (``executor.record_only``)."""
-    entry = _LAYOUTS.get(key)
-    if entry is not None:
+    def gradients_for(self, key) -> tuple:
+        """(cotangent specs, which outputs have one, the gradients' specs, the redistributions folded into the
+        GEMM, to record): with the local graph kept (one torch autograd call over every simulated device), the
+        gradient of a parameter replicated on a mesh dim comes out summed over that dim's devices (one GEMM
+        over all their rows): its reduction, which storing it in ``.grad`` would run next, is already done.
+        Those gradients are laid out Replicate there, and the all-reduce the devices perform is recorded in
+        CommLog as the executor would record it (``executor.record_only``)."""
+        in_specs, diff, out_specs, leaf_specs = self.sig
+        has_ct, ct_specs, tracked = key
+        grad_specs = input_grad_specs(in_specs, diff, out_specs, has_ct, ct_specs)
+        folds = []
+        if tracked:
+            out = []
+            for spec, leaf in zip(grad_specs, leaf_specs):
+                if leaf is not None and any(p == _P and q == _R for p, q in zip(spec.placements, leaf.placements)):
+                    folded = DTensorSpec(spec.mesh, tuple(_R if p == _P and q == _R else p
+                                                          for p, q in zip(spec.placements, leaf.placements)),
+                                         spec.shape, spec.dtype)
+                    folds.append(plan_redistribute(spec, folded))
+                    spec = folded
+                out.append(spec)
+            grad_specs = tuple(out)
+        if len(self.gradients) >= self._MAX:
+            self.gradients.clear()
+        entry = self.gradients[key] = (ct_specs, has_ct, grad_specs, tuple(folds))
         return entry
-    _, (in_specs, diff, out_specs, leaf_specs), has_ct, ct_specs, tracked = key
-    grad_specs = input_grad_specs(in_specs, diff, out_specs, has_ct, ct_specs)
-    folds = []
-    if tracked:
-        out = []
-        for spec, leaf in zip(grad_specs, leaf_specs):
-            if leaf is not None and any(p == _P and q == _R for p, q in zip(spec.placements, leaf.placements)):
-                folded = DTensorSpec(spec.mesh, tuple(_R if p == _P and q == _R else p
-                                                      for p, q in zip(spec.placements, leaf.placements)),
-                                     spec.shape, spec.dtype)
-                folds.append(plan_redistribute(spec, folded))
-                spec = folded
-            out.append(spec)
-        grad_specs = tuple(out)
-    entry = _LAYOUTS[key] = (ct_specs, has_ct, grad_specs, tuple(folds))
-    return entry
 
 
 def _extreme_input_ok(s: DTensorSpec, out_specs) -> bool:
