@@ -73,8 +73,9 @@ class KernelNode(Node):
     forward (with what torch saved), or the laid-out inputs to recompute the local forward from; an
     fsdp-gathered input as its shard (gathered again)."""
 
+    # regathers: some input is saved in another layout or dtype, laid out again in the backward (``_laid_out``)
     __slots__ = ("op", "kernel", "in_specs", "out_specs", "kwargs", "device_args", "saved", "diff", "graph",
-                 "outputs_saved", "tape", "results", "kept", "memory", "prefetched")
+                 "outputs_saved", "tape", "results", "kept", "memory", "prefetched", "regathers")
 
     def __init__(self, op, kern, in_specs, out_specs, kwargs, device_args, inputs, handles, outputs, diff, tape=None):
         super().__init__([t for t, d in zip(inputs, diff) if d], len(out_specs))
@@ -88,7 +89,7 @@ class KernelNode(Node):
         self.graph = graph = inputs[0]._graph
         self.memory = self.prefetched = self.kept = None
         saved = []
-        regathered = 0
+        regathered = relaid = 0
         for t, s, h in zip(inputs, in_specs, handles):
             kind = _saved_kind(kern, t, h)
             if kind == "regather":
@@ -100,11 +101,13 @@ class KernelNode(Node):
             elif kind == "leaf":
                 # a leaf (a parameter) laid out anew: lay it out again in the backward rather than keep the copy
                 saved.append((t, t._version, s))
+                relaid += 1
             elif kind == "tensor":
                 saved.append((t, t._version, None))
             else:
                 saved.append((type(t)._make(s, h, t._graph), 0, None))
         self.saved = saved
+        self.regathers = regathers = bool(regathered or relaid)
         if regathered == len(inputs):  # a function of gathered weights alone (w.t()): made again, not kept
             register_derived(self, outputs)
         # (executable, tape): the runtime kept each device's local autograd graph from the forward
@@ -112,9 +115,9 @@ class KernelNode(Node):
         # input laid out again in the backward (an fsdp-gathered weight) was saved by that graph as a place
         # to put it then (``refetch_positions``), so the graph keeps no gathered copy.
         # (a parameter laid out anew keeps the old way: the backward recomputes from it laid out again)
-        self.tape = tape if tape is not None and not any(
+        self.tape = tape if tape is not None and not (regathers and any(
             layout is not None and not (isinstance(t, Regather) and keeps_graph_of_gathered(kern))
-            for t, _, layout in saved) else None
+            for t, _, layout in saved)) else None
         if self.tape is not None:
             # torch's graph of the local computation keeps what its derivative needs, as torch would: an input
             # that graph does not hold is not kept either, only a weak reference to tell an in-place write
@@ -135,10 +138,6 @@ class KernelNode(Node):
                                      for p in o._spec.placements)}
         # (weakly: an output that died cannot have been written) each output and its version, for SAVES_RESULT
         self.results = [(weakref.ref(o), o._version) for o in outputs] if op in SAVES_RESULT else None
-
-    @property
-    def regathers(self) -> bool:
-        return self.saved is not None and any(layout is not None for _, _, layout in self.saved)
 
     def _laid_out(self, n: int):
         """Saved input ``n`` as the kernel takes it: a parameter saved in another layout (an fsdp shard) or
@@ -190,6 +189,7 @@ class KernelNode(Node):
     def release(self):
         super().release()
         self.saved = None
+        self.regathers = False
         self.outputs_saved = None
         self.tape = None
         self.results = None
