@@ -4,6 +4,8 @@ that a cached backward gives torch's gradients and records the same collectives 
 one signature met by cotangents in other layouts gets each its own layouts."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 import dtorch
@@ -37,7 +39,8 @@ def test_repeated_backward_matches_torch_and_records_the_same_collectives():
         w.grad = b.grad = None
         with CommLog() as log:
             y = dtorch.nn.functional.linear(x, w, b)
-            assert y._ag.grad_fn.tape is not None  # (the kept local graph: the path that folds the reduction)
+            if os.environ.get("DTORCH_BACKEND", "inprocess") in ("", "inprocess"):
+                assert y._ag.grad_fn.tape is not None  # (the kept local graph: the path that folds the reduction)
             y.relu().backward(ct)
         logs.append(sorted((r.kind, r.mesh_dim, r.nbytes) for r in log.records))
         torch.testing.assert_close(w.grad.to_torch(), want[0], **TOL)
