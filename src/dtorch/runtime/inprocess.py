@@ -26,6 +26,7 @@ import torch
 
 from .._lru import LRU
 from ..errors import RuntimeBackendError
+from ..placement import Partial
 from ..spec import DTensorSpec
 from .box import box_plan
 from .blocks import assemble, cut_global, cut_shard, dim_groups, reduce_dim, reduce_list
@@ -37,7 +38,7 @@ from .inprocess_tracked import TrackedRuns
 from .interface import Executable, Runtime
 from .kernels import Kernel
 from .inprocess_move_into import move_into
-from .shards import BoxShards, Shards
+from .shards import BoxShards, Shards, SummedShards
 
 
 # ------------------------------------------------------------------------------------------------
@@ -211,6 +212,10 @@ class InProcessRuntime(Runtime):
 
     def all_reduce(self, h: Shards, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Shards:
         op = before.placements[mesh_dim].reduce_op
+        if type(h) is SummedShards and op == "sum":  # terms held as their sum: that is the reduction
+            done = h.reduced(mesh_dim)
+            if done is not None:
+                return done
         x = self._grids(h, before, after)
         if x is not None:
             return Shards(grid=reduce_dim(op, x, mesh_dim))
@@ -218,9 +223,13 @@ class InProcessRuntime(Runtime):
 
     def reduce_scatter(self, h: Shards, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Shards:
         op, k = before.placements[mesh_dim].reduce_op, after.placements[mesh_dim].dim
+        m = before.mesh.shape[mesh_dim]
+        if type(h) is SummedShards and op == "sum" and self.use_grid(after):  # (terms held as their sum)
+            done = h.reduced(mesh_dim)
+            if done is not None:
+                return Shards(grid=_grid_slice(done.grid, mesh_dim, k, before.mesh.ndim, m))
         x = self._grids(h, before, after)
         if x is not None:
-            m = before.mesh.shape[mesh_dim]
             return Shards(grid=_grid_slice(reduce_dim(op, x, mesh_dim), mesh_dim, k, before.mesh.ndim, m))
 
         def fn(g, m):
@@ -332,6 +341,11 @@ class _Executable(TrackedRuns, Executable):
         self.box = box_plan(mesh, in_specs, out_specs, kernel.name) if not self.grid and self.grid_dev is not None \
             else None
         self.sums_over_devices = self.grid or self.box is not None
+        # an element-wise kernel on two sum-Partial grids of one spec, which may come as their terms' sums
+        # (SummedShards: gradients summed by torch): the add of two such is the add of the sums (``_add_sums``)
+        self.adds_sums = (self.grid and kernel.name == "pointwise" and len(in_specs) == 2 and len(out_specs) == 1
+                          and in_specs[0] == in_specs[1] == out_specs[0]
+                          and any(isinstance(p, Partial) and p.reduce_op == "sum" for p in in_specs[0].placements))
         self.wants_lead = "lead" in inspect.signature(kernel.fn).parameters
         self.coords = mesh.coordinates()
         self.in_reshape = None
@@ -349,6 +363,10 @@ class _Executable(TrackedRuns, Executable):
         self.out_fix = [(s.grid_shape(), s.even_local_shape()) for s in out_specs] if self.grid else None
 
     def run(self, handles, kwargs, device_args=None):
+        if self.adds_sums:
+            out = _add_sums(handles, kwargs)
+            if out is not None:
+                return out
         if self.direct and not device_args:
             xs = []
             for h in handles:
@@ -378,7 +396,9 @@ class _Executable(TrackedRuns, Executable):
             f = functools.partial(self.fn, lead=lead, **kwargs) if self.wants_lead else functools.partial(self.fn, **kwargs)
         self.binding = (kwargs, f)
         self.tuple_out = tuple_out
-        if self.in_specs:  # the executable specialises itself: run is the bound call from now on
+        # the executable specialises itself: run is the bound call from now on (not where run looks at the
+        # handles first: adds_sums)
+        if self.in_specs and not self.adds_sums:
             self.run = _bound_run(self, f, kwargs, len(self.in_specs), tuple_out)
 
     def grid_call(self, kwargs, device_args):
@@ -386,7 +406,7 @@ class _Executable(TrackedRuns, Executable):
         to ``kwargs``, for a step replay to call directly, grids in and out (dtorch.compile), and how a grid
         becomes a handle again; None when it is not bound to them."""
         kw, f = self.binding
-        if self.direct and not device_args and self.in_specs and kw is kwargs and f is not None:
+        if self.direct and not device_args and self.in_specs and kw is kwargs and f is not None and not self.adds_sums:
             return f, self.tuple_out, Shards
         return None
 
@@ -543,6 +563,19 @@ class _Executable(TrackedRuns, Executable):
                 blocks.append(b)
             res.append(rt._make(spec, blocks=blocks) if self.use_grid_out[j] else BoxShards(blocks, box.key(g), y))
         return res
+
+
+def _add_sums(handles, kwargs) -> list | None:
+    """``a + b`` of two sum-Partial grid handles that both hold their terms as their sums (SummedShards, summed
+    over the same grid dims), as the handle of the sum of the sums; None otherwise. Exact: the terms' add is the
+    sums' add on index 0 of the summed dims and 0 + 0 elsewhere."""
+    a, b = handles
+    if (type(a) is SummedShards and type(b) is SummedShards and kwargs.get("fn") == "torch.add"
+            and kwargs.get("template") is None and not kwargs.get("kwargs")):
+        x, y = a.value, b.value
+        if x is not None and y is not None and a.summed == b.summed and x.shape == y.shape:
+            return [SummedShards(torch.add(x, y), a.terms)]
+    return None
 
 
 _new_shards = object.__new__
