@@ -69,13 +69,20 @@ class SummedShards(Shards):
         v = self.value
         return tuple(self.terms[d] if d in self.summed else n for d, n in enumerate(v.shape))
 
-    def reduced(self, d: int):
-        """The handle of the terms reduced (summed) over grid dim ``d``, when that is ``value`` itself; else None."""
-        if self.value is None or self.summed != (d,):
-            return None
-        return Shards(grid=self.value)
-
     def __repr__(self):
         if self.value is None:
             return super().__repr__()
         return f"SummedShards(value={tuple(self.value.shape)}, terms={self.terms})"
+
+
+def add_sums(handles, kwargs) -> list | None:
+    """``a + b`` (a pointwise kernel's ``kwargs``) of two sum-Partial grid handles that both hold their terms as
+    their sums (summed over the same grid dims), as the handle of the sum of the sums; None otherwise. Exact: the
+    terms' add is the sums' add on index 0 of the summed dims and 0 + 0 elsewhere."""
+    a, b = handles
+    if (type(a) is SummedShards and type(b) is SummedShards and kwargs.get("fn") == "torch.add"
+            and kwargs.get("template") is None and not kwargs.get("kwargs")):
+        x, y = a.value, b.value
+        if x is not None and y is not None and a.summed == b.summed and x.shape == y.shape:
+            return [SummedShards(torch.add(x, y), a.terms)]
+    return None
