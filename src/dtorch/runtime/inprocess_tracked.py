@@ -161,7 +161,7 @@ class TrackedRuns:
                     # summed by torch over the grid dims the input was broadcast on: the terms are made only if
                     # something reads them as such, not for the reduction that takes their sum (SummedShards)
                     lazy = SummedShards(_unviewed(g), target)
-                    if lazy.summed and lazy.shape() == shape:
+                    if lazy.summed and lazy.terms_shape() == shape:
                         res.append(lazy)
                         continue
                     g = as_terms(g, terms, nd)

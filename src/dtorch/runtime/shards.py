@@ -64,7 +64,7 @@ class SummedShards(Shards):
             self.value = None  # (from now on the terms are the handle's value: they may be written in place)
         return g
 
-    def shape(self) -> tuple:
+    def terms_shape(self) -> tuple:
         """The shape of the terms (of ``grid``)."""
         v = self.value
         return tuple(self.terms[d] if d in self.summed else n for d, n in enumerate(v.shape))
