@@ -110,14 +110,16 @@ def _fused_attend(q, k, v, mask, scale: float):
     """``q`` [.., B, nh, L, d] against ``k``/``v`` [.., B, hk, M, d] where ``mask`` [.., B, 1, L, M] allows, by
     ``torch.nn.functional.scaled_dot_product_attention`` (a row that sees no key gives zeros, as in the parts
     path). The leading dims (grid dims, batch) are flattened into one: torch's kernel takes 4-d inputs fast."""
-    lead = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3], mask.shape[:-3])
+    # (the four have the same leading dims, each 1 or the size; torch.broadcast_shapes costs ~15 us a call)
+    lead = tuple(map(max, q.shape[:-3], k.shape[:-3], v.shape[:-3], mask.shape[:-3]))
 
     def flat(x):
-        return x.expand(lead + x.shape[-3:]).reshape((-1,) + x.shape[-3:])
+        x = x if x.shape[:-3] == lead else x.expand(lead + x.shape[-3:])
+        return x.reshape((-1,) + x.shape[-3:])
 
     out = torch.nn.functional.scaled_dot_product_attention(flat(q), flat(k), flat(v), attn_mask=flat(mask),
                                                            scale=scale, enable_gqa=True)
-    return out.reshape(lead + out.shape[-3:])
+    return out.reshape(lead + tuple(out.shape[-3:]))
 
 
 @kernel("kv_cache.combine")
