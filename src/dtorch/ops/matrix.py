@@ -38,7 +38,7 @@ from .table import register
 
 def _matmul_local(a, b, na, nb, lead):
     """torch.matmul of local blocks with ``lead`` leading grid dims (na, nb: the operands' global ranks)."""
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():  # (torch.compile: it sees the view ops)
         a_ops, b_ops, gemm, out_ops = _local_plan(a.shape, b.shape, na, nb, lead)
     else:
         a_ops, b_ops, gemm, out_ops = _strided_plan(a.shape, a.stride(), b.shape, b.stride(), na, nb, lead)
