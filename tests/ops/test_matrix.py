@@ -1,4 +1,5 @@
 """Linear algebra: placement sweeps against torch, the S/R/P algebra, communication counts."""
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -202,3 +203,30 @@ def test_bad_input_raises_typed_errors():
         dtorch.einsum("ij,jk->ik", a)
     with pytest.raises(OpError, match="does not match"):
         dtorch.einsum("ijk,kl->il", a, dtorch.Tensor(B, device_mesh=MESH_1D))
+
+
+@pytest.mark.parametrize("a_shape, b_shape, na, nb, lead, b_transposed", [
+    ((2, 1, 3, 1, 8), (1, 2, 6, 8), 3, 2, 2, True),  # a stacked column-parallel linear's decode step (dp x tp grid)
+    ((2, 1, 3, 5, 8), (1, 2, 6, 8), 3, 2, 2, True),  # ... a prefill (rows over dp, columns over tp)
+    ((2, 2, 3, 1, 4), (1, 2, 6, 4), 3, 2, 2, True),  # a row-parallel one (the contraction over tp: a bmm)
+    ((2, 3, 7), (1, 7, 5), 2, 2, 1, False),  # rows only on a's grid dim
+    ((2, 5), (2, 5, 3), 1, 2, 1, False),  # a vector operand
+])
+def test_local_gemm_without_autograd_is_the_same_call(a_shape, b_shape, na, nb, lead, b_transposed):
+    """Without autograd a stacked GEMM's view ops run as one as_strided per operand (ops/matrix.py _strided_plan):
+    the GEMM gets the same sizes and strides, so the result is the view-op path's bit for bit, laid out alike."""
+    from dtorch.ops.matrix import _matmul_local
+
+    a = torch.randn(a_shape)
+    b = torch.randn(b_shape).transpose(-1, -2) if b_transposed else torch.randn(b_shape)
+    with torch.enable_grad():
+        want = _matmul_local(a, b, na, nb, lead)
+    with torch.no_grad():
+        got = _matmul_local(a, b, na, nb, lead)
+    assert torch.equal(got, want) and got.shape == want.shape and got.stride() == want.stride()
+    # and the views agree with torch.matmul on each device's blocks
+    grid = torch.broadcast_shapes(a.shape[:lead], b.shape[:lead])
+    for idx in np.ndindex(*grid):
+        ai = a[tuple(min(i, g - 1) for i, g in zip(idx, a.shape[:lead]))]
+        bi = b[tuple(min(i, g - 1) for i, g in zip(idx, b.shape[:lead]))]
+        torch.testing.assert_close(got[idx], torch.matmul(ai, bi), rtol=1e-5, atol=1e-5)

@@ -56,8 +56,9 @@ def _batches(vocab, shapes):
     return [torch.randint(0, vocab, shape, generator=gen) for shape in shapes]
 
 
-def _programs_on_workers(rt) -> set:
-    return {s["programs"] for s in rt.worker_stats().values()}
+def _programs_on_workers(rt, devices: int = 4) -> set:
+    """The program counts of the mesh's workers (a shared pool that an earlier test grew holds more, with none)."""
+    return {s["programs"] for rank, s in rt.worker_stats().items() if rank < devices}
 
 
 def test_program_steps_equal_the_call_by_call_replay_also_after_an_eviction(process_pool, monkeypatch):

@@ -84,26 +84,97 @@ def test_a_gradient_handed_out_as_a_view_is_written_in_place_unless_its_base_is_
     writes it in place (copy-on-write copied it before); a base someone still holds keeps it copied."""
     from dtorch.runtime.cow import writable
     from dtorch.runtime.inprocess_tracked import _unviewed
-    from dtorch.runtime.shards import Shards
 
     def grad_as_view(held=None):
         base = torch.randn(6, 4, dtype=torch.float64)
         if held is not None:
             held.append(base)
-        return Shards(grid=base.view(1, 6, 4))
+        return base.view(1, 6, 4)
 
     # (results taken outside ``assert``: pytest's rewriting holds what an assert reads, a reference more)
-    h = grad_as_view()
-    view_writable = writable(h.grid)
+    g = grad_as_view()
+    view_writable = writable(g)
     own = _unviewed(grad_as_view())
-    own_writable = writable(own.grid)
+    own_writable = writable(own)
     assert not view_writable  # what copy-on-write saw before: a copy at the first accumulation
-    assert own_writable and own.grid._base is None and own.grid.shape == (1, 6, 4)
+    assert own_writable and own._base is None and own.shape == (1, 6, 4)
     held = []
     shared = _unviewed(grad_as_view(held))
-    shared_writable = writable(shared.grid)
+    shared_writable = writable(shared)
     assert not shared_writable  # the base is held: a write copies first
-    torch.testing.assert_close(shared.grid[0], held[0], rtol=0, atol=0)
-    value = own.grid.clone()
-    plain = Shards(grid=value)
+    torch.testing.assert_close(shared[0], held[0], rtol=0, atol=0)
+    plain = own.clone()
     assert _unviewed(plain) is plain
+
+
+def test_summed_terms_reduce_and_add_as_their_terms_do():
+    """A gradient torch summed over a grid dim (SummedShards): its reduction, the add of two of them and its terms
+    once read are bit for bit those of the terms made at once (kernels.as_terms), as before the shortcut."""
+    from dtorch.runtime.blocks import reduce_dim
+    from dtorch.runtime.kernels import as_terms
+    from dtorch.runtime.shards import SummedShards
+
+    rt = InProcessRuntime()
+    spec = _spec((Shard(0), Partial()), (6, 5))
+    after = _spec((Shard(0), Replicate()), (6, 5))
+    g = torch.Generator().manual_seed(3)
+    a, b = (torch.randn(2, 1, 3, 5, generator=g, dtype=torch.float64) for _ in range(2))
+    ta, tb = as_terms(a, (2, 2), 2), as_terms(b, (2, 2), 2)
+    assert SummedShards(a, (2, 2)).summed == (1,)
+    add = rt.executable(dtorch.ops.pointwise._pointwise_kernel, (spec, spec), (spec,))
+    kw = {"fn": "torch.add", "template": None, "kwargs": ()}
+    for _ in range(3):  # (the executable binds itself after two runs with one kwargs dict)
+        s = add.run([SummedShards(a, (2, 2)), SummedShards(b, (2, 2))], kw)[0]
+        assert type(s) is SummedShards
+        reduced = rt.all_reduce(s, spec, after, 1).grid
+        assert torch.equal(reduced, reduce_dim("sum", ta + tb, 1))
+    assert torch.equal(SummedShards(a, (2, 2)).grid, ta)
+    c = torch.randn(2, 1, 3, 4, generator=g, dtype=torch.float64)  # (an even scatter: grid form)
+    part, scatter = _spec((Shard(0), Partial()), (6, 4)), _spec((Shard(0), Shard(1)), (6, 4))
+    scattered = rt.reduce_scatter(SummedShards(c, (2, 2)), part, scatter, 1)
+    assert torch.equal(scattered.grid, rt.reduce_scatter(_shards(as_terms(c, (2, 2), 2)), part, scatter, 1).grid)
+    read = SummedShards(a, (2, 2))
+    terms = read.grid  # read as terms: from now on the handle is its terms (they may be written in place)
+    assert read.value is None and torch.equal(rt.all_reduce(read, spec, after, 1).grid, reduce_dim("sum", terms, 1))
+    mixed = add.run([SummedShards(a, (2, 2)), _shards(tb)], kw)[0]  # one of them as terms: the terms' add
+    assert torch.equal(mixed.grid, ta + tb)
+
+
+def _shards(grid):
+    from dtorch.runtime.shards import Shards
+    return Shards(grid=grid)
+
+
+def test_input_gradients_torch_summed_over_tp_match_torch_even_and_uneven(monkeypatch):
+    """Column-parallel matmuls of one replicated activation (torch's autograd sums its gradient over tp; a leaf's
+    would be folded into Replicate at once), two of them so their gradients are added before the reduction: the
+    gradients are torch's, on an even batch (grid form, the sums taken as they are) and an uneven one (blocks
+    form); the tp reduction still shows in CommLog."""
+    from dtorch.runtime.shards import SummedShards
+
+    taken = []
+    all_reduce = InProcessRuntime.all_reduce
+
+    def spy(self, h, *args):  # (a sum reaching its reduction: a SummedShards whose terms nothing read)
+        taken.append(type(h) is SummedShards and h.value is not None)
+        return all_reduce(self, h, *args)
+
+    mesh = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=["dp", "tp"])
+    for rows in (6, 7):
+        g = torch.Generator().manual_seed(rows)
+        x, w1, w2 = (torch.randn(s, generator=g, dtype=torch.float64) for s in ((rows, 5), (5, 6), (5, 4)))
+        xl, w1l, w2l = (t.clone().requires_grad_() for t in (x, w1, w2))
+        h = xl * 1.5
+        ((h @ w1l).square().sum() + (h @ w2l).sin().sum()).backward()
+        dx = dtorch.from_torch(x, device_mesh=mesh, placements=[Shard(0), Replicate()]).requires_grad_()
+        dw1, dw2 = (dtorch.from_torch(w, device_mesh=mesh, placements=[Replicate(), Shard(1)]).requires_grad_()
+                    for w in (w1, w2))
+        taken.clear()
+        with monkeypatch.context() as m, dtorch.CommLog() as log:
+            m.setattr(InProcessRuntime, "all_reduce", spy)
+            h = dx * 1.5
+            ((h @ dw1).square().sum() + (h @ dw2).sin().sum()).backward()
+        assert any(taken) == (rows == 6)  # the even batch's gradient reached its reduction as its sum
+        assert log.counts().get(("all_reduce", "tp"), 0) >= 1
+        for d, t in ((dx, xl), (dw1, w1l), (dw2, w2l)):
+            torch.testing.assert_close(d.grad.to_torch(), t.grad, rtol=1e-12, atol=1e-12)

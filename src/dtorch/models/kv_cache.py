@@ -36,7 +36,7 @@ from .. import capture
 from ..errors import DTorchError
 from ..mesh import DeviceMesh
 from ..nn import functional as F
-from ..ops.attention.decode import attend_cached, grow_cache, rotate, write_cache
+from ..ops.attention.decode import attend_cached, grow_cache, rotate, signed_sin, write_cache
 from ..ops.rules import spec_like
 from ..spec import DTensorSpec
 from ..tensor import Tensor
@@ -332,7 +332,8 @@ class CachedForward:
         return self._per_mesh[key]
 
     def rope(self, rotary, mesh: DeviceMesh, dtype: torch.dtype, seq_len: int | None = None):
-        """cos, sin [B, S, d] at each token's own position, on ``mesh``.
+        """cos, sin [B, S, d] at each token's own position, on ``mesh``; sin with its first half negated
+        (``signed_sin``: the kernels that take it, ops/attention/decode.py, fold rotate_half's sign into it).
 
         Computed here on the controller (a few KB for a decode step) with the rotary module's float32
         frequencies and the float operations of its forward, and sent: no device runs a dozen tiny ops
@@ -341,7 +342,7 @@ class CachedForward:
             cos, sin = self._rope_table(rotary)
             pl = self.placements(mesh)
             return (Tensor(cos.to(dtype), device_mesh=mesh, placements=pl),
-                    Tensor(sin.to(dtype), device_mesh=mesh, placements=pl))
+                    Tensor(signed_sin(sin).to(dtype), device_mesh=mesh, placements=pl))
 
         return self._on(mesh, ("rope", dtype), make)
 

@@ -30,7 +30,7 @@ from ..mesh import DeviceMesh, assign_layers_to_stages
 from ..placement import Partial, Replicate, Shard
 from ..tensor import Tensor
 from ..nn import functional as F
-from ..nn._layout import on_mesh
+from ..nn._layout import on_mesh, with_placement
 from ..nn.module import RepeatedRows
 from .forward import forward_with_arguments, split_forward_arguments
 from .generation import GenerationMixin
@@ -160,7 +160,10 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, step=CAUSAL) -> Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, step)
-        return h + self.mlp(self.post_attention_layernorm(h))  # R + P -> P on tp
+        m = self.mlp(self.post_attention_layernorm(h))  # P on tp
+        if step.fused:  # a decode step: all-reduced before the add, as o_proj's (no zero-filled Partial copy of h)
+            m = with_placement(m, "tp", Replicate())
+        return h + m  # R + P -> P on tp (all-reduced by redistribute_output)
 
     def redistribute_output(self, h: Tensor) -> Tensor:
         return h.redistribute_by_dict(placements_dict={"tp": Replicate()})

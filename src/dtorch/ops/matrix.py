@@ -38,7 +38,10 @@ from .table import register
 
 def _matmul_local(a, b, na, nb, lead):
     """torch.matmul of local blocks with ``lead`` leading grid dims (na, nb: the operands' global ranks)."""
-    a_ops, b_ops, gemm, out_ops = _local_plan(a.shape, b.shape, na, nb, lead)
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():  # (torch.compile: it sees the view ops)
+        a_ops, b_ops, gemm, out_ops = _local_plan(a.shape, b.shape, na, nb, lead)
+    else:
+        a_ops, b_ops, gemm, out_ops = _strided_plan(a.shape, a.stride(), b.shape, b.stride(), na, nb, lead)
     for f, arg in a_ops:
         a = f(a, arg)
     for f, arg in b_ops:
@@ -69,6 +72,35 @@ def _local_plan(a_shape, b_shape, na, nb, lead):
     if nb == 1:
         out = out.squeeze(-1)
     return tuple(a.ops), tuple(b.ops), out.gemm, tuple(out.ops)
+
+
+@functools.lru_cache(maxsize=4096)
+def _strided_plan(a_shape, a_stride, b_shape, b_stride, na, nb, lead):
+    """``_local_plan`` for blocks of these strides with each run of view ops made one ``as_strided`` to the
+    same sizes and strides (so the GEMM sees the same tensors and gives the same bits): a stacked linear's
+    dozen view ops per call become three, which a decode step (29 linears per token) feels. Only without
+    autograd (an ``as_strided``'s backward is general and slow); a run whose views would copy stays as it is."""
+    a_ops, b_ops, gemm, out_ops = _local_plan(a_shape, b_shape, na, nb, lead)
+    if gemm is not torch.mm and gemm is not torch.bmm:  # (matmul's output strides are its own business)
+        return a_ops, b_ops, gemm, out_ops
+    a, a_ops = _as_one_view(torch.empty_strided(a_shape, a_stride, device="meta"), a_ops)
+    b, b_ops = _as_one_view(torch.empty_strided(b_shape, b_stride, device="meta"), b_ops)
+    _, out_ops = _as_one_view(gemm(a, b), out_ops)  # (mm and bmm give a contiguous output, on meta as on cpu)
+    return a_ops, b_ops, gemm, out_ops
+
+
+def _as_one_view(x, ops):
+    """(``x`` through ``ops``, the ops as one ``as_strided`` where they are views of ``x``, else ``ops``)."""
+    y = x
+    for f, arg in ops:
+        y = f(y, arg)
+    if len(ops) < 2 or y._base is not x:  # (nothing to gain, or a reshape copied)
+        return y, ops
+    return y, ((_as_strided, (tuple(y.shape), y.stride())),)
+
+
+def _as_strided(x, size_stride):
+    return x.as_strided(*size_stride)  # (at x's own storage offset: the view ops never move it)
 
 
 class _Planned:

@@ -26,24 +26,25 @@ import torch
 
 from .._lru import LRU
 from ..errors import RuntimeBackendError
+from ..placement import Partial
 from ..spec import DTensorSpec
 from .box import box_plan
-from .blocks import assemble, cut_global, cut_shard, dim_groups, reduce_dim, reduce_list
+from .blocks import assemble, cut_global
 from .cow import private_copy, writable
-from .grids import global_to_grid, grid_step, grid_to_global
-from .grids import grid_gather as _grid_gather, grid_slice as _grid_slice, to_partial_grid as _to_partial_grid
+from .grids import global_to_grid, grid_to_global
 from .devices import DeviceConfig, read_device_config, torch_devices
+from .inprocess_collectives import GridCollectives
 from .inprocess_tracked import TrackedRuns
 from .interface import Executable, Runtime
 from .kernels import Kernel
 from .inprocess_move_into import move_into
-from .shards import BoxShards, Shards
+from .shards import BoxShards, Shards, add_sums
 
 
 # ------------------------------------------------------------------------------------------------
 
 
-class InProcessRuntime(Runtime):
+class InProcessRuntime(GridCollectives, Runtime):
     name = "inprocess"
     handles_in_process = True
 
@@ -181,102 +182,6 @@ class InProcessRuntime(Runtime):
             ex = self._exec_cache[key] = _Executable(self, kernel, key[1], key[2])
         return ex
 
-    # -- redistribution primitives: one mesh dim each (CommLog is the executor's, not ours) ------------
-    def _grids(self, h: Shards, before: DTensorSpec, after: DTensorSpec):
-        """``h``'s grid tensor when both specs are stored as grids (the step is a reshape/reduction), else None."""
-        if self.use_grid(before) and self.use_grid(after):
-            return self.as_grid(h, before)
-        return None
-
-    def _per_group(self, h: Shards, before: DTensorSpec, after: DTensorSpec, i: int, fn) -> Shards:
-        """Blocks form of a collective: each group along mesh dim ``i`` gathers its blocks (mesh order) on
-        its first device, ``fn(blocks, m)`` gives the members' new blocks, which go back to their devices."""
-        blocks = self.local_blocks(h, before)
-        devs = self.devices(before.mesh)
-        m = before.mesh.shape[i]
-        out = list(blocks)
-        for members in dim_groups(before.mesh.shape, i):
-            dev = devs[members[0]]
-            new = fn([blocks[g].to(dev) for g in members], m)
-            for j, g in enumerate(members):
-                out[g] = new[j].to(devs[g])
-        return self._make(after, blocks=out)
-
-    def all_gather(self, h: Shards, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Shards:
-        k = before.placements[mesh_dim].dim
-        x = self._grids(h, before, after)
-        if x is not None:
-            return Shards(grid=_grid_gather(x, mesh_dim, k, before.mesh.ndim))
-        return self._per_group(h, before, after, mesh_dim, lambda g, m: [torch.cat(g, dim=k)] * m)
-
-    def all_reduce(self, h: Shards, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Shards:
-        op = before.placements[mesh_dim].reduce_op
-        x = self._grids(h, before, after)
-        if x is not None:
-            return Shards(grid=reduce_dim(op, x, mesh_dim))
-        return self._per_group(h, before, after, mesh_dim, lambda g, m: [reduce_list(op, g)] * m)
-
-    def reduce_scatter(self, h: Shards, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Shards:
-        op, k = before.placements[mesh_dim].reduce_op, after.placements[mesh_dim].dim
-        x = self._grids(h, before, after)
-        if x is not None:
-            m = before.mesh.shape[mesh_dim]
-            return Shards(grid=_grid_slice(reduce_dim(op, x, mesh_dim), mesh_dim, k, before.mesh.ndim, m))
-
-        def fn(g, m):
-            whole = reduce_list(op, g)
-            return [cut_shard(whole, k, m, j) for j in range(m)]
-        return self._per_group(h, before, after, mesh_dim, fn)
-
-    def all_to_all(self, h: Shards, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Shards:
-        src, dst = before.placements[mesh_dim].dim, after.placements[mesh_dim].dim
-        x = self._grids(h, before, after)
-        if x is not None:
-            nd, m = before.mesh.ndim, before.mesh.shape[mesh_dim]
-            return Shards(grid=_grid_slice(_grid_gather(x, mesh_dim, src, nd), mesh_dim, dst, nd, m))
-
-        def fn(g, m):
-            whole = torch.cat(g, dim=src)
-            return [cut_shard(whole, dst, m, j) for j in range(m)]
-        return self._per_group(h, before, after, mesh_dim, fn)
-
-    def local_slice(self, h: Shards, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Shards:
-        k, m = after.placements[mesh_dim].dim, before.mesh.shape[mesh_dim]
-        x = self._grids(h, before, after)
-        if x is not None:
-            return Shards(grid=_grid_slice(x, mesh_dim, k, before.mesh.ndim, m))
-        blocks = self.local_blocks(h, before)  # no communication: each device cuts its own block
-        return self._make(after, blocks=[cut_shard(b, k, m, c[mesh_dim])
-                                         for b, c in zip(blocks, before.mesh.coordinates())])
-
-    def to_partial(self, h: Shards, before: DTensorSpec, after: DTensorSpec, mesh_dim: int) -> Shards:
-        op, m = after.placements[mesh_dim].reduce_op, before.mesh.shape[mesh_dim]
-        x = self._grids(h, before, after)
-        if x is not None:
-            return Shards(grid=_to_partial_grid(x, mesh_dim, m, op))
-        blocks = self.local_blocks(h, before)  # sum: the value on index 0, zeros elsewhere; else the value
-        return self._make(after, blocks=[torch.zeros_like(b) if op == "sum" and c[mesh_dim] != 0 else b
-                                         for b, c in zip(blocks, before.mesh.coordinates())])
-
-    def collective_grid_call(self, method: str, before: DTensorSpec, after: DTensorSpec, mesh_dim: int):
-        """``(f, handle of a grid)``: the step ``method`` as ``f(grid)`` when both specs are stored as grids (for
-        dtorch.compile's backend="inductor" to fuse it), else None."""
-        f = grid_step(method, before, after, mesh_dim) if self.use_grid(before) and self.use_grid(after) else None
-        return None if f is None else (f, Shards)
-
-    def ring_shift(self, h: Shards, spec: DTensorSpec, mesh_dim: int, shift: int = 1) -> Shards:
-        mesh = spec.mesh
-        if h.grid is not None:
-            return Shards(grid=torch.roll(h.grid, shifts=shift, dims=mesh_dim))
-        m = mesh.shape[mesh_dim]
-        stride = int(np.prod(mesh.shape[mesh_dim + 1:], dtype=np.int64))
-        devs = self.devices(mesh)
-        out = [None] * len(h.blocks)
-        for n, coord in enumerate(mesh.coordinates()):
-            src = n + (((coord[mesh_dim] - shift) % m) - coord[mesh_dim]) * stride
-            out[n] = h.blocks[src].to(devs[n])
-        return Shards(blocks=out)
-
     def move(self, h: Shards, before: DTensorSpec, after: DTensorSpec, same_layout: bool) -> Shards:
         if same_layout:
             dst_dev = self.grid_device(after.mesh)
@@ -332,6 +237,11 @@ class _Executable(TrackedRuns, Executable):
         self.box = box_plan(mesh, in_specs, out_specs, kernel.name) if not self.grid and self.grid_dev is not None \
             else None
         self.sums_over_devices = self.grid or self.box is not None
+        # an element-wise kernel on two sum-Partial grids of one spec, which may come as their terms' sums
+        # (SummedShards: gradients summed by torch): the add of two such is the add of the sums (``add_sums``)
+        self.adds_sums = (self.grid and kernel.name == "pointwise" and len(in_specs) == 2 and len(out_specs) == 1
+                          and in_specs[0] == in_specs[1] == out_specs[0]
+                          and any(isinstance(p, Partial) and p.reduce_op == "sum" for p in in_specs[0].placements))
         self.wants_lead = "lead" in inspect.signature(kernel.fn).parameters
         self.coords = mesh.coordinates()
         self.in_reshape = None
@@ -349,6 +259,10 @@ class _Executable(TrackedRuns, Executable):
         self.out_fix = [(s.grid_shape(), s.even_local_shape()) for s in out_specs] if self.grid else None
 
     def run(self, handles, kwargs, device_args=None):
+        if self.adds_sums:
+            out = add_sums(handles, kwargs)
+            if out is not None:
+                return out
         if self.direct and not device_args:
             xs = []
             for h in handles:
@@ -378,7 +292,9 @@ class _Executable(TrackedRuns, Executable):
             f = functools.partial(self.fn, lead=lead, **kwargs) if self.wants_lead else functools.partial(self.fn, **kwargs)
         self.binding = (kwargs, f)
         self.tuple_out = tuple_out
-        if self.in_specs:  # the executable specialises itself: run is the bound call from now on
+        # the executable specialises itself: run is the bound call from now on (not where run looks at the
+        # handles first: adds_sums)
+        if self.in_specs and not self.adds_sums:
             self.run = _bound_run(self, f, kwargs, len(self.in_specs), tuple_out)
 
     def grid_call(self, kwargs, device_args):
@@ -386,7 +302,7 @@ class _Executable(TrackedRuns, Executable):
         to ``kwargs``, for a step replay to call directly, grids in and out (dtorch.compile), and how a grid
         becomes a handle again; None when it is not bound to them."""
         kw, f = self.binding
-        if self.direct and not device_args and self.in_specs and kw is kwargs and f is not None:
+        if self.direct and not device_args and self.in_specs and kw is kwargs and f is not None and not self.adds_sums:
             return f, self.tuple_out, Shards
         return None
 
@@ -465,7 +381,6 @@ class _Executable(TrackedRuns, Executable):
         blocks_in = [rt.local_blocks(h, s) for h, s in zip(handles, self.in_specs)]
         per_dev = [self._run_on_device(n, blocks_in, kwargs, device_args) for n in range(len(self.coords))]
         return [rt._make(s, blocks=[d[j] for d in per_dev]) for j, s in enumerate(self.out_specs)]
-
 
     def _run_on_device(self, n, blocks_in, kwargs, device_args):
         kw = kwargs

@@ -34,10 +34,16 @@ def _heads_first(x, heads: int):
 
 
 def _rotate(x, cos, sin):
-    """Hugging Face's apply_rotary_pos_emb on [.., B, H, L, d] with cos/sin [.., B, L, d]."""
-    cos, sin = cos.unsqueeze(-3), sin.unsqueeze(-3)
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    """Hugging Face's apply_rotary_pos_emb on [.., B, H, L, d] with cos/sin [.., B, L, d], ``sin`` as
+    ``signed_sin`` gives it: ``x * cos + rotate_half(x) * sin`` with rotate_half's negation in the table, so
+    rotate_half is a roll (one op for its four; (-a) * b and a * (-b) are the same float, so are the bits)."""
+    return x * cos.unsqueeze(-3) + x.roll(x.shape[-1] // 2, -1) * sin.unsqueeze(-3)
+
+
+def signed_sin(sin):
+    """Hugging Face's sin table [.., d] as the kernels here take it: its first half negated (``_rotate``)."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 @kernel("kv_cache.write")
@@ -51,8 +57,9 @@ def _write_kernel(cache, new, *rope, lead=0, src=0, dst=0, count=0, projected: b
         if rope:
             new = _rotate(new, *rope)
     if not isinstance(count, torch.Tensor):
-        if count:
-            cache[..., dst:dst + count, :] = new[..., src:src + count, :]
+        if count:  # (narrow and copy_: a decode step's 8 writes skip Python's indexing)
+            new = new if src == 0 and count == new.shape[-2] else new.narrow(-2, src, count)
+            cache.narrow(-2, dst, count).copy_(new)
         return
     count, src, dst = (torch.as_tensor(x).cpu() for x in (count, src, dst))
     grid_c, grid_n = cache.shape[:lead], new.shape[:lead]
@@ -110,14 +117,16 @@ def _fused_attend(q, k, v, mask, scale: float):
     """``q`` [.., B, nh, L, d] against ``k``/``v`` [.., B, hk, M, d] where ``mask`` [.., B, 1, L, M] allows, by
     ``torch.nn.functional.scaled_dot_product_attention`` (a row that sees no key gives zeros, as in the parts
     path). The leading dims (grid dims, batch) are flattened into one: torch's kernel takes 4-d inputs fast."""
-    lead = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3], mask.shape[:-3])
+    # (the four have the same leading dims, each 1 or the size; torch.broadcast_shapes costs ~15 us a call)
+    lead = tuple(map(max, q.shape[:-3], k.shape[:-3], v.shape[:-3], mask.shape[:-3]))
 
     def flat(x):
-        return x.expand(lead + x.shape[-3:]).reshape((-1,) + x.shape[-3:])
+        x = x if x.shape[:-3] == lead else x.expand(lead + x.shape[-3:])
+        return x.reshape((-1,) + x.shape[-3:])
 
     out = torch.nn.functional.scaled_dot_product_attention(flat(q), flat(k), flat(v), attn_mask=flat(mask),
                                                            scale=scale, enable_gqa=True)
-    return out.reshape(lead + out.shape[-3:])
+    return out.reshape(lead + tuple(out.shape[-3:]))
 
 
 @kernel("kv_cache.combine")
@@ -146,8 +155,8 @@ def _last_row_kernel(x, *, lead=0, holds=1):
 
 @kernel("kv_cache.rotary")
 def _rotary_kernel(q, k, cos, sin):
-    """Hugging Face's ``apply_rotary_pos_emb`` on q/k [B, H, S, d] with each row's cos/sin [B, S, d], the
-    same float operations in the same order, as one kernel (instead of a dozen element-wise ops)."""
+    """Hugging Face's ``apply_rotary_pos_emb`` on q/k [B, H, S, d] with each row's cos/sin [B, S, d] (sin
+    signed: ``signed_sin``), the same float results, as one kernel (instead of a dozen element-wise ops)."""
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
