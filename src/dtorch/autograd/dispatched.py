@@ -27,6 +27,7 @@ import weakref
 
 import torch
 
+from .._lru import LRU
 from ..errors import DTorchError, OpError
 from ..placement import Partial, Replicate, Shard
 from ..redistribute import relayout
@@ -72,8 +73,9 @@ class KernelNode(Node):
     forward (with what torch saved), or the laid-out inputs to recompute the local forward from; an
     fsdp-gathered input as its shard (gathered again)."""
 
+    # regathers: some input is saved in another layout or dtype, laid out again in the backward (``_laid_out``)
     __slots__ = ("op", "kernel", "in_specs", "out_specs", "kwargs", "device_args", "saved", "diff", "graph",
-                 "outputs_saved", "tape", "results", "kept", "memory", "prefetched")
+                 "outputs_saved", "tape", "results", "kept", "memory", "prefetched", "regathers")
 
     def __init__(self, op, kern, in_specs, out_specs, kwargs, device_args, inputs, handles, outputs, diff, tape=None):
         super().__init__([t for t, d in zip(inputs, diff) if d], len(out_specs))
@@ -87,7 +89,7 @@ class KernelNode(Node):
         self.graph = graph = inputs[0]._graph
         self.memory = self.prefetched = self.kept = None
         saved = []
-        regathered = 0
+        regathered = relaid = 0
         for t, s, h in zip(inputs, in_specs, handles):
             kind = _saved_kind(kern, t, h)
             if kind == "regather":
@@ -99,11 +101,13 @@ class KernelNode(Node):
             elif kind == "leaf":
                 # a leaf (a parameter) laid out anew: lay it out again in the backward rather than keep the copy
                 saved.append((t, t._version, s))
+                relaid += 1
             elif kind == "tensor":
                 saved.append((t, t._version, None))
             else:
                 saved.append((type(t)._make(s, h, t._graph), 0, None))
         self.saved = saved
+        self.regathers = regathers = bool(regathered or relaid)
         if regathered == len(inputs):  # a function of gathered weights alone (w.t()): made again, not kept
             register_derived(self, outputs)
         # (executable, tape): the runtime kept each device's local autograd graph from the forward
@@ -111,9 +115,9 @@ class KernelNode(Node):
         # input laid out again in the backward (an fsdp-gathered weight) was saved by that graph as a place
         # to put it then (``refetch_positions``), so the graph keeps no gathered copy.
         # (a parameter laid out anew keeps the old way: the backward recomputes from it laid out again)
-        self.tape = tape if tape is not None and not any(
+        self.tape = tape if tape is not None and not (regathers and any(
             layout is not None and not (isinstance(t, Regather) and keeps_graph_of_gathered(kern))
-            for t, _, layout in saved) else None
+            for t, _, layout in saved)) else None
         if self.tape is not None:
             # torch's graph of the local computation keeps what its derivative needs, as torch would: an input
             # that graph does not hold is not kept either, only a weak reference to tell an in-place write
@@ -134,10 +138,6 @@ class KernelNode(Node):
                                      for p in o._spec.placements)}
         # (weakly: an output that died cannot have been written) each output and its version, for SAVES_RESULT
         self.results = [(weakref.ref(o), o._version) for o in outputs] if op in SAVES_RESULT else None
-
-    @property
-    def regathers(self) -> bool:
-        return self.saved is not None and any(layout is not None for _, _, layout in self.saved)
 
     def _laid_out(self, n: int):
         """Saved input ``n`` as the kernel takes it: a parameter saved in another layout (an fsdp shard) or
@@ -164,33 +164,6 @@ class KernelNode(Node):
     def name(self):
         return self.op
 
-    def _reduce_partial_cotangent(self) -> tuple:
-        """Mesh dims on which a parameter (a leaf) is among the replicated inputs (``cotangent_specs``)."""
-        dims = set()
-        for (_, _, leaf), in_spec in zip(self.edges, [s for s, d in zip(self.in_specs, self.diff) if d]):
-            if leaf is not None:
-                dims.update(m for m, p in enumerate(in_spec.placements) if p == _R)
-        return dims
-
-    def _folded(self, grad_specs) -> tuple:
-        """With the local graph kept (one torch autograd call over every simulated device), the gradient of
-        a parameter replicated on a mesh dim comes out summed over that dim's devices (one GEMM over all
-        their rows): its reduction, which storing it in ``.grad`` would run next, is already done. Those
-        gradients are laid out Replicate there, and the all-reduce the devices perform is recorded in
-        CommLog as the executor would record it (``executor.record_only``)."""
-
-        out = []
-        leaves = [leaf for (_, _, leaf) in self.edges]
-        for spec, leaf in zip(grad_specs, leaves):
-            if leaf is not None and any(p == _P and q == _R for p, q in zip(spec.placements, leaf._spec.placements)):
-                folded = DTensorSpec(spec.mesh, tuple(_R if p == _P and q == _R else p
-                                                      for p, q in zip(spec.placements, leaf._spec.placements)),
-                                     spec.shape, spec.dtype)
-                record_only(plan_redistribute(spec, folded))
-                spec = folded
-            out.append(spec)
-        return tuple(out)
-
     def _summed_gathered(self, grad_specs) -> tuple:
         """Stacked grids compute every device's gradient term of an fsdp-gathered weight in one GEMM, summed:
         kept so (Replicate where it would be Partial) rather than spread into one full-size term per device.
@@ -216,6 +189,7 @@ class KernelNode(Node):
     def release(self):
         super().release()
         self.saved = None
+        self.regathers = False
         self.outputs_saved = None
         self.tape = None
         self.results = None
@@ -237,7 +211,10 @@ class KernelNode(Node):
         prefetched, self.prefetched = self.prefetched or {}, None
         tracked = self.tape is not None
         refetched = {}
-        for n, ((t, version, layout), s) in enumerate(zip(self.saved, self.in_specs)):
+        sig = (self.in_specs, self.diff, self.out_specs, tuple(None if leaf is None else leaf._spec
+                                                               for _, _, leaf in self.edges))
+        layout = _LAYOUTS_get(sig) or _NodeLayout.of(sig)
+        for n, ((t, version, saved_layout), s) in enumerate(zip(self.saved, self.in_specs)):
             if type(t) is weakref.ref:
                 t = t()  # (an input the local graph did not keep: gone since, it cannot have been written)
             if t is not None and t._version != version:
@@ -246,11 +223,11 @@ class KernelNode(Node):
                     f"operation: input {n} of dtorch.{self.op} ({t._spec}) is at version {t._version}; expected "
                     f"version {version} instead. Write a copy (x.clone()) instead, or run the in-place op after "
                     "the backward.")
-            if layout is not None:
+            if saved_layout is not None:
                 t = prefetched[n] if n in prefetched else self._laid_out(n)
                 if tracked:
                     refetched[n] = t._h
-            if self.diff[n] and not _extreme_input_ok(s, self.out_specs):
+            if n in layout.no_grad_through:
                 raise OpError(f"dtorch.{self.op}: no gradient through a Partial(max|min) input ({s}); "
                               "redistribute it to Replicate before the op")
             if not tracked:
@@ -258,8 +235,8 @@ class KernelNode(Node):
             specs.append(s)
         has_ct, ct_specs = [], []
         cts = [None if g is None or not _floating(spec.dtype) else g for spec, g in zip(self.out_specs, grads)]
-        targets = cotangent_specs(self.out_specs, [None if g is None else g._spec for g in cts],
-                                  self._reduce_partial_cotangent())
+        gs = tuple([None if g is None else g._spec for g in cts])
+        targets = layout.cotangents.get(gs) or layout.targets(gs)
         for k, (spec, g) in enumerate(zip(self.out_specs, cts)):
             if g is None:
                 has_ct.append(False)
@@ -274,25 +251,27 @@ class KernelNode(Node):
             ct_specs.append(g._spec)
         if not ct_specs:
             return [None] * len(self.edges)
-        grad_specs = input_grad_specs(self.in_specs, self.diff, self.out_specs, has_ct, ct_specs)
+        key = (tuple(has_ct), tuple(ct_specs), tracked)
+        ct_specs, has_ct, grad_specs, folds = layout.gradients.get(key) or layout.gradients_for(key)
         rt = self.graph.runtime
         try:
             if self.tape is not None:
                 ex, tape = self.tape
-                grad_specs = self._folded(grad_specs)
+                for plan in folds:  # (the reductions the kept graph's GEMM folded in: gradients_for)
+                    record_only(plan)
                 if refetched:  # the gathered weights' gradients come summed over the devices (one GEMM)
                     grad_specs = self._summed_gathered(grad_specs)[0]
-                    outs = ex.vjp_tracked(tape, handles, ct_specs, tuple(has_ct), grad_specs, refetched)
+                    outs = ex.vjp_tracked(tape, handles, ct_specs, has_ct, grad_specs, refetched)
                 else:
-                    outs = ex.vjp_tracked(tape, handles, ct_specs, tuple(has_ct), grad_specs)
+                    outs = ex.vjp_tracked(tape, handles, ct_specs, has_ct, grad_specs)
             else:
-                vjp = (self.diff, tuple(has_ct))
-                ex = rt.executable(vjp_kernel(self.kernel), tuple(specs) + tuple(ct_specs), grad_specs)
+                vjp = (self.diff, has_ct)
+                ex = rt.executable(vjp_kernel(self.kernel), tuple(specs) + ct_specs, grad_specs)
                 if ex.sums_over_devices and self.regathers:
                     grad_specs, summed = self._summed_gathered(grad_specs)
                     if any(summed):
                         vjp += (summed,)
-                        ex = rt.executable(vjp_kernel(self.kernel), tuple(specs) + tuple(ct_specs), grad_specs)
+                        ex = rt.executable(vjp_kernel(self.kernel), tuple(specs) + ct_specs, grad_specs)
                 outs = ex.run(handles, {**self.kwargs, "vjp": vjp}, self.device_args)
         except DTorchError:  # (a backend's fault, a lost worker, too: not a missing derivative)
             raise
@@ -300,7 +279,81 @@ class KernelNode(Node):
             raise NoGradientError(f"dtorch.{self.op} has no gradient here: differentiating its kernel "
                           f"({self.kernel.name}) on the local blocks failed with {type(exc).__name__}: {exc}. "
                           "Compute it under dtorch.no_grad() or on inputs that do not require grad") from exc
-        return [Tensor._make(s, h, self.graph) for s, h in zip(grad_specs, outs)]
+        graph = self.graph
+        return [_make(s, h, graph) for s, h in zip(grad_specs, outs)]
+
+
+# The layouts of a node's backward are functions of specs alone, the same for the node of one op in every step:
+# computed once and kept here, by the node's signature (input specs, which inputs are differentiable, output
+# specs, the specs of the parameters its edges lead to), then by the specs its cotangents come in and are laid
+# out in. Returning the same spec objects every step lets the caches keyed by them (the runtime's vjp plans, the
+# dispatch of the gradients' adds) hit by identity.
+_LAYOUTS = LRU("autograd.backward_layouts", 4096)
+_LAYOUTS_get = _LAYOUTS.fast_get
+_make = Tensor._make
+
+
+class _NodeLayout:
+    """The backward layouts of the nodes of one signature."""
+
+    __slots__ = ("sig", "no_grad_through", "reduce_partial", "cotangents", "gradients")
+    _MAX = 16  # entries of ``cotangents`` / ``gradients`` (one or two in a training loop): cleared beyond
+
+    def __init__(self, sig):
+        in_specs, diff, out_specs, leaf_specs = self.sig = sig
+        # positions of differentiable Partial(max|min) inputs that no output keeps partial
+        self.no_grad_through = frozenset(n for n, (s, d) in enumerate(zip(in_specs, diff))
+                                         if d and not _extreme_input_ok(s, out_specs))
+        # mesh dims on which a parameter is among the replicated inputs (``cotangent_specs``)
+        reduce_partial = set()
+        for leaf, in_spec in zip(leaf_specs, [s for s, d in zip(in_specs, diff) if d]):
+            if leaf is not None:
+                reduce_partial.update(m for m, p in enumerate(in_spec.placements) if p == _R)
+        self.reduce_partial = frozenset(reduce_partial)
+        self.cotangents: dict = {}  # the specs the cotangents come in -> the specs they are laid out in
+        self.gradients: dict = {}  # (has_ct, the cotangents' specs, tracked) -> ``gradients_for``
+
+    @staticmethod
+    def of(sig) -> "_NodeLayout":
+        layout = _LAYOUTS.get(sig)  # (in the older generation)
+        if layout is None:
+            layout = _LAYOUTS[sig] = _NodeLayout(sig)
+        return layout
+
+    def targets(self, gs) -> list:
+        if len(self.cotangents) >= self._MAX:
+            self.cotangents.clear()
+        # (a cotangent already laid out as needed keeps its spec object: relayout finds it by identity)
+        targets = self.cotangents[gs] = [t if g is None or t != g else g
+                                         for t, g in zip(cotangent_specs(self.sig[2], gs, self.reduce_partial), gs)]
+        return targets
+
+    def gradients_for(self, key) -> tuple:
+        """(cotangent specs, which outputs have one, the gradients' specs, the redistributions folded into the
+        GEMM, to record): with the local graph kept (one torch autograd call over every simulated device), the
+        gradient of a parameter replicated on a mesh dim comes out summed over that dim's devices (one GEMM
+        over all their rows): its reduction, which storing it in ``.grad`` would run next, is already done.
+        Those gradients are laid out Replicate there, and the all-reduce the devices perform is recorded in
+        CommLog as the executor would record it (``executor.record_only``)."""
+        in_specs, diff, out_specs, leaf_specs = self.sig
+        has_ct, ct_specs, tracked = key
+        grad_specs = input_grad_specs(in_specs, diff, out_specs, has_ct, ct_specs)
+        folds = []
+        if tracked:
+            out = []
+            for spec, leaf in zip(grad_specs, leaf_specs):
+                if leaf is not None and any(p == _P and q == _R for p, q in zip(spec.placements, leaf.placements)):
+                    folded = DTensorSpec(spec.mesh, tuple(_R if p == _P and q == _R else p
+                                                          for p, q in zip(spec.placements, leaf.placements)),
+                                         spec.shape, spec.dtype)
+                    folds.append(plan_redistribute(spec, folded))
+                    spec = folded
+                out.append(spec)
+            grad_specs = tuple(out)
+        if len(self.gradients) >= self._MAX:
+            self.gradients.clear()
+        entry = self.gradients[key] = (ct_specs, has_ct, grad_specs, tuple(folds))
+        return entry
 
 
 def _extreme_input_ok(s: DTensorSpec, out_specs) -> bool:

@@ -164,11 +164,18 @@ def _walk(roots, retain_graph: bool, wanted) -> tuple[dict, dict]:
     stack.append(leaves)
     try:
         with backward_pass():
+            last = len(nodes) - 1
             for i, node in enumerate(nodes):
-                grads = [buffers.pop((node, k), None) for k in range(node.n_out)]
-                if all(g is None for g in grads):
-                    continue
-                if i + 1 < len(nodes):
+                if node.n_out == 1:  # (most nodes: one pop, no list or generator to build)
+                    g = buffers.pop((node, 0), None)
+                    if g is None:
+                        continue
+                    grads = [g]
+                else:
+                    grads = [buffers.pop((node, k), None) for k in range(node.n_out)]
+                    if all(g is None for g in grads):
+                        continue
+                if i < last and nodes[i + 1].regathers:
                     _prefetch(nodes[i + 1], buffers)
                 if node.released:
                     raise RuntimeError(
@@ -176,7 +183,7 @@ def _walk(roots, retain_graph: bool, wanted) -> tuple[dict, dict]:
                         "they have already been freed). Saved intermediate values of the graph are freed when you call "
                         ".backward() or autograd.grad(). Specify retain_graph=True if you need to backward through the "
                         "graph a second time or if you need to access saved tensors after calling backward.")
-                for k, g in enumerate(grads):
+                for k, g in enumerate(grads if wanted_nonleaf or node.retained else ()):
                     if g is None:
                         continue
                     t = wanted_nonleaf.get((node, k))
@@ -266,8 +273,7 @@ def _own_object(g):
 def _prefetch(node, buffers) -> None:
     """Let the node after this one gather its fsdp shards now (``KernelNode.prefetch``), when a gradient has
     reached it already (so it will run): the gathers overlap this node's work on asynchronous backends."""
-    if getattr(node, "regathers", False) and not node.released \
-            and any((node, k) in buffers for k in range(node.n_out)):
+    if not node.released and any((node, k) in buffers for k in range(node.n_out)):
         node.prefetch()
 
 

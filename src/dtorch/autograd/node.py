@@ -40,6 +40,7 @@ class Node:
 
     __slots__ = ("seq", "edges", "n_out", "released", "retained", "__weakref__")
     name = "Node"
+    regathers = False  # (a node that lays saved inputs out again in its backward says so: KernelNode)
 
     def __init__(self, inputs, n_out: int):
         self.seq = next(_seq)  # later nodes consume earlier ones: reverse creation order is a valid backward order
