@@ -43,7 +43,7 @@ def global_to_grid(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
     for i, p in enumerate(spec.placements):
         if isinstance(p, Partial):
             x = to_partial_grid(x, i, M[i], p.reduce_op)
-    return x
+    return _unbased(x)
 
 
 def grid_to_global(x: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
@@ -76,7 +76,18 @@ def to_partial_grid(x: torch.Tensor, i: int, m: int, op: str) -> torch.Tensor:
     return x.expand(*x.shape[:i], m, *x.shape[i + 1:])
 
 
+def _unbased(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (a view this module made of a temporary) on the same storage, keeping no base tensor alive: a kept
+    base would count as a second holder of the storage in copy-on-write (``cow.writable``), so the first
+    in-place write (an init, the optimizer's update, a gradient accumulated) would copy the grid, and in
+    the contiguous layout that makes ``grid_gather`` copy too. Whoever else holds the storage still counts."""
+    return x.detach() if x._base is not None else x
+
+
 def grid_gather(x: torch.Tensor, i: int, k: int, nd: int) -> torch.Tensor:
+    """All-gather along mesh dim ``i`` of tensor dim ``k`` (``nd``: mesh dims): a view of ``x``, no copy,
+    when the shards along ``i`` lie in ``x``'s memory as in the gathered tensor (the layout of a grid that
+    ``global_to_grid`` or ``grid_slice`` made: the full tensor's, which FSDP parameters keep), else a copy."""
     pos = nd + k
     x = x.movedim(i, pos - 1)
     s = list(x.shape)
@@ -89,7 +100,7 @@ def grid_slice(x: torch.Tensor, i: int, k: int, nd: int, m: int) -> torch.Tensor
     pos = nd - 1 + k
     s = list(x.shape)
     x = x.reshape(s[:pos] + [m, s[pos] // m] + s[pos + 1:])
-    return x.movedim(pos, i)
+    return _unbased(x.movedim(pos, i))
 
 
 def grid_step(method: str, before: DTensorSpec, after: DTensorSpec, i: int):
