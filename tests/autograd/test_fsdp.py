@@ -2,10 +2,12 @@
 policy written in plain torch, ``reshard_after_forward=False``, prefetch, and the collectives (CommLog)."""
 from __future__ import annotations
 
+import collections
 import copy
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtorch
 from dtorch import CommLog, MixedPrecisionPolicy, Replicate, Shard
@@ -265,3 +267,104 @@ def test_a_view_of_a_gathered_weight_is_made_again_in_the_backward_not_kept():
         assert bwd.counts() == {("all_gather", "fsdp"): 1, ("reduce_scatter", "fsdp"): 1}, bwd.table()
         (x @ w.t()).tanh().sum().backward()
         torch.testing.assert_close(mod.weight.grad.to_torch(), w.grad, rtol=1e-5, atol=1e-5)
+
+
+class TPBlock(dtorch.nn.Module):
+    """A tp-sharded MLP: tp shards ``up``'s dim 0 and ``down``'s dim 1, so fsdp shards the other dim (where the
+    fsdp shards of a tp block are not adjacent in a contiguous grid)."""
+
+    def __init__(self, width: int, hidden: int, mesh):
+        super().__init__()
+        self.up = dtorch.nn.Linear(width, hidden, device_mesh=mesh, tp_shard_type="col")
+        self.down = dtorch.nn.Linear(hidden, width, device_mesh=mesh, tp_shard_type="row")
+
+    def forward(self, x):
+        return self.down(self.up(x).relu())
+
+
+class TorchTPBlock(torch.nn.Module):
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(width, hidden), torch.nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return self.down(self.up(x).relu())
+
+
+@pytest.mark.parametrize("width", [8, 7], ids=["even", "uneven"])
+def test_gathered_weights_are_views_of_the_shards_through_training_and_keep_their_values(width):
+    """On the in-process backend an fsdp all-gather of a parameter is a view of its storage, not a copy: the
+    grid keeps the full tensor's layout through init, load_state_dict and AdamW's in-place update. A gathered
+    copy taken before an update keeps its values (copy-on-write), counts as gathered memory, and training
+    matches torch."""
+    from dtorch.autograd.fsdp import fsdp_sharded, unshard
+
+    graph = dtorch.Graph()
+    with graph:
+        mesh = _mesh(("fsdp", 2), ("tp", 2))
+        torch.manual_seed(0)
+        ref = TorchTPBlock(width, 12)
+        net = TPBlock(width, 12, mesh)
+        grids = graph.backend == "inprocess" and width % 2 == 0  # (uneven shards are per-device blocks)
+        if grids:  # as built (init), before anything is loaded
+            assert all(_storage(unshard(p)) == _storage(p) for p in net.parameters())
+        net.load_state_dict(ref.state_dict())
+        opt = dtorch.optim.AdamW(net.parameters(), lr=1e-2)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+        x, xd = _batch(mesh, rows=4, width=width)
+        kept_params = [p for p in net.parameters() if fsdp_sharded(p)]
+        for _ in range(2):
+            graph.track_memory()
+            kept = {name: unshard(p) for name, p in net.named_parameters() if fsdp_sharded(p)}
+            gathered = graph.get_memory_breakdown(mesh)[("cpu", 0)]["gathered"]["allocated"]
+            graph.track_memory(False)
+            # per device: each fsdp-sharded parameter whole on fsdp, its tp block on tp (the colwise bias, tp-sharded
+            # on its one dim, is not sharded on fsdp: it stays as it is)
+            per_device = sum(p.numel() // (2 if isinstance(p.placements[1], Shard) else 1)
+                             for p in net.parameters() if fsdp_sharded(p))
+            assert gathered == 4 * per_device, (gathered, per_device)
+            values = {name: g.to_torch() for name, g in kept.items()}
+            for name, p in net.named_parameters():
+                if name not in kept:
+                    continue
+                torch.testing.assert_close(values[name], p.to_torch(), rtol=0, atol=0)
+                if grids:
+                    assert _storage(kept[name]) == _storage(p), name
+            net(xd).square().sum().backward()
+            ref(x).square().sum().backward()
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            for name in kept:  # the in-place update did not reach the copies gathered before it
+                torch.testing.assert_close(kept[name].to_torch(), values[name], rtol=0, atol=0, msg=name)
+            del kept
+            refs = dict(ref.named_parameters())
+            for name, p in net.named_parameters():
+                torch.testing.assert_close(p.to_torch(), refs[name].detach(), rtol=1e-5, atol=1e-5, msg=name)
+                torch.testing.assert_close(unshard(p).to_torch(), refs[name].detach(), rtol=1e-5, atol=1e-5)
+                if grids:
+                    assert _storage(unshard(p)) == _storage(p), name
+            if grids:  # the mixed-precision cast keeps the layout: casts, then a view
+                for p in kept_params:  # (the first call plans)
+                    unshard(p, torch.bfloat16)
+                with _AtenOps() as ops:
+                    for p in kept_params:
+                        unshard(p, torch.bfloat16)
+                assert ops.counts["_to_copy"] == len(kept_params) and not {"clone", "copy_"} & set(ops.counts), ops.counts
+
+
+def _storage(t) -> int:
+    return t._h.grid.untyped_storage().data_ptr()
+
+
+class _AtenOps(TorchDispatchMode):
+    """Counts the aten ops run inside it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))

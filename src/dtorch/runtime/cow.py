@@ -29,5 +29,6 @@ def writable(t: torch.Tensor, holder_refs: int = 1) -> bool:
 
 
 def private_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy nobody else sees (dense, no stride-0 dims), to write into."""
-    return t.clone(memory_format=torch.contiguous_format)
+    """A copy nobody else sees (dense, no stride-0 dims), to write into. A dense ``t`` keeps its strides: a
+    grid in the full tensor's layout (``runtime/grids.py``) stays in it, and its all-gathers stay views."""
+    return t.clone(memory_format=torch.preserve_format)
