@@ -210,6 +210,19 @@ def test_sampling_filters_are_hugging_faces(temperature, top_k, top_p):
     assert (probs.gather(1, got[:, None]) > 0).all()
 
 
+def test_greedy_next_token_takes_no_uniform_numbers():
+    """Greedy: ``next_token`` without ``u`` (generate places none on the devices) is torch's argmax, under an
+    uneven batch over dp and vocab over tp; sampling without ``u`` is a clear error."""
+    from dtorch.ops.sampling import next_token
+
+    mesh = mesh_of((("dp", 2), ("tp", 2)))
+    logits = torch.randn(5, 37, generator=torch.Generator().manual_seed(3))
+    x = dtorch.Tensor(logits, device_mesh=mesh, placements=[Shard(0), Shard(1)])
+    assert torch.equal(next_token(x, None, False, 1.0, None, None).to_torch(), logits.argmax(-1))
+    with pytest.raises(ValueError, match="sampling needs the uniform numbers"):
+        next_token(x, None, True, 1.0, None, None)
+
+
 # -- the cache ---------------------------------------------------------------------------------------
 
 def test_cache_layout_and_bytes_per_device():

@@ -68,13 +68,15 @@ def _decode_logits(model, cache: KVCache, tok: torch.Tensor, positions: torch.Te
     return _logits(model, CachedForward(model, tok, torch.ones(tok.shape[0], 1, dtype=torch.bool), positions, cache))
 
 
-def _uniforms(b: int, sample: bool, generator) -> torch.Tensor:
-    """[B] float64 in (0, 1]: each row's uniform number of a sampled step (ones when greedy: unused)."""
+def _uniforms(b: int, sample: bool, generator) -> torch.Tensor | None:
+    """[B] float64 in (0, 1]: each row's uniform number of a sampled step (None when greedy: nothing to send)."""
     # (0, 1]: a uniform number of 0 could pick a token of probability 0
-    return 1.0 - torch.rand(b, generator=generator, dtype=torch.float64) if sample else torch.ones(b, dtype=torch.float64)
+    return 1.0 - torch.rand(b, generator=generator, dtype=torch.float64) if sample else None
 
 
-def _choose(logits: Tensor, u: torch.Tensor, sampling: tuple) -> Tensor:
+def _choose(logits: Tensor, u: torch.Tensor | None, sampling: tuple) -> Tensor:
+    if u is None:  # greedy: the argmax needs no uniform numbers (none placed on the devices each step)
+        return next_token(logits, None, *sampling)
     mesh = logits.device_mesh
     ut = Tensor(u, device_mesh=mesh, placements=decode_placements(mesh, 1))
     return next_token(logits, ut, *sampling)

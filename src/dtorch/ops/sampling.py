@@ -14,9 +14,9 @@ from .dispatch import OpPlan, dispatch
 
 
 @kernel("generation.next_token")
-def _next_token_kernel(logits, u, *, sample: bool, temperature: float, top_k, top_p):
+def _next_token_kernel(logits, u=None, *, sample: bool, temperature: float, top_k, top_p):
     """Per row: argmax, or a sample (temperature, then top-k, then top-p, as Hugging Face's warpers) at
-    the uniform number ``u`` in (0, 1] of the filtered distribution's CDF."""
+    the uniform number ``u`` in (0, 1] of the filtered distribution's CDF (greedy: no ``u``)."""
     x = logits.float()
     if not sample:
         return x.argmax(-1)
@@ -37,16 +37,21 @@ def _next_token_kernel(logits, u, *, sample: bool, temperature: float, top_k, to
 
 
 def _next_token_rule(specs, sample: bool, temperature: float, top_k, top_p):
-    logits, u = specs
+    logits, *u = specs  # (greedy: no u)
     # every device of a row sees the whole vocabulary (an all_gather over tp of [B, vocab])
     pl = tuple(Shard(0) if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in logits.placements)
     upl = tuple(Shard(0) if isinstance(p, Shard) else Replicate() for p in pl)
     out = DTensorSpec(logits.mesh, upl, logits.shape[:1], torch.int64)
-    return OpPlan((logits.with_placements(pl), u.with_placements(upl)), (out,), _next_token_kernel,
+    return OpPlan((logits.with_placements(pl), *(x.with_placements(upl) for x in u)), (out,), _next_token_kernel,
                   {"sample": sample, "temperature": temperature, "top_k": top_k, "top_p": top_p})
 
 
 def next_token(logits, u, sample: bool, temperature: float, top_k, top_p):
     """The next token of each row [B] (int64, batch laid out like the logits'): the argmax, or with ``sample``
-    the token at the uniform number ``u`` [B] in (0, 1] of the filtered distribution's CDF."""
+    the token at the uniform number ``u`` [B] in (0, 1] of the filtered distribution's CDF (greedy: ``u`` may
+    be None, and is not used)."""
+    if not sample and u is None:
+        return dispatch("generation.next_token", _next_token_rule, (logits,), (sample, temperature, top_k, top_p))
+    if u is None:
+        raise ValueError("next_token: sampling needs the uniform numbers u [B]")
     return dispatch("generation.next_token", _next_token_rule, (logits, u), (sample, temperature, top_k, top_p))
