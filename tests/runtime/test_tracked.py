@@ -80,10 +80,10 @@ def test_dropped_tensors_of_one_shape_stay_apart():
 
 def test_a_gradient_handed_out_as_a_view_is_written_in_place_unless_its_base_is_held():
     """A weight's gradient comes out of torch's graph as a view of the GEMM's result (reshaped to its grid):
-    ``_unviewed`` makes it a tensor of its own on the same storage, so the next micro-batch's accumulation
+    ``grids.unbased`` makes it a tensor of its own on the same storage, so the next micro-batch's accumulation
     writes it in place (copy-on-write copied it before); a base someone still holds keeps it copied."""
     from dtorch.runtime.cow import writable
-    from dtorch.runtime.inprocess_tracked import _unviewed
+    from dtorch.runtime.grids import unbased
 
     def grad_as_view(held=None):
         base = torch.randn(6, 4, dtype=torch.float64)
@@ -94,17 +94,17 @@ def test_a_gradient_handed_out_as_a_view_is_written_in_place_unless_its_base_is_
     # (results taken outside ``assert``: pytest's rewriting holds what an assert reads, a reference more)
     g = grad_as_view()
     view_writable = writable(g)
-    own = _unviewed(grad_as_view())
+    own = unbased(grad_as_view())
     own_writable = writable(own)
     assert not view_writable  # what copy-on-write saw before: a copy at the first accumulation
     assert own_writable and own._base is None and own.shape == (1, 6, 4)
     held = []
-    shared = _unviewed(grad_as_view(held))
+    shared = unbased(grad_as_view(held))
     shared_writable = writable(shared)
     assert not shared_writable  # the base is held: a write copies first
     torch.testing.assert_close(shared[0], held[0], rtol=0, atol=0)
     plain = own.clone()
-    assert _unviewed(plain) is plain
+    assert unbased(plain) is plain
 
 
 def test_summed_terms_reduce_and_add_as_their_terms_do():

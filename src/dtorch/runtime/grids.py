@@ -49,7 +49,7 @@ def global_to_grid(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
     for i, p in enumerate(spec.placements):
         if isinstance(p, Partial):
             x = to_partial_grid(x, i, M[i], p.reduce_op)
-    return _unbased(x)
+    return unbased(x)
 
 
 def grid_to_global(x: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
@@ -82,10 +82,11 @@ def to_partial_grid(x: torch.Tensor, i: int, m: int, op: str) -> torch.Tensor:
     return x.expand(*x.shape[:i], m, *x.shape[i + 1:])
 
 
-def _unbased(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (a view this module made of a temporary) on the same storage, keeping no base tensor alive: a kept
-    base would count as a second holder of the storage in copy-on-write (``cow.writable``), so the first
-    in-place write (an init, the optimizer's update, a gradient accumulated) would copy the grid, and in
+def unbased(x: torch.Tensor) -> torch.Tensor:
+    """``x`` on the same storage, keeping no base tensor alive, where it is a view of a temporary (a grid this
+    module made of a full tensor; a weight's gradient that torch's graph handed out reshaped to its grid): a kept
+    base would count as a second holder of the storage in copy-on-write (``cow.writable``), so the first in-place
+    write (an init, the optimizer's update, the next micro-batch's gradient accumulated) would copy it, and in
     the contiguous layout that makes ``grid_gather`` copy too. Whoever else holds the storage still counts."""
     return x.detach() if x._base is not None else x
 
@@ -112,7 +113,7 @@ def grid_slice(x: torch.Tensor, i: int, k: int, nd: int, m: int) -> torch.Tensor
     pos = nd - 1 + k
     s = list(x.shape)
     x = x.reshape(s[:pos] + [m, s[pos] // m] + s[pos + 1:])
-    return _unbased(x.movedim(pos, i))
+    return unbased(x.movedim(pos, i))
 
 
 def grid_step(method: str, before: DTensorSpec, after: DTensorSpec, i: int):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .grids import unbased
 from .kernels import as_terms, broadcast_pair, broadcast_shape, varying
 from .shards import BoxShards, Shards, SummedShards
 from .tapes import Leaves, as_views as _as_views, drop_output_values, run_keeping_graph, \
@@ -160,12 +161,12 @@ class TrackedRuns:
                 if terms is not None:
                     # summed by torch over the grid dims the input was broadcast on: the terms are made only if
                     # something reads them as such, not for the reduction that takes their sum (SummedShards)
-                    lazy = SummedShards(_unviewed(g), target)
+                    lazy = SummedShards(unbased(g), target)
                     if lazy.summed and lazy.terms_shape() == shape:
                         res.append(lazy)
                         continue
                     g = as_terms(g, terms, nd)
-                res.append(Shards(grid=_unviewed(g if g.shape == shape else self._fit(g, target, local, "vjp")[0])))
+                res.append(Shards(grid=unbased(g if g.shape == shape else self._fit(g, target, local, "vjp")[0])))
             return res
         for x, g, spec in zip(leaves, grads, grad_specs):
             # summed over devices where the layout keeps terms apart: Partial terms; where it is Replicate
@@ -229,18 +230,6 @@ class TrackedRuns:
                     made[(kind, arg)] = b
             blocks.append(b)
         return rt._make(spec, blocks=blocks) if grid else BoxShards(blocks, box.key(target), g)
-
-
-def _unviewed(g: torch.Tensor) -> torch.Tensor:
-    """``g`` as a tensor of its own where torch's graph handed it out as a view of a temporary (a weight's
-    gradient from the GEMM, reshaped to its grid): the same storage, no copy, but without the base, whose storage
-    reference would make copy-on-write (cow.writable) copy it at the first in-place write, the accumulation of
-    the next micro-batch's gradient into ``.grad``."""
-    if g._base is None:
-        return g
-    with torch.no_grad():
-        return torch.empty(0, dtype=g.dtype, device=g.device).set_(g.untyped_storage(), g.storage_offset(), g.size(),
-                                                                   g.stride())
 
 
 try:  # torch's C++ engine, as torch.autograd.grad calls it
