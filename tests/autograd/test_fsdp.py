@@ -199,6 +199,43 @@ def test_mixed_precision_tracks_the_same_policy_in_plain_torch_over_ten_adamw_st
     assert abs(net32(xd).square().mean().item() - got[0]) > 1e-4 * abs(got[0])
 
 
+class _Casts(TorchDispatchMode):
+    """The elements cast from float32 to bfloat16 inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is torch.ops.aten._to_copy.default and args[0].dtype == torch.float32
+                and kwargs.get("dtype") == torch.bfloat16):
+            self.numel += args[0].numel()
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("width", [8, 7], ids=["even", "uneven"])
+def test_mixed_precision_casts_each_weight_once_per_step(width):
+    """The plain-torch policy casts each master weight to bf16 once per step: the forward casts the shards
+    (and the input), the backward gathers those bf16 shards again and casts only the float32 loss's gradient
+    back to the bf16 output, not the weights a second time."""
+    mesh = _mesh(("fsdp", 2))
+    net, _ = _pair(mesh, width=width, policy=BF16)
+    x, xd = _batch(mesh, width=width)
+    n = sum(p.numel() for p in net.parameters())
+    for step in range(3):  # (the first step plans, the later ones prefetch)
+        with _Casts() as fwd:
+            out = net(xd)
+        loss = out.float().square().sum()
+        with CommLog() as comm, _Casts() as bwd:
+            loss.backward()
+        net.zero_grad()
+        assert {r.dtype for r in comm.records if r.kind == "all_gather"} == {torch.bfloat16}
+        if step:
+            assert fwd.numel == n + x.numel()
+            assert bwd.numel == out.numel()
+
+
 def test_output_dtype_and_input_casts():
     mesh = _mesh(("fsdp", 2))
     lin = dtorch.nn.Linear(4, 4, device_mesh=mesh)
