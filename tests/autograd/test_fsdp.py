@@ -218,22 +218,34 @@ class _Casts(TorchDispatchMode):
 def test_mixed_precision_casts_each_weight_once_per_step(width):
     """The plain-torch policy casts each master weight to bf16 once per step: the forward casts the shards
     (and the input), the backward gathers those bf16 shards again and casts only the float32 loss's gradient
-    back to the bf16 output, not the weights a second time."""
-    mesh = _mesh(("fsdp", 2))
-    net, _ = _pair(mesh, width=width, policy=BF16)
-    x, xd = _batch(mesh, width=width)
-    n = sum(p.numel() for p in net.parameters())
-    for step in range(3):  # (the first step plans, the later ones prefetch)
-        with _Casts() as fwd:
-            out = net(xd)
-        loss = out.float().square().sum()
-        with CommLog() as comm, _Casts() as bwd:
-            loss.backward()
-        net.zero_grad()
-        assert {r.dtype for r in comm.records if r.kind == "all_gather"} == {torch.bfloat16}
-        if step:
-            assert fwd.numel == n + x.numel()
-            assert bwd.numel == out.numel()
+    back to the bf16 output, not the weights a second time. The bf16 shards kept for that go with the
+    backward."""
+    graph = dtorch.Graph()
+    with graph:
+        mesh = _mesh(("fsdp", 2))
+        net, _ = _pair(mesh, width=width, policy=BF16)
+        x, xd = _batch(mesh, width=width)
+        n = sum(p.numel() for p in net.parameters())
+        held = []  # activations held after each tracked step
+        for step in range(4):  # (the first step plans, the later ones prefetch)
+            graph.track_memory(step >= 2)
+            with _Casts() as fwd:
+                out = net(xd)
+            loss = out.float().square().sum()
+            with CommLog() as comm, _Casts() as bwd:
+                loss.backward()
+            net.zero_grad()
+            assert {r.dtype for r in comm.records if r.kind == "all_gather"} == {torch.bfloat16}
+            if step:
+                assert fwd.numel == n + x.numel()
+                assert bwd.numel == out.numel()
+            if step >= 2:
+                del out, loss
+                kinds = graph.get_memory_breakdown(mesh)[("cpu", 0)]
+                assert kinds["gathered"]["allocated"] == 0, kinds
+                held.append(kinds["activations"]["allocated"])
+        graph.track_memory(False)
+        assert held[0] == held[1], held  # (a step's kept bf16 shards would add up)
 
 
 def test_output_dtype_and_input_casts():
