@@ -248,6 +248,31 @@ def test_mixed_precision_casts_each_weight_once_per_step(width):
         assert held[0] == held[1], held  # (a step's kept bf16 shards would add up)
 
 
+def test_mixed_precision_backward_uses_the_forwards_bf16_weights_after_a_master_write():
+    """As in the plain-torch policy, whose backward uses the bf16 working copy the forward used: writing the
+    float32 master between the forward and the backward changes no gradient (float32 compute saves the
+    master itself, and torch refuses that write)."""
+    mesh = _mesh(("fsdp", 2))
+    _, xd = _batch(mesh)
+    grads = []
+    for write in (False, True):
+        net, _ = _pair(mesh, policy=BF16)
+        out = net(xd)
+        if write:
+            with torch.no_grad():
+                net.head.weight.mul_(2)
+        out.float().square().sum().backward()
+        grads.append({name: p.grad.to_torch() for name, p in net.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=0, atol=0, msg=name)
+    net32, _ = _pair(mesh)
+    out = net32(xd)
+    with torch.no_grad():
+        net32.head.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.square().sum().backward()
+
+
 def test_output_dtype_and_input_casts():
     mesh = _mesh(("fsdp", 2))
     lin = dtorch.nn.Linear(4, 4, device_mesh=mesh)

@@ -11,6 +11,8 @@ What lives when (FSDP2's schedule, ``reshard_after_forward=True``):
   moves it while this unit computes.
 - consumers never keep a gathered copy: an op whose input is one saves the sharded parameter and gathers it
   again in its backward (``regather_source``, read by ``dispatched.KernelNode``), frozen parameters too.
+  Under a ``param_dtype`` cast they save the forward's cast shard instead (one cast per weight per step, as
+  the plain-torch policy; that shard lives until its consumers' backward, half a float32 shard for bf16).
   With ``reshard_after_forward=False`` (ZeRO-2) the copies stay saved until the backward instead.
 - backward: the gather's node (``GatherNode``) receives the whole gradient of the gathered copy (every
   consumer's part) and reduces it into the parameter's layout at once, in ``reduce_dtype``: a
