@@ -301,7 +301,9 @@ class CachedForward:
             # the slot table is Python state: a step capture (dtorch.compile) runs the take again at each replay
             # and recomputes what the step reads of it (the write arguments, the mask) as live values
             capture.effect(_take, cache, ids.shape[1], valid, not self.decode, grow, s)
-            self.write_args = (capture.live(_taken, cache, 0), capture.live(_taken, cache, 1))
+            # (without cp every device writes the same slots: no per-device arguments, none live, so that a replay
+            # runs each write as one bare call)
+            self.write_args = (capture.live(_taken, cache, 0), capture.live(_taken, cache, 1) if cache.cp > 1 else None)
             order = capture.live(_taken, cache, 2)
             if self.decode:
                 self.mask_full = capture.live(cache._mask, order)
