@@ -87,7 +87,10 @@ def _attend_kernel(q, k, v, mask, cos, sin, *, lead=0, scale: float, parts: bool
     allows. Returns the output ``[B, L, nh * d]`` (ready for o_proj) or, with ``parts``, the output
     ``[1, B, nh, L, d]`` normalised over these keys and its log-sum-exp ``[1, B, nh, L]`` (this device's
     part, merged over the cp devices by ``kv_cache.combine``). Query head ``i`` uses kv head
-    ``i // (nh / hk)`` (grouped-query attention without copying the cache)."""
+    ``i // (nh / hk)`` (grouped-query attention without copying the cache). A mask over fewer slots than the
+    cache's (``M`` its last dim) covers the first ``M`` only: the others are not attended."""
+    if mask.shape[-1] != k.shape[-2]:
+        k, v = k.narrow(-2, 0, mask.shape[-1]), v.narrow(-2, 0, mask.shape[-1])
     q = _rotate(_heads_first(q, q.shape[-1] // k.shape[-1]), cos, sin)  # (this device's heads) [.., B, nh, L, d]
     if not parts:  # torch's fused attention (grouped-query, masked), on the stacked devices' rows as one batch
         return _fused_attend(q, k, v, mask, scale).transpose(-3, -2).flatten(-2).to(out_dtype)
