@@ -209,6 +209,37 @@ def test_a_replaced_parameter_or_submodule_retraces():
     assert fwd.stats["traces"] == 3 and fwd.stats["replays"] == 0
 
 
+def test_module_guards_see_every_change_of_the_dicts_and_hold_for_an_unchanged_module():
+    from dtorch.compile.trace import _modules_guard
+
+    mesh = _mesh(2)
+    m = _mlp(mesh)
+    lin = m[0]
+    hold = _modules_guard([m, lin])
+    assert hold()
+    lin.weight = lin.weight  # the same object set again: nothing changed
+    assert hold()
+    lin.train(False)
+    assert not hold()
+    lin.train(True)
+    assert hold()
+    w = lin.weight
+    lin.weight = dtorch.nn.Parameter(w.detach() * 1)  # same values, another object
+    assert not hold()
+    lin._parameters["weight"] = w  # (a direct write of the dict, as torch.func's parameter swaps do)
+    assert hold()
+    lin._parameters["other"] = lin._parameters.pop("bias")  # a name replaced by another: same count
+    assert not hold()
+    lin._parameters["bias"] = lin._parameters.pop("other")
+    assert hold()
+    lin.register_buffer("scale", _t(torch.ones(3), mesh, [Replicate()]))
+    assert not hold()
+    del lin.scale
+    assert hold()
+    m._modules["1"] = dtorch.nn.ReLU()  # another child under the same name
+    assert not hold()
+
+
 def test_a_module_compiled_as_a_whole():
     mesh = _mesh(2)
     m = _mlp(mesh)

@@ -7,6 +7,7 @@ import torch
 
 import dtorch
 import dtorch.models.generation as generation
+from dtorch.models.kv_cache import KVCache
 from dtorch.models.llama import LlamaForCausalLM
 from tests.llama_models import hf_model
 
@@ -70,3 +71,32 @@ def test_generate_keeps_its_traced_decode_step_for_the_next_call_of_the_same_sha
     assert out.past_key_values is not model.__dict__["_generate_kept"][1] and torch.equal(out.sequences, got)
     longer = model.generate(second, attention_mask=mask, max_new_tokens=9)  # another length: a new cache and trace
     assert torch.equal(longer[:, :12], got) and model.__dict__["_generate_kept"][2] is not step
+
+
+def test_decode_attends_the_used_slots_rounded_up_with_the_bits_of_attending_every_slot(monkeypatch):
+    """A decode step without cp attends the first ``KVCache.attended_slots`` slots (a trace per size): the tokens
+    are Hugging Face's and the logits those of attending every slot of the cache, bit for bit (masked slots add
+    exact zeros); under cp it attends every slot."""
+    hf = hf_model("decode_gqa")
+    model = LlamaForCausalLM(hf.config, dtorch.init_device_mesh("cpu", (2,), mesh_dim_names=["tp"]))
+    model.load_state_dict(hf.state_dict())
+    ids = torch.randint(0, 120, (2, 5), generator=torch.Generator().manual_seed(3))
+    kw = dict(max_new_tokens=14, return_dict_in_generate=True, output_logits=True)
+    got = model.generate(ids, **kw)  # 19 slots: the steps attend 16, then 19
+    assert torch.equal(got.sequences, hf.generate(ids, max_new_tokens=14, do_sample=False))
+    assert got.timings["decode_replays"] == 13 - 2
+    monkeypatch.setattr(KVCache, "attended_slots", lambda self, n: None)
+    every = model.generate(ids, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, every.logits))
+
+    cache = KVCache(model, 2, 1000)
+    monkeypatch.undo()
+    sizes = set()
+    for used in range(1000):
+        cache.fill = [used]
+        got = cache.attended_slots(1)
+        assert used + 1 <= got <= max(16 * -(-(used + 1) // 16), (used + 1) * 5 // 4) and got <= 1000
+        sizes.add(got)
+    assert len(sizes) <= 8 + 4 * 3  # 16 ... 128, then 4 per doubling up to 1024
+    cache.cp = 2  # (each cp block fills from its own front)
+    assert cache.attended_slots(1) is None

@@ -37,7 +37,7 @@ import weakref
 import torch
 
 from .record import Entry, Slot
-from .replay import _slots
+from .replay import _slots, write_call
 
 MIN_OPS = 3  # a compiled call's fixed cost (guards, wrappers) is more than one or two small kernels take
 _MOVABLE = ("live", "effect", "log", "host")  # entries that read no device value: they may run before a segment
@@ -105,15 +105,8 @@ def _fusable(e: Entry):
     if e.method in _COLLECTIVES and hasattr(e.target, "collective_grid_call") and type(e.args[0]) is Slot:
         got = e.target.collective_grid_call(e.method, *e.args[1:])
         return None if got is None else ("step", got)
-    if e.method == "write" and hasattr(e.target, "write_grid_call"):
-        kernel, target, target_spec, inputs, in_specs, kwargs, device_args = e.args
-        if type(target) is not Slot or any(type(s) is not Slot for s in inputs) or device_args:
-            return None
-        if type(kwargs) is not Slot and (type(kwargs) is not dict or _slots(kwargs, [])):
-            return None  # (a live value inside a constant dict: not a form the library makes)
-        got = e.target.write_grid_call(kernel, target_spec, in_specs, device_args)
-        return None if got is None else ("write", got)
-    return None
+    got = write_call(e)
+    return None if got is None else ("write", got)
 
 
 def _group(order: list[Entry]) -> list:

@@ -97,13 +97,15 @@ def build(entries: list[Entry], inputs: list[Slot], results: list[Slot], tap=Non
     order = ordered(entries, inputs, results)
     if fuse is not None:
         order = fuse(order, results)
+    # each entry lowered to a bare call on grids where it can be: ("run", _grid_call) or ("write", write_call)
+    lowering = [_lowering(e, tap) for e in order]
     last: dict = {}  # slot -> index of the entry that reads it last
     last_lowered: dict = {}  # slot -> index of the last lowered call reading it (its grid local dies there)
-    for n, e in enumerate(order):
+    for n, (e, low) in enumerate(zip(order, lowering)):
         for k in _slots((e.args, e.kwargs), []):
             last[k] = n
-        if _grid_call(e) is not None:
-            for k in _slots(e.args, []):
+        if low is not None:
+            for k in _slots(e.args if low[0] == "run" else e.args[3], []):  # (a write's target: never a grid local)
                 last_lowered[k] = n
     keep = {s.k for s in results}
     src = _Source()
@@ -123,21 +125,35 @@ def build(entries: list[Entry], inputs: list[Slot], results: list[Slot], tap=Non
                 body.append(f"    s{k} = _Sh(grid=s{k})")
                 grids.discard(k)
 
-    for n, e in enumerate(order):
-        lowered = _grid_call(e)
-        if lowered is not None:
-            f, several, handle_of, ex = lowered
-            src.consts["_Sh"] = handle_of  # (one backend per trace)
-            for s, spec in zip(e.args[0], ex.in_specs):
-                if s.k not in grids and s.k not in grid_of:  # a handle's grid, taken once
-                    grid_of[s.k] = f"g{s.k}"
-                    body.append(f"    g{s.k} = _gridof(s{s.k}, {src.const(ex)}, {src.const(spec)})")
-            args = ", ".join(f"s{s.k}" if s.k in grids else grid_of[s.k] for s in e.args[0])
-            body.append(f"    {src.target(e.out) if several else f's{e.out[0].k}'} = {src.const(f)}({args})")
-            grids.update(_slots(e.out, []))
+    def grid_args(ex, slots, specs) -> str:
+        for s, spec in zip(slots, specs):
+            if s.k not in grids and s.k not in grid_of:  # a handle's grid, taken once
+                grid_of[s.k] = f"g{s.k}"
+                body.append(f"    g{s.k} = _gridof(s{s.k}, {src.const(ex)}, {src.const(spec)})")
+        return ", ".join(f"s{s.k}" if s.k in grids else grid_of[s.k] for s in slots)
+
+    for n, (e, low) in enumerate(zip(order, lowering)):
+        if low is not None:
+            if low[0] == "run":
+                f, several, handle_of, ex = low[1]
+                src.consts["_Sh"] = handle_of  # (one backend per trace)
+                args = grid_args(ex, e.args[0], ex.in_specs)
+                body.append(f"    {src.target(e.out) if several else f's{e.out[0].k}'} = {src.const(f)}({args})")
+                grids.update(_slots(e.out, []))
+                inputs_read = e.args[0]
+            else:  # an in-place write (its kwargs may be live: a KV cache's slot): the runtime's write, bare
+                f, writable, handle_of = low[1]
+                kernel, target, target_spec, inputs_read, in_specs, kwargs, _ = e.args
+                src.consts["_Sh"] = handle_of
+                as_handles([target.k])
+                # made writable before any grid of the step is taken: the copy-on-write counts references
+                body.append(f"    s{e.out.k} = {src.const(writable)}(s{target.k}, {src.const(target_spec)})")
+                ex = e.target.executable(kernel, (target_spec,) + tuple(in_specs), ())
+                args = "".join(f"{a}, " for a in [f"s{e.out.k}.grid", grid_args(ex, inputs_read, in_specs)] if a)
+                body.append(f"    {src.const(f)}({args}**{src.expr(kwargs)})")
             # a grid local held past its last lowered reader would make an in-place write of that storage copy
             # first (copy-on-write counts references), where eager wrote in place
-            done = [grid_of.pop(s.k) for s in e.args[0] if last_lowered.get(s.k) == n and s.k in grid_of]
+            done = [grid_of.pop(s.k) for s in inputs_read if last_lowered.get(s.k) == n and s.k in grid_of]
             if done:
                 body.append("    del " + ", ".join(dict.fromkeys(done)))
         else:
@@ -182,6 +198,31 @@ def _grid_call(e: Entry):
         return None
     got = e.target.grid_call(kwargs, device_args)
     return None if got is None else (got[0], got[1], got[2], e.target)
+
+
+def write_call(e: Entry):
+    """``(f, writable, handle of a grid)`` when ``e`` is an in-place write the runtime can make one call
+    ``f(target grid, *input grids, **kwargs)`` (``write_grid_call``: no per-device arguments), after
+    ``writable(target handle, spec)``; else None. Its kwargs may be a live value (a KV cache's slot)."""
+    if e.kind != "device" or e.method != "write" or not hasattr(e.target, "write_grid_call"):
+        return None
+    kernel, target, target_spec, inputs, in_specs, kwargs, device_args = e.args
+    if type(target) is not Slot or type(e.out) is not Slot or any(type(s) is not Slot for s in inputs) \
+            or device_args:
+        return None
+    if type(kwargs) is not Slot and (type(kwargs) is not dict or _slots(kwargs, [])):
+        return None  # (a live value inside a constant dict: not a form the library makes)
+    return e.target.write_grid_call(kernel, target_spec, in_specs, device_args)
+
+
+def _lowering(e: Entry, tap):
+    """``("run", _grid_call(e))``, ``("write", write_call(e))`` or None (``tap``: a recording for worker
+    programs, which must see a write's kwargs where they are: no write lowered)."""
+    got = _grid_call(e)
+    if got is not None:
+        return "run", got
+    got = write_call(e) if tap is None else None
+    return None if got is None else ("write", got)
 
 
 def _gridof(h, ex, spec):

@@ -63,9 +63,11 @@ def _logits(model, step: CachedForward) -> Tensor:
     return logits.view(logits.shape[0], logits.shape[-1])
 
 
-def _decode_logits(model, cache: KVCache, tok: torch.Tensor, positions: torch.Tensor) -> Tensor:
-    """One decode step: the tokens ``tok`` [B, 1] at ``positions`` written into the cache, the next logits."""
-    return _logits(model, CachedForward(model, tok, torch.ones(tok.shape[0], 1, dtype=torch.bool), positions, cache))
+def _decode_logits(model, cache: KVCache, tok: torch.Tensor, positions: torch.Tensor, attended: int | None) -> Tensor:
+    """One decode step: the tokens ``tok`` [B, 1] at ``positions`` written into the cache, the next logits
+    (attending the first ``attended`` slots: ``KVCache.attended_slots``)."""
+    valid = torch.ones(tok.shape[0], 1, dtype=torch.bool)
+    return _logits(model, CachedForward(model, tok, valid, positions, cache, attended=attended))
 
 
 def _uniforms(b: int, sample: bool, generator) -> torch.Tensor | None:
@@ -83,25 +85,31 @@ def _choose(logits: Tensor, u: torch.Tensor | None, sampling: tuple) -> Tensor:
 
 
 def _decode_step(model, cache: KVCache, tok: torch.Tensor, positions: torch.Tensor, u: torch.Tensor,
-                 sampling: tuple):
+                 sampling: tuple, attended: int | None):
     """One decode step, the token choice included (a replay of it leaves the host loop only the fetch of the
-    ids): the tokens ``tok`` [B, 1] at ``positions`` written into the cache; (the next logits, the next ids)."""
-    logits = _decode_logits(model, cache, tok, positions)
+    ids): the tokens ``tok`` [B, 1] at ``positions`` written into the cache; (the next logits, the next ids).
+    ``attended`` (``KVCache.attended_slots``) is an argument, so that each size is a trace of its own."""
+    logits = _decode_logits(model, cache, tok, positions, attended)
     return logits, _choose(logits, u, sampling)
+
+
+def _compiled_decode():
+    # one trace per attended size (KVCache.attended_slots: ~8 + 4 log2(slots / 128)), all kept
+    return compile_step(_decode_step, max_traces=64)
 
 
 def _decode_state(model, batch: int, slots: int, keep: bool):
     """(the KV cache, the decode step) of a generate: kept on the model for its next generate of the same batch
-    size, length and dtype, so that the decode step is traced once, not per call (its trace is bound to the
-    cache's tensors, which the trace holds anyway). ``keep`` False (the caller gets the cache): a cache and a
-    step of this call's own."""
+    size, length and dtype, so that the decode step is traced once per attended size, not per call (its traces
+    are bound to the cache's tensors, which they hold anyway). ``keep`` False (the caller gets the cache): a
+    cache and a step of this call's own."""
     if not keep:
-        return KVCache(model, batch, slots), compile_step(_decode_step) if COMPILE_DECODE else _decode_step
+        return KVCache(model, batch, slots), _compiled_decode() if COMPILE_DECODE else _decode_step
     llama, _ = _model_parts(model)
     key = (batch, slots, llama.layers[0].self_attn.k_proj.weight.dtype)
     kept = model.__dict__.get("_generate_kept")
     if kept is None or kept[0] != key:
-        kept = model.__dict__["_generate_kept"] = (key, KVCache(model, batch, slots), compile_step(_decode_step))
+        kept = model.__dict__["_generate_kept"] = (key, KVCache(model, batch, slots), _compiled_decode())
     else:
         kept[1].reset()
     return kept[1], kept[2] if COMPILE_DECODE else _decode_step
@@ -273,7 +281,7 @@ def generate(model, input_ids, attention_mask=None, generation_config=None, gene
                 logits = _logits(model, CachedForward(model, ids, mask, positions, cache))
                 chosen = _choose(logits, u, sampling)
             else:
-                logits, chosen = decode(model, cache, tok[:, None], positions, u, sampling)
+                logits, chosen = decode(model, cache, tok[:, None], positions, u, sampling, cache.attended_slots(1))
             tok = chosen.to_torch()  # the one fetch of a step: [B] ids
             timings["prefill_s" if i == 0 else "decode_s"] += time.perf_counter() - t0
             timings["decode_steps"] += i > 0

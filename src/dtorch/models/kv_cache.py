@@ -223,10 +223,26 @@ class KVCache:
             return ({k: int(a.flat[0]) for k, a in args.items()}, None), order
         return ({}, args), order
 
-    def _mask(self, q_order: torch.Tensor) -> torch.Tensor:
-        """[B, 1, L, slots]: the slots each new token (order ``q_order`` [L]) attends."""
-        seen = (self.order[None, :] <= q_order[:, None]) & (self.order[None, :] >= 0)  # [L, slots]
-        return (self.valid[:, None, :] & seen[None]).unsqueeze(1)
+    def _mask(self, q_order: torch.Tensor, attended: int | None = None) -> torch.Tensor:
+        """[B, 1, L, slots]: the slots each new token (order ``q_order`` [L]) attends; [B, 1, L, attended]: the
+        first ``attended`` slots only (``attended_slots``)."""
+        order = self.order if attended is None else self.order[:attended]
+        seen = (order[None, :] <= q_order[:, None]) & (order[None, :] >= 0)  # [L, slots]
+        valid = self.valid if attended is None else self.valid[:, :attended]
+        return (valid[:, None, :] & seen[None]).unsqueeze(1)
+
+    def attended_slots(self, n: int) -> int | None:
+        """How many slots, from the first, a decode step of ``n`` new tokens attends (its mask's last dim), or None
+        for all of them. Without cp the tokens fill the slots from the front, so the used ones (this step's
+        included) rounded up suffice: a masked slot adds exact zeros, so the values are the same as over every
+        slot, without the attention's work on the free ones (Hugging Face attends its cached tokens only). Each
+        size is a decode trace of its own (the mask's shape): multiples of 16 up to 128, then 4 sizes per doubling
+        (at most 25% of the attended slots free), so a cache of S slots makes ~8 + 4 log2(S / 128) of them."""
+        if self.cp > 1:  # (every cp block fills from its own front: a prefix of the slots is not the used ones)
+            return None
+        used = self.fill[0] + n
+        step = max(16, 1 << max(0, used.bit_length() - 3))
+        return min(-(-used // step) * step, self.slots)
 
     # -- per layer ---------------------------------------------------------------------------------
     def _write(self, layer_idx: int, k: Tensor, v: Tensor, args) -> None:
@@ -270,12 +286,13 @@ class CachedForward:
     token attends only earlier tokens of its own sequence. Under cp a prefill's sequence is left-padded to
     a multiple of the cp size (masked keys: nothing changes for the real tokens); ``self.pad`` columns were
     added in front. ``recording``: the forward records autograd history, so a decode step attends with
-    differentiable ops (``attention``) rather than the fused decode kernels.
+    differentiable ops (``attention``) rather than the fused decode kernels. ``attended``: a decode step's
+    attention covers the first ``attended`` slots only (``KVCache.attended_slots``; None: all).
     """
 
     def __init__(self, model, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
                  cache: KVCache | None, grow: bool = False, segments: torch.Tensor | None = None,
-                 recording: bool = False):
+                 recording: bool = False, attended: int | None = None):
         llama = _llama_model(model)
         self.model = llama
         self.cache = cache
@@ -301,10 +318,12 @@ class CachedForward:
             # the slot table is Python state: a step capture (dtorch.compile) runs the take again at each replay
             # and recomputes what the step reads of it (the write arguments, the mask) as live values
             capture.effect(_take, cache, ids.shape[1], valid, not self.decode, grow, s)
-            self.write_args = (capture.live(_taken, cache, 0), capture.live(_taken, cache, 1))
+            # (without cp every device writes the same slots: no per-device arguments, none live, so that a replay
+            # runs each write as one bare call)
+            self.write_args = (capture.live(_taken, cache, 0), capture.live(_taken, cache, 1) if cache.cp > 1 else None)
             order = capture.live(_taken, cache, 2)
             if self.decode:
-                self.mask_full = capture.live(cache._mask, order)
+                self.mask_full = capture.live(cache._mask, order, None if recording else attended)
                 if recording:  # [B, 1, L, slots + L]: the cached tokens, then the new ones (causal)
                     cached = self.mask_full & ~torch.isin(cache.order, order)
                     own = valid[:, None, None, :] & torch.ones(s, s, dtype=torch.bool).tril()

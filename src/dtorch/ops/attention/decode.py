@@ -12,6 +12,8 @@ The rules read no mesh dim names: the cache's own placements say which mesh dims
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -87,7 +89,10 @@ def _attend_kernel(q, k, v, mask, cos, sin, *, lead=0, scale: float, parts: bool
     allows. Returns the output ``[B, L, nh * d]`` (ready for o_proj) or, with ``parts``, the output
     ``[1, B, nh, L, d]`` normalised over these keys and its log-sum-exp ``[1, B, nh, L]`` (this device's
     part, merged over the cp devices by ``kv_cache.combine``). Query head ``i`` uses kv head
-    ``i // (nh / hk)`` (grouped-query attention without copying the cache)."""
+    ``i // (nh / hk)`` (grouped-query attention without copying the cache). A mask over fewer slots than the
+    cache's (``M`` its last dim) covers the first ``M`` only: the others are not attended."""
+    if mask.shape[-1] != k.shape[-2]:
+        k, v = k.narrow(-2, 0, mask.shape[-1]), v.narrow(-2, 0, mask.shape[-1])
     q = _rotate(_heads_first(q, q.shape[-1] // k.shape[-1]), cos, sin)  # (this device's heads) [.., B, nh, L, d]
     if not parts:  # torch's fused attention (grouped-query, masked), on the stacked devices' rows as one batch
         return _fused_attend(q, k, v, mask, scale).transpose(-3, -2).flatten(-2).to(out_dtype)
@@ -119,14 +124,33 @@ def _fused_attend(q, k, v, mask, scale: float):
     path). The leading dims (grid dims, batch) are flattened into one: torch's kernel takes 4-d inputs fast."""
     # (the four have the same leading dims, each 1 or the size; torch.broadcast_shapes costs ~15 us a call)
     lead = tuple(map(max, q.shape[:-3], k.shape[:-3], v.shape[:-3], mask.shape[:-3]))
+    # flattened in the order of the cache's strides: a grid in the full tensor's layout (runtime/grids.py) has its
+    # tp dim inside the batch's, and flattening in the dims' own order would copy the keys and values every step
+    perm, back = _stride_order(k.stride()[:len(lead)])
 
     def flat(x):
         x = x if x.shape[:-3] == lead else x.expand(lead + x.shape[-3:])
+        x = x if perm is None else x.permute(perm)
         return x.reshape((-1,) + x.shape[-3:])
 
     out = torch.nn.functional.scaled_dot_product_attention(flat(q), flat(k), flat(v), attn_mask=flat(mask),
                                                            scale=scale, enable_gqa=True)
-    return out.reshape(lead + tuple(out.shape[-3:]))
+    if perm is None:
+        return out.reshape(lead + tuple(out.shape[-3:]))
+    # (each row of the batch is attended on its own: their order changes no value)
+    return out.reshape(tuple(lead[i] for i in perm[:len(lead)]) + tuple(out.shape[-3:])).permute(back)
+
+
+@functools.lru_cache(maxsize=256)
+def _stride_order(strides: tuple) -> tuple:
+    """(the permutation of an attention input that puts its leading dims of these strides outermost first
+    (ties in their own order) and leaves the last three, its inverse), or (None, None) when they are in order."""
+    n = len(strides)
+    order = sorted(range(n), key=lambda i: -strides[i])
+    if order == list(range(n)):
+        return None, None
+    perm = tuple(order) + tuple(range(n, n + 3))
+    return perm, tuple(perm.index(i) for i in range(n + 3))
 
 
 @kernel("kv_cache.combine")
