@@ -199,6 +199,80 @@ def test_mixed_precision_tracks_the_same_policy_in_plain_torch_over_ten_adamw_st
     assert abs(net32(xd).square().mean().item() - got[0]) > 1e-4 * abs(got[0])
 
 
+class _Casts(TorchDispatchMode):
+    """The elements cast from float32 to bfloat16 inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is torch.ops.aten._to_copy.default and args[0].dtype == torch.float32
+                and kwargs.get("dtype") == torch.bfloat16):
+            self.numel += args[0].numel()
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("width", [8, 7], ids=["even", "uneven"])
+def test_mixed_precision_casts_each_weight_once_per_step(width):
+    """The plain-torch policy casts each master weight to bf16 once per step: the forward casts the shards
+    (and the input), the backward gathers those bf16 shards again and casts only the float32 loss's gradient
+    back to the bf16 output, not the weights a second time. The bf16 shards kept for that go with the
+    backward."""
+    graph = dtorch.Graph()
+    with graph:
+        mesh = _mesh(("fsdp", 2))
+        net, _ = _pair(mesh, width=width, policy=BF16)
+        x, xd = _batch(mesh, width=width)
+        n = sum(p.numel() for p in net.parameters())
+        held = []  # activations held after each tracked step
+        for step in range(4):  # (the first step plans, the later ones prefetch)
+            graph.track_memory(step >= 2)
+            with _Casts() as fwd:
+                out = net(xd)
+            loss = out.float().square().sum()
+            with CommLog() as comm, _Casts() as bwd:
+                loss.backward()
+            net.zero_grad()
+            assert {r.dtype for r in comm.records if r.kind == "all_gather"} == {torch.bfloat16}
+            if step:
+                assert fwd.numel == n + x.numel()
+                assert bwd.numel == out.numel()
+            if step >= 2:
+                del out, loss
+                kinds = graph.get_memory_breakdown(mesh)[("cpu", 0)]
+                assert kinds["gathered"]["allocated"] == 0, kinds
+                held.append(kinds["activations"]["allocated"])
+        graph.track_memory(False)
+        assert held[0] == held[1], held  # (a step's kept bf16 shards would add up)
+
+
+def test_mixed_precision_backward_uses_the_forwards_bf16_weights_after_a_master_write():
+    """As in the plain-torch policy, whose backward uses the bf16 working copy the forward used: writing the
+    float32 master between the forward and the backward changes no gradient (float32 compute saves the
+    master itself, and torch refuses that write)."""
+    mesh = _mesh(("fsdp", 2))
+    _, xd = _batch(mesh)
+    grads = []
+    for write in (False, True):
+        net, _ = _pair(mesh, policy=BF16)
+        out = net(xd)
+        if write:
+            with torch.no_grad():
+                net.head.weight.mul_(2)
+        out.float().square().sum().backward()
+        grads.append({name: p.grad.to_torch() for name, p in net.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=0, atol=0, msg=name)
+    net32, _ = _pair(mesh)
+    out = net32(xd)
+    with torch.no_grad():
+        net32.head.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.square().sum().backward()
+
+
 def test_output_dtype_and_input_casts():
     mesh = _mesh(("fsdp", 2))
     lin = dtorch.nn.Linear(4, 4, device_mesh=mesh)

@@ -11,6 +11,8 @@ What lives when (FSDP2's schedule, ``reshard_after_forward=True``):
   moves it while this unit computes.
 - consumers never keep a gathered copy: an op whose input is one saves the sharded parameter and gathers it
   again in its backward (``regather_source``, read by ``dispatched.KernelNode``), frozen parameters too.
+  Under a ``param_dtype`` cast they save the forward's cast shard instead (one cast per weight per step, as
+  the plain-torch policy; that shard lives until its consumers' backward, half a float32 shard for bf16).
   With ``reshard_after_forward=False`` (ZeRO-2) the copies stay saved until the backward instead.
 - backward: the gather's node (``GatherNode``) receives the whole gradient of the gathered copy (every
   consumer's part) and reduces it into the parameter's layout at once, in ``reduce_dtype``: a
@@ -263,8 +265,12 @@ def unshard(p, param_dtype=None, reduce_dtype=None, reshard_after_forward: bool 
     if not (gather or cast):
         return p
     graph = p._graph
-    with no_grad(), graph.memory_kind("gathered") if graph.tracks_memory else contextlib.nullcontext():
+    with no_grad():
+        # the cast shard is what the consumers' backward gathers again when both apply (below): it is saved
+        # for the backward, so it counts as an activation; the gathered copy counts as gathered memory
         x = p.to(param_dtype) if cast else p
+    shard = x
+    with no_grad(), graph.memory_kind("gathered") if graph.tracks_memory else contextlib.nullcontext():
         if gather:
             places = list(spec.placements)
             places[i] = Replicate()
@@ -273,7 +279,10 @@ def unshard(p, param_dtype=None, reduce_dtype=None, reshard_after_forward: bool 
     if is_grad_enabled() and requires_grad(p):
         attach(GatherNode(p, reduce_dtype or param_dtype), [out])
     if reshard_after_forward:
-        _register(out, p)
+        # cast and gathered: the backward gathers the forward's cast shard again rather than casting the
+        # float32 shard a second time (the plain-torch policy casts each weight once per step; its bf16
+        # copy of the whole model outlives the step, this shard of it lives until its consumers' backward)
+        _register(out, shard if cast and gather else p)
     return out
 
 
