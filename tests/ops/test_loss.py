@@ -252,3 +252,27 @@ def test_mse_loss_broadcast_warns_like_torch():
     with pytest.warns(UserWarning):
         want = F.mse_loss(x, y)
     torch.testing.assert_close(got.to_torch(), want, **TOL)
+
+
+def test_sum_exp_pick_kernel_writes_torchs_gradient_once_in_the_logits_layout():
+    # the class-sharded loss's kernel on one block: logits [N, C, S] laid out [N, S, C] (a language model's,
+    # transposed), one target ignored, one outside this class shard; torch's derivatives of the separate
+    # kernels (exp(x - m).sum(C), the pick) summed give the same bits, but as two terms in another layout
+    from dtorch.ops.loss import _SumExpPick
+    n, c, s, cd = 3, 6, 5, -2
+    x0 = torch.randn(n, s, c).transpose(1, 2)
+    m = x0.amax(cd, keepdim=True)
+    t = torch.randint(0, c, (n, s))
+    keep = torch.ones(n, s, dtype=torch.bool)
+    keep[0, 1] = keep[2, 3] = False
+    idx = torch.where(keep, t, 0).unsqueeze(cd)
+    d_se, d_pick = torch.randn(n, 1, s), torch.randn(n, s)
+    x = x0.clone().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()  # (x0's layout, a leaf)
+    se_ref = torch.exp(x - m).sum(cd, keepdim=True)
+    pick_ref = torch.where(keep, torch.take_along_dim(x, idx, dim=cd).squeeze(cd), torch.zeros(()))
+    want = torch.autograd.grad((se_ref, pick_ref), x, (d_se, d_pick))[0]
+    se, pick = _SumExpPick.apply(x, m, idx, keep, cd)
+    assert torch.equal(se, se_ref) and torch.equal(pick, pick_ref)
+    got = torch.autograd.grad((se, pick), x, (d_se, d_pick))[0]
+    assert torch.equal(got, want)
+    assert got.stride() == x.stride()

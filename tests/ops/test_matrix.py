@@ -230,3 +230,37 @@ def test_local_gemm_without_autograd_is_the_same_call(a_shape, b_shape, na, nb, 
         ai = a[tuple(min(i, g - 1) for i, g in zip(idx, a.shape[:lead]))]
         bi = b[tuple(min(i, g - 1) for i, g in zip(idx, b.shape[:lead]))]
         torch.testing.assert_close(got[idx], torch.matmul(ai, bi), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_stacked_bmm_gradients_are_torchs_laid_out_as_their_operands(create_graph):
+    # a stacked linear's bmm over tp blocks: the input a view of a column-parallel output (rows, then tp), the
+    # weight transposed (column-major); torch's bmm derivative makes both gradients contiguous
+    from dtorch.ops.matrix import _Bmm
+    tp, m, k, n = 2, 6, 5, 3
+    a0 = torch.randn(m, tp, k).requires_grad_()
+    w0 = torch.randn(tp, n, k).requires_grad_()
+    g = torch.randn(tp, m, n)
+    want = torch.autograd.grad(torch.bmm(a0.transpose(0, 1), w0.transpose(1, 2)), (a0, w0), g)
+    a, b = a0.transpose(0, 1), w0.transpose(1, 2)
+    out = _Bmm.apply(a, b)
+    assert torch.equal(out, torch.bmm(a, b))
+    ga, gb = torch.autograd.grad(out, (a, b), g, create_graph=create_graph)
+    torch.testing.assert_close(ga, want[0].transpose(0, 1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gb, want[1].transpose(1, 2), rtol=1e-6, atol=1e-6)
+    if not create_graph:  # (a double backward takes torch's differentiable bmm: contiguous)
+        assert ga.stride() == a.stride() and gb.stride() == b.stride()
+
+
+@pytest.mark.parametrize("k", [8, 7])
+def test_row_parallel_linear_gradients_are_torchs(k):
+    # F.linear with the weight's input dim split over tp (row-parallel: a stacked bmm over tp; 7 over 2 uneven)
+    # and the batch over dp
+    mesh = dtorch.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x0, w0 = torch.randn(4, 3, k, requires_grad=True), torch.randn(5, k, requires_grad=True)
+    F.linear(x0, w0).pow(2).sum().backward()
+    x = distribute(x0.detach(), mesh, [Shard(0), Shard(2)]).requires_grad_()
+    w = distribute(w0.detach(), mesh, [Replicate(), Shard(1)]).requires_grad_()
+    dtorch.nn.functional.linear(x, w).pow(2).sum().backward()
+    torch.testing.assert_close(w.grad.to_torch(), w0.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.to_torch(), x0.grad, rtol=1e-5, atol=1e-5)

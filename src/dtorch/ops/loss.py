@@ -16,10 +16,10 @@ gradient of the logits comes out with the logits' own layout (dlogp -> dz is loc
 transposes are broadcasts of [N, 1, d...] tensors).
 
 Class-index targets without label smoothing (a language model's loss) take shorter paths in float32/64:
-with the classes split, ``lse - x[i, t_i]`` with ``lse = m + log(sum(exp(x - m), C))`` (one fused kernel for
-the sum, so no logits-sized log-probabilities are made or differentiated); with whole classes on every
-device, torch's own fused loss on each device's rows (a sum per device, then the mean over the counted
-targets).
+with the classes split, ``lse - x[i, t_i]`` with ``lse = m + log(sum(exp(x - m), C))`` (one kernel for the sum
+and the pick, so no logits-sized log-probabilities are made or differentiated, and the gradient of x is one
+tensor, not two summed); with whole classes on every device, torch's own fused loss on each device's rows (a
+sum per device, then the mean over the counted targets).
 
 The target weights ``weight[t_i]`` are an embedding lookup (vocab-parallel when the weight is
 sharded); ignored targets get weight 0 and pick 0. The formulas follow torch's
@@ -79,21 +79,33 @@ def check_targets(t: torch.Tensor, n_classes: int, ignore_index: int) -> None:
             f"[0, {n_classes}) or equal ignore_index ({ignore_index})")
 
 
-@kernel("loss.pick_class")
-def _pick_kernel(x, target, *, lead, cd: int, n_classes: int, ignore_index: int, masked: bool, class_off=0):
-    # x: lead + [n, c_local, d...] (class dim cd, negative); target: lead + [n, d...]
+def _target_index(x, target, lead: int, cd: int, n_classes: int, ignore_index: int, masked: bool, class_off):
+    """(each target's class index in this device's block of ``x``, unsqueezed at ``cd``; whether it counts).
+    x: lead + [n, c_local, d...] (class dim cd, negative); target: lead + [n, d...]. Masked: this device holds
+    classes [off, off + c_local); a target outside them counts nowhere here (another class shard picks it)."""
     t = target.long()
     check_targets(t, n_classes, ignore_index)
     keep = t != ignore_index
-    if masked:  # this device holds classes [off, off + c_local)
+    if masked:
         t = t - per_device(class_off, t, lead)
         keep = keep & (t >= 0) & (t < x.shape[cd])
+    return torch.where(keep, t, 0).unsqueeze(cd), keep
+
+
+def _take(x, idx, keep, cd: int):
+    """x[i, t_i] (0 where ``keep`` is False), broadcasting a replicated block's grid dims."""
     if x.shape[cd] == 0:  # an empty class shard (uneven split) picks nothing
-        shape = _broadcast_shape([x.shape[:lead], t.shape[:lead]]) + tuple(t.shape[lead:])
-        return torch.zeros(shape, dtype=x.dtype, device=x.device)
-    idx = torch.where(keep, t, 0).unsqueeze(cd)
-    out = torch.take_along_dim(x, idx, dim=cd).squeeze(cd)  # (broadcasts a replicated block's grid dims)
+        row = list(x.shape)
+        row[cd] = 1
+        return x.new_zeros(torch.broadcast_shapes(tuple(row), idx.shape)).squeeze(cd)
+    out = torch.take_along_dim(x, idx, dim=cd).squeeze(cd)
     return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+@kernel("loss.pick_class")
+def _pick_kernel(x, target, *, lead, cd: int, n_classes: int, ignore_index: int, masked: bool, class_off=0):
+    idx, keep = _target_index(x, target, lead, cd, n_classes, ignore_index, masked, class_off)
+    return _take(x, idx, keep, cd)
 
 
 def _pick_rule(specs, cd, n_classes, ignore_index):
@@ -149,20 +161,52 @@ def _target_weights(target: Tensor, valid: Tensor, weight: Tensor) -> Tensor:
     return F.embedding(target.masked_fill(~valid, 0), weight.unsqueeze(1)).squeeze(-1) * valid
 
 
-@kernel("loss.sum_exp")
-def _sum_exp_kernel(x, m, *, lead, cd: int):
-    return torch.exp(x - m).sum(cd, keepdim=True)  # one pass for the forward; torch derives the backward
+class _SumExpPick(torch.autograd.Function):
+    """(sum(exp(x - m), C), x[t]) of one device block, with x's gradient written as one tensor:
+    exp(x - m) * d_se (torch's derivative of exp(x - m).sum(C)), the pick's cotangent added in place at the
+    targets. Torch's derivatives of the two as separate kernels give the same values as two logits-sized terms
+    (the pick's a zero-filled scatter) summed afterwards into a tensor laid out as neither (so the GEMM behind
+    the logits copied it again). ``m`` (the row max, detached by the caller) gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, m, idx, keep, cd):
+        e = torch.exp_(x - m)  # (in place: the shifted copy is not needed after; exp's own bits)
+        picked = _take(x, idx, keep, cd)
+        ctx.save_for_backward(e, idx, keep)  # (exp's result, as torch's ExpBackward saves it)
+        ctx.cd = cd
+        return e.sum(cd, keepdim=True), picked
+
+    @staticmethod
+    def backward(ctx, d_se, d_pick):
+        e, idx, keep = ctx.saved_tensors
+        cd = ctx.cd
+        dx = d_se.expand(e.shape) * e  # torch's: sum's backward expands, exp's multiplies by its result
+        if e.shape[cd]:
+            src = torch.where(keep, d_pick, torch.zeros((), dtype=d_pick.dtype, device=d_pick.device)).unsqueeze(cd)
+            dx.scatter_add_(cd, idx.expand(src.shape), src)  # (the pick's grid is x's: the rule's)
+        return dx, None, None, None, None
 
 
-def _sum_exp_rule(specs, cd):
-    """sum(exp(x - m), C) for logits x and their row max m ([N, 1, d...], replicated over class shards): a
-    class shard's sum is a Partial(sum) term; the other dims keep x's layout."""
-    x, _ = specs
-    m_pl = tuple(Replicate() if isinstance(p, Shard) and p.dim == cd else p for p in x.placements)
-    out_pl = tuple(Partial("sum") if isinstance(p, Shard) and p.dim == cd else p for p in x.placements)
+@kernel("loss.sum_exp_pick")
+def _sum_exp_pick_kernel(x, m, target, *, lead, cd: int, n_classes: int, ignore_index: int, masked: bool,
+                         class_off=0):
+    idx, keep = _target_index(x, target, lead, cd, n_classes, ignore_index, masked, class_off)
+    return _SumExpPick.apply(x, m, idx, keep, cd)
+
+
+def _sum_exp_pick_rule(specs, cd, n_classes, ignore_index):
+    """(sum(exp(x - m), C), x[t]) for logits x, their row max m ([N, 1, d...]) and class-index targets t: x and t
+    placed as the pick needs them (``_pick_rule``: every mesh dim of t's grid is one of x's); m replicated over
+    class shards, elsewhere like x; a class shard's sum is a Partial(sum) term, the other dims keep x's layout."""
+    x, _, t = specs
+    pick = _pick_rule((x, t), cd, n_classes, ignore_index)
+    x_in, t_in = pick.in_specs
+    m_pl = tuple(Replicate() if isinstance(p, Shard) and p.dim == cd else p for p in x_in.placements)
+    se_pl = tuple(Partial("sum") if isinstance(p, Shard) and p.dim == cd else p for p in x_in.placements)
     row = x.shape[:cd] + (1,) + x.shape[cd + 1:]
-    return OpPlan((x, DTensorSpec(x.mesh, m_pl, row, x.dtype)), (DTensorSpec(x.mesh, out_pl, row, x.dtype),),
-                  _sum_exp_kernel, {"cd": cd - x.ndim})
+    return OpPlan((x_in, DTensorSpec(x.mesh, m_pl, row, x.dtype), t_in),
+                  (DTensorSpec(x.mesh, se_pl, row, x.dtype), pick.out_specs[0]), _sum_exp_pick_kernel,
+                  pick.kwargs, pick.device_args, multi_output=True)
 
 
 def _nll_of_logits(x: Tensor, target: Tensor, weight, cd: int, ignore_index: int, reduction: str) -> Tensor:
@@ -171,10 +215,10 @@ def _nll_of_logits(x: Tensor, target: Tensor, weight, cd: int, ignore_index: int
     softmax(x) - onehot(t) from torch's derivatives of those kernels, where the log_softmax form makes and
     differentiates four logits-sized tensors."""
     m = _reduced(x.detach().amax(cd, keepdim=True))  # [N, 1, d...]: keeps exp in range, changes no gradient
-    se = _reduced(dispatch("loss.sum_exp", _sum_exp_rule, [x, m], (cd,)))
-    lse = (m + se.log()).squeeze(cd)  # [N, d...]
+    # one kernel for the sum of exponentials and x[i, t_i] (0 where ignored): one gradient of x, not two summed
+    se, picked = dispatch("loss.sum_exp_pick", _sum_exp_pick_rule, [x, m, target], (cd, x.shape[cd], ignore_index))
+    lse = (m + _reduced(se).log()).squeeze(cd)  # [N, d...]
     valid = target != ignore_index
-    picked = _pick(x, target, cd, ignore_index)  # x[i, t_i], 0 where ignored
     nll = (lse - picked).masked_fill(~valid, 0.0)  # (a row of -inf logits must not leak NaN from 0 * nan)
     if weight is None:
         w_t = valid.to(x.dtype)

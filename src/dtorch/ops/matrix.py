@@ -40,6 +40,8 @@ def _matmul_local(a, b, na, nb, lead):
     """torch.matmul of local blocks with ``lead`` leading grid dims (na, nb: the operands' global ranks)."""
     if torch.is_grad_enabled() or torch.compiler.is_compiling():  # (torch.compile: it sees the view ops)
         a_ops, b_ops, gemm, out_ops = _local_plan(a.shape, b.shape, na, nb, lead)
+        if gemm is torch.bmm and torch.is_grad_enabled():
+            gemm = _Bmm.apply
     else:
         a_ops, b_ops, gemm, out_ops = _strided_plan(a.shape, a.stride(), b.shape, b.stride(), na, nb, lead)
     for f, arg in a_ops:
@@ -50,6 +52,35 @@ def _matmul_local(a, b, na, nb, lead):
     for f, arg in out_ops:
         out = f(out, arg)
     return out
+
+
+class _Bmm(torch.autograd.Function):
+    """``torch.bmm`` whose operands' gradients are laid out as the operands (torch's mm derivative does so for a
+    column-major operand, bmm's makes them contiguous). A stacked linear's bmm runs over a batch of tp blocks: a
+    row-parallel weight enters it transposed, and its input is a view of a column-parallel output (rows
+    ``[dp, b, s]``, then tp); contiguous gradients of those came out column-major for the weight (AdamW's
+    element-wise kernels over it and its row-major parameter ran ~4x slower) and tp-major for the input (the
+    column-parallel GEMM's backward then copied it back to its own layout)."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)  # (as torch's BmmBackward saves them)
+        return torch.bmm(a, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        ga = _bmm_like(g, b.transpose(1, 2), a) if ctx.needs_input_grad[0] else None
+        gb = _bmm_like(a.transpose(1, 2), g, b) if ctx.needs_input_grad[1] else None
+        return ga, gb
+
+
+def _bmm_like(x, y, like):
+    """``torch.bmm(x, y)`` written into a tensor laid out as ``like`` (``empty_like``: its strides where it is
+    dense; the GEMM writes there directly, the same values)."""
+    if torch.is_grad_enabled():  # (a double backward: out= is not differentiable)
+        return torch.bmm(x, y)
+    return torch.bmm(x, y, out=torch.empty_like(like))
 
 
 @functools.lru_cache(maxsize=4096)

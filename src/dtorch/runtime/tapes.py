@@ -94,7 +94,10 @@ def _saved_names(cls, fn) -> tuple:
     """The ``_saved_*`` attribute names of an autograd node class (``dir`` is slow: once per class)."""
     names = _SAVED_NAMES.get(cls)
     if names is None:
-        names = _SAVED_NAMES[cls] = tuple(n for n in dir(fn) if n.startswith("_saved_"))
+        names = tuple(n for n in dir(fn) if n.startswith("_saved_"))
+        if isinstance(fn, torch.autograd.function.BackwardCFunction):  # a kernel's own autograd.Function
+            names += ("saved_tensors",)
+        _SAVED_NAMES[cls] = names
     return names
 
 
