@@ -12,6 +12,7 @@ from functools import lru_cache
 
 import torch
 
+from ._lru import LRU
 from .mesh import DeviceMesh
 from .placement import Partial, Placement, Replicate, Shard, fmt_placements
 
@@ -124,6 +125,22 @@ class DTensorSpec:
 
     def __str__(self):
         return f"{list(self.shape)} {str(self.dtype).replace('torch.', '')} on {self.mesh} {fmt_placements(self.placements)}"
+
+
+# spec -> the first equal spec seen (``interned``). Bounded (identity sharing is only a speed-up)
+_INTERNED = LRU("spec.interned", 256)  # (a model has tens of distinct specs; inserted on plan misses)
+_interned_get = _INTERNED.fast_get
+
+
+def interned(spec: DTensorSpec) -> DTensorSpec:
+    """One object for equal specs (of the same mesh object): the plans a rule makes again each time it runs
+    (another op's plan, a backward layout) then hand out the spec objects the caches keyed by specs already
+    hold, found by identity (``dispatch``'s last plan per op, tuple keys) instead of compared field by field."""
+    got = _interned_get(spec) or _INTERNED.get(spec)
+    if got is not None and got.mesh is spec.mesh:
+        return got
+    _INTERNED[spec] = spec
+    return spec
 
 
 @lru_cache(maxsize=65536)

@@ -34,7 +34,7 @@ from ..redistribute import relayout
 from ..redistribute.executor import record_only
 from ..redistribute.planner import plan_redistribute
 from ..runtime.kernels import kernel, vjp_kernel
-from ..spec import DTensorSpec
+from ..spec import DTensorSpec, interned
 from ..tensor import Tensor
 from .engine import grad_spec
 from .kernel_entry import run_blocks, wrap
@@ -324,7 +324,7 @@ class _NodeLayout:
         if len(self.cotangents) >= self._MAX:
             self.cotangents.clear()
         # (a cotangent already laid out as needed keeps its spec object: relayout finds it by identity)
-        targets = self.cotangents[gs] = [t if g is None or t != g else g
+        targets = self.cotangents[gs] = [g if g is None or t == g else interned(t)
                                          for t, g in zip(cotangent_specs(self.sig[2], gs, self.reduce_partial), gs)]
         return targets
 
@@ -350,6 +350,7 @@ class _NodeLayout:
                     spec = folded
                 out.append(spec)
             grad_specs = tuple(out)
+        grad_specs = tuple([interned(s) for s in grad_specs])  # (the gradients' next ops find their plans by identity)
         if len(self.gradients) >= self._MAX:
             self.gradients.clear()
         entry = self.gradients[key] = (ct_specs, has_ct, grad_specs, tuple(folds))

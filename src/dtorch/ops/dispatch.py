@@ -14,7 +14,7 @@ writes) is autograd/kernel_entry.py, which autograd's own nodes use too.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from .._lru import LRU
@@ -25,6 +25,7 @@ from ..errors import DTorchError, OpError
 from ..graph import check_one_graph
 from ..redistribute import relayout
 from ..runtime.kernels import Kernel
+from ..spec import DTensorSpec, interned
 from ..tensor import Tensor
 
 
@@ -201,6 +202,10 @@ def plan_of(name, rule, spec, static) -> _Compiled:
 
 def _compile(name, rule, specs, static) -> _Compiled:
     plan = make_plan(name, rule, specs, static)
+    # (equal output specs of different plans as one object: the next op's plan is found by identity)
+    out_specs = tuple([interned(s) if type(s) is DTensorSpec else s for s in plan.out_specs])
+    if any(a is not b for a, b in zip(out_specs, plan.out_specs)):
+        plan = replace(plan, out_specs=out_specs)
     return _Compiled(plan, plan.in_specs == specs)
 
 

@@ -61,15 +61,19 @@ def drop_output_values(outs) -> None:
                 bases.append(y._base)
             drop_values(y)
     if bases:
-        saved = {t.untyped_storage()._cdata for t in saved_tensors(outs)}
+        # one base (a kernel's one output reshaped): only its producer and the nodes above it (its consumers)
+        # can have saved its storage; the nodes below ran before it existed, so the walk stops at its producer
+        stop = bases[0].grad_fn if len(bases) == 1 else None
+        saved = {t.untyped_storage()._cdata for t in saved_tensors(outs, stop)}
         for b in bases:
             if b.untyped_storage()._cdata not in saved:
                 drop_values(b)
 
 
-def saved_tensors(outs):
+def saved_tensors(outs, stop=None):
     """The tensors torch's autograd graph behind ``outs`` saved for the backward (its nodes' ``_saved_*``
-    attributes), walking the graph down to the leaves."""
+    attributes), walking the graph down to the leaves; not below the node ``stop`` (its own saved tensors
+    included)."""
     seen, stack = set(), [y.grad_fn for y in outs if y.grad_fn is not None]
     while stack:
         fn = stack.pop()
@@ -84,7 +88,8 @@ def saved_tensors(outs):
             for t in (v if isinstance(v, (tuple, list)) else (v,)):
                 if isinstance(t, torch.Tensor):
                     yield t
-        stack.extend(nxt for nxt, _ in fn.next_functions)
+        if fn is not stop:
+            stack.extend(nxt for nxt, _ in fn.next_functions)
 
 
 _SAVED_NAMES: dict = {}
