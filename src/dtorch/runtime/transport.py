@@ -32,7 +32,7 @@ from ..placement import Replicate, Shard
 from . import process_plan as pp
 from . import protocol as rec
 from .process_plan import INLINE_BYTES
-from .process_pool import Pool, WorkerError
+from .process_pool import Pool, WorkerError, sleeper
 from .worker import worker_env
 from .zygote import Zygote, zygote_enabled
 
@@ -187,9 +187,9 @@ class StoreTransport(Transport):
                 self.stats["bytes_shm"] += size
                 pool.client.add(f"p/{name}/left", len(readers))
                 return ("shm", path, size, f"p/{name}")
-        data = pp.as_bytes(block.detach().cpu())
         if size <= INLINE_BYTES:
-            return data.numpy().tobytes()
+            return pp.to_blob(block)
+        data = pp.as_bytes(block.detach().cpu())
         tag = self._next_tag()
         for r in readers:
             self.posted.append((self.pairs[r].send([data], 1, tag), data))
@@ -278,7 +278,7 @@ def watched(pool: Pool, fn, what: str, timeout: float | None = None):
             done.set_exception(exc)
 
     threading.Thread(target=call, name="dtorch-gloo-wait", daemon=True).start()
-    pool.wait(done.done, what, timeout, lambda s: concurrent.futures.wait([done], s))
+    pool.wait(done.done, what, timeout, sleeper(done))
     try:
         return done.result()
     except Exception as exc:  # noqa: BLE001  (gloo: RuntimeError on a closed connection)
