@@ -253,7 +253,9 @@ class StoreTransport(Transport):
                 out.append(pp.from_blob(where[0], dtype, shape))
             else:  # sent through our gloo pair: every receive is posted before any is waited on
                 buf = torch.empty(pp.nbytes(shape, dtype), dtype=torch.uint8)
-                pair = self.pairs.get(r) or self._open_pair(pool, r)  # (the worker opens its side to send)
+                pair = self.pairs.get(r)
+                if pair is None:  # (the worker opens its side to send)
+                    pair = self._open_pair(pool, r)
                 recvs.append((r, pair.recv([buf], 1, where[0])))
                 out.append(pp.from_bytes(buf, dtype, shape))
                 self.stats["bytes_fetched"] += buf.numel()
