@@ -337,6 +337,23 @@ def test_byte_views_of_strided_blocks():
         assert torch.equal(from_bytes(as_bytes(t), t.dtype, t.shape), t)
 
 
+def test_blobs_of_strided_blocks_of_every_dtype():
+    """``to_blob`` (small blocks inside records: numpy's bytes where numpy has the dtype) gives as_bytes's bytes."""
+    from dtorch.runtime.process_plan import as_bytes, from_blob, to_blob
+
+    x = torch.arange(24.0).reshape(2, 3, 4)
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.int64,
+                  torch.int8, torch.uint8, torch.bool):
+        y = x.to(dtype)
+        for t in (y[:, 1], y[1, 2, 2:3], y[0, 0], y.transpose(0, 2), y[:, :1, -1], y[1, 1, 1], y[0, :1, :1].expand(3, 5),
+                  torch.empty(0, 3, dtype=dtype)):
+            blob = to_blob(t)
+            assert blob == as_bytes(t.contiguous()).numpy().tobytes()
+            assert torch.equal(from_blob(blob, dtype, t.shape), t)
+    w = torch.randn(3, 4, requires_grad=True)
+    assert torch.equal(from_blob(to_blob(w.t()), w.dtype, (4, 3)), w.detach().t())
+
+
 def test_placement_sweep_on_the_process_backend(proc):
     from promises import mul, reduction
     from sweep import run_sweep

@@ -125,6 +125,33 @@ def test_torch_distributed_path_gives_the_same_values(trio):
             rt.transport.shm = True
 
 
+def test_workers_that_see_dev_shm_open_their_pair_when_a_block_first_needs_it():
+    """No gloo pair (nor the gloo loop thread that wakes 100 times a second) while /dev/shm carries the blocks;
+    a fetch through torch.distributed opens one from the worker's side, a placement from the controller's."""
+    g = process_graph(workers=2)
+    try:
+        with using(g):
+            rt = g.runtime
+            x = torch.randn(5, INLINE_BYTES // 4 + 7)
+            d = dtorch.Tensor(x, device_mesh=PAIR, placements=[Shard(0)])
+            on0 = dtorch.Tensor(x, device_mesh=DeviceMesh("cpu", [0]), placements=[Replicate()])
+            assert torch.equal(d.to_torch(), x)
+            assert rt.transport.pairs == {} and rt.transport.pair_device is None
+            rt.transport.shm = False
+            before = dict(rt.stats)
+            assert torch.equal(on0.to_torch(), x)  # worker 0 opens its pair to send
+            assert sorted(rt.transport.pairs) == [0]
+            assert rt.stats["bytes_fetched"] - before["bytes_fetched"] == x.numel() * 4
+            on1 = dtorch.Tensor(x + 1, device_mesh=DeviceMesh("cpu", [1]), placements=[Replicate()])  # we open 1's
+            assert sorted(rt.transport.pairs) == [0, 1]
+            assert rt.stats["bytes_put"] - before["bytes_put"] == x.numel() * 4
+            assert torch.equal(on1.to_torch(), x + 1)
+            assert torch.equal((d * 2).to_torch(), x * 2)
+            assert rt.stats["bytes_shm"] == before["bytes_shm"]
+    finally:
+        g.runtime.shutdown()
+
+
 def test_a_full_dev_shm_falls_back_to_torch_distributed(trio, monkeypatch):
     """A block that does not fit in /dev/shm (a container's is often 64 MB) is placed through the pair."""
     def full(path, t):

@@ -69,7 +69,7 @@ __all__ = ["ProcessRuntime", "WorkerError"]
 
 FLUSH_RECORDS = 64  # records buffered before a push
 FLUSH_AFTER_S = 0.002  # ... or this long after the first one
-FLUSH_CHECK_S = 0.25  # a push checks the workers' health at most this often (every wait checks every 50 ms)
+FLUSH_CHECK_S = 0.25  # a push checks the workers' health at most this often (every wait checks too: process_pool.Pool.wait)
 PLAN_IDS = 4096  # plan ids the workers hold at most (a decode loop makes new ones every step)
 
 _LIVE: "weakref.WeakSet[ProcessRuntime]" = weakref.WeakSet()

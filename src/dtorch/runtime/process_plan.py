@@ -103,8 +103,17 @@ def empty_result(shape, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(area, dtype=torch.uint8).view(dtype).reshape(shape)  # the tensor keeps ``area``
 
 
+# dtypes numpy holds: their blocks' bytes come from one numpy call (a replayed step places its host data each time)
+_NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.complex128, torch.complex64, torch.int64,
+                           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool})
+
+
 def to_blob(t: torch.Tensor) -> bytes:
-    return as_bytes(t.detach().cpu()).numpy().tobytes()
+    """``t``'s values as bytes, in row-major order (``from_blob`` reads them back)."""
+    t = t.detach()
+    if t.dtype in _NUMPY_DTYPES and t.device.type == "cpu" and not t.is_conj() and not t.is_neg():
+        return t.numpy().tobytes()  # (numpy writes any strides row-major too: as_bytes's order)
+    return as_bytes(t.cpu()).numpy().tobytes()
 
 
 def from_blob(data, dtype: torch.dtype, shape) -> torch.Tensor:

@@ -32,7 +32,7 @@ from ..placement import Replicate, Shard
 from . import process_plan as pp
 from . import protocol as rec
 from .process_plan import INLINE_BYTES
-from .process_pool import Pool, WorkerError
+from .process_pool import Pool, WorkerError, sleeper
 from .worker import worker_env
 from .zygote import Zygote, zygote_enabled
 
@@ -151,20 +151,38 @@ class StoreTransport(Transport):
 
         pool.resize(world, backend, cuda, reform)
         self.shm_ranks = pool.shm_ranks() if self.shm else set()
-        # a gloo group of two (this controller, the worker) per new worker: the data plane wherever shared
-        # memory is not (the store then carries control only). Each side's constructor waits for the other.
-        # The pairs share one gloo device: a device is a network loop thread, which wakes ~100 times a second
-        # even when idle (4 pairs took ~7 ms of the controller's CPU per second, most of a sync's).
+        # a gloo group of two (this controller, the worker) per new worker that does not see our shared memory:
+        # its data plane (the store then carries control only). Workers that see it open theirs only when a
+        # block first needs one (/dev/shm full, DTORCH_PROCESS_SHM turned off): the pairs' gloo device is a
+        # network loop thread that wakes ~100 times a second even when idle, ~2 ms of the controller's CPU per
+        # second (0.13 ms of a 65 ms training step).
+        for r in range(old, world):
+            if r not in self.shm_ranks:
+                pool.push(r, pickle.dumps([rec.Pair(pool.gen)]))
+                self._open_pair(pool, r, pool.start_timeout)
+
+    def _open_pair(self, pool: Pool, r: int, timeout: float | None = None):
+        """Our side of worker ``r``'s pair; the worker opens its own side (a ``Pair`` record, or its ``send``
+        falling back): each side's constructor waits for the other."""
         options = dist.ProcessGroupGloo._Options()
         options._timeout = datetime.timedelta(seconds=self.timeout)
-        if self.pair_device is None:
+        if self.pair_device is None:  # one device for every pair (a device is a loop thread)
             self.pair_device = dist.ProcessGroupGloo.create_default_device()
         options._devices = [self.pair_device]
-        for r in range(old, world):
+        store = dist.PrefixStore(f"pair/{pool.gen}/{r}/", pool.client.clone())
+        self.pairs[r] = watched(pool, lambda: dist.ProcessGroupGloo(store, 0, 2, options),
+                                f"{pool.who(r)} to open its data connection", timeout)
+        return self.pairs[r]
+
+    def _pair_to(self, pool: Pool, r: int):
+        """Worker ``r``'s pair, opened now if it has none: a ``Pair`` record ahead of its queued records (every
+        record pushed to it needs only records pushed to its peers: flushes push to all), and we wait until it
+        reaches it."""
+        pair = self.pairs.get(r)
+        if pair is None:
             pool.push(r, pickle.dumps([rec.Pair(pool.gen)]))
-            store = dist.PrefixStore(f"pair/{pool.gen}/{r}/", pool.client.clone())
-            self.pairs[r] = watched(pool, lambda: dist.ProcessGroupGloo(store, 0, 2, options),
-                                    f"{pool.who(r)} to open its data connection", pool.start_timeout)
+            pair = self._open_pair(pool, r)
+        return pair
 
     def _next_tag(self) -> int:
         self.pair_tag = (self.pair_tag + 1) % _TAG_SPAN
@@ -187,12 +205,12 @@ class StoreTransport(Transport):
                 self.stats["bytes_shm"] += size
                 pool.client.add(f"p/{name}/left", len(readers))
                 return ("shm", path, size, f"p/{name}")
-        data = pp.as_bytes(block.detach().cpu())
         if size <= INLINE_BYTES:
-            return data.numpy().tobytes()
+            return pp.to_blob(block)
+        data = pp.as_bytes(block.detach().cpu())
         tag = self._next_tag()
         for r in readers:
-            self.posted.append((self.pairs[r].send([data], 1, tag), data))
+            self.posted.append((self._pair_to(pool, r).send([data], 1, tag), data))
             self.stats["bytes_put"] += size
         return ("pg", size, tag)
 
@@ -235,7 +253,10 @@ class StoreTransport(Transport):
                 out.append(pp.from_blob(where[0], dtype, shape))
             else:  # sent through our gloo pair: every receive is posted before any is waited on
                 buf = torch.empty(pp.nbytes(shape, dtype), dtype=torch.uint8)
-                recvs.append((r, self.pairs[r].recv([buf], 1, where[0])))
+                pair = self.pairs.get(r)
+                if pair is None:  # (the worker opens its side to send)
+                    pair = self._open_pair(pool, r)
+                recvs.append((r, pair.recv([buf], 1, where[0])))
                 out.append(pp.from_bytes(buf, dtype, shape))
                 self.stats["bytes_fetched"] += buf.numel()
             store.delete_key(f"{key}/{r}")
@@ -278,7 +299,7 @@ def watched(pool: Pool, fn, what: str, timeout: float | None = None):
             done.set_exception(exc)
 
     threading.Thread(target=call, name="dtorch-gloo-wait", daemon=True).start()
-    pool.wait(done.done, what, timeout, lambda s: concurrent.futures.wait([done], s))
+    pool.wait(done.done, what, timeout, sleeper(done))
     try:
         return done.result()
     except Exception as exc:  # noqa: BLE001  (gloo: RuntimeError on a closed connection)

@@ -125,6 +125,8 @@ class StoreLink(Link):
         if self.store.add(f"g/{req}", 1) == 0:  # the last block of the fetch (the count starts at minus their number)
             self.store.set(f"g/{req}/all", b"")
         if sent[2] == "pg":  # the controller receives once every block's header is in
+            if self.pair is None:  # (the controller opens its side when it reads our header)
+                self.open_pair(worker, worker.cfg["gen"])
             self.pair.send([data], 0, tag).wait()
 
     def report(self, worker: Worker, r, exc: BaseException) -> None:
