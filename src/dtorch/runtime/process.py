@@ -517,6 +517,8 @@ class ProcessRuntime(Operations, Recovery, ProgramControl, Runtime):
         return next(reversed(self._ops), None)
 
     def _describe(self, seq, kind) -> str:
+        if seq is None:  # (a failure outside any op: a worker's set-up or a data connection it opened)
+            return f"record {kind}"
         what = self._ops.get(seq) or self._program_what(seq)
         if what is None or what[0] == "program":
             return f"record {kind}"
