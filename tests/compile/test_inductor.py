@@ -199,8 +199,8 @@ def test_generate_with_inductor_decode_gives_eager_tokens(monkeypatch):
     want = model.generate(ids, max_new_tokens=8, return_dict_in_generate=True)
     made = []
 
-    def compile_step(fn):
-        made.append(dtorch.compile(fn, backend="inductor"))
+    def compile_step(fn, **kwargs):  # (generate's own options: max_traces)
+        made.append(dtorch.compile(fn, backend="inductor", **kwargs))
         return made[-1]
 
     monkeypatch.setattr(generation, "compile_step", compile_step)

@@ -40,6 +40,9 @@ from .record import Entry, Slot
 from .replay import _slots, write_call
 
 MIN_OPS = 3  # a compiled call's fixed cost (guards, wrappers) is more than one or two small kernels take
+# writes whose live kwargs are positions (ints that change every step: a KV cache's slot); the optimizer's writes
+# take live floats, which a segment passes as 0-d tensors (module doc)
+_POSITION_WRITES = ("kv_cache.write",)
 _MOVABLE = ("live", "effect", "log", "host")  # entries that read no device value: they may run before a segment
 _COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "local_slice", "to_partial")
 
@@ -105,6 +108,8 @@ def _fusable(e: Entry):
     if e.method in _COLLECTIVES and hasattr(e.target, "collective_grid_call") and type(e.args[0]) is Slot:
         got = e.target.collective_grid_call(e.method, *e.args[1:])
         return None if got is None else ("step", got)
+    if e.method == "write" and type(e.args[5]) is Slot and e.args[0].name in _POSITION_WRITES:
+        return None  # (a segment boundary: its live slot would make torch.compile recompile at every step)
     got = write_call(e)
     return None if got is None else ("write", got)
 
