@@ -387,3 +387,16 @@ def test_launcher_reports_a_dead_worker(tmp_path):
         for p in (ctl, node):
             p.kill()
             p.communicate()
+
+
+def test_a_worker_failure_outside_any_numbered_op_is_described_by_its_record():
+    """A worker's error on a record that carries no op number (seq None: a data connection it opened, its
+    set-up) is named by the record's kind; it used to raise a TypeError while the fault message was built,
+    hiding the worker's own error (the controller's op table holds a program run, as after a compiled step)."""
+    from types import SimpleNamespace
+    from dtorch.runtime.process import ProcessRuntime
+
+    rt = SimpleNamespace(_ops={3: ("program", {0: ("kernel", "pointwise", {}, ())}, 4)})
+    rt._program_what = lambda seq: ProcessRuntime._program_what(rt, seq)
+    assert ProcessRuntime._describe(rt, None, "Pair") == "record Pair"
+    assert ProcessRuntime._describe(rt, 9, "Run") == "record Run"  # (an op number the table no longer has)
